@@ -1,0 +1,1 @@
+"""The operator catalogue: one module per operator family (reference, cases, candidates)."""

@@ -1,0 +1,27 @@
+"""The comparison core: metrics, tolerance tables, verdicts, CompareResult, assert_aligned."""
+
+from numalign.compare.core import assert_aligned, compare, dtype_name
+from numalign.compare.metrics import Metrics, compute_metrics
+from numalign.compare.result import RULES, CompareResult
+from numalign.compare.tolerances import (
+    OP_CLASSES,
+    Budget,
+    Tolerance,
+    TolerancePolicy,
+    load_policy,
+)
+
+__all__ = [
+    "OP_CLASSES",
+    "RULES",
+    "Budget",
+    "CompareResult",
+    "Metrics",
+    "Tolerance",
+    "TolerancePolicy",
+    "assert_aligned",
+    "compare",
+    "compute_metrics",
+    "dtype_name",
+    "load_policy",
+]

@@ -1,0 +1,483 @@
+"""compare() and assert_aligned(): the verdict rules of DESIGN.md ("Tolerance model").
+
+Rules, in order: shape; non-finite positions; exact (integers, booleans, indices) or
+tie-aware selection; the error budget against a same-dtype control, or the (dtype, operator
+class) table without one; the distribution of values.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from typing import TYPE_CHECKING
+
+from numalign.compare.metrics import (
+    Metrics,
+    compute_metrics,
+    count_rounding_zeros,
+    float_format,
+    rounding_control,
+)
+from numalign.compare.result import CompareResult
+from numalign.compare.tolerances import (
+    DEFAULT_POLICY,
+    DISTRIBUTION_THRESHOLDS,
+    DTYPE_TOLERANCES,
+    FLOAT_FORMATS,
+    OP_CLASSES,
+    ZERO_EXCESS_FRACTION,
+    Tolerance,
+    TolerancePolicy,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _did_you_mean(word: str, choices: tuple[str, ...] | list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def compare(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    op_class: str = "elementwise",
+    control: torch.Tensor | None = None,
+    reduction_length: int | None = None,
+    ties: torch.Tensor | None = None,
+    tolerance: Tolerance | None = None,
+    name: str = "output",
+    policy: TolerancePolicy | None = None,
+) -> CompareResult:
+    """Compares a candidate output with the truth and returns every metric and a verdict.
+
+    Args:
+        actual: the candidate's output, any dtype and device.
+        expected: the truth (float64 reference or golden tensor), same shape.
+        op_class: one of ``OP_CLASSES``; picks the table row when there is no control.
+        control: the honest reference computed in ``actual``'s dtype; when given, the error
+            budget is a multiple of the control's error against ``expected`` (rule 3).
+        reduction_length: length of the reduction behind each output element; scales the
+            table's atol by its square root (reduction classes only).
+        ties: for index outputs (top-k, sort), the scores the indices select from along the
+            last dimension; indices may then differ where the scores tie within tolerance.
+        tolerance: an explicit elementwise tolerance, replacing the table (and, for integer
+            outputs, allowing ``atol`` of difference, e.g. 1 for rounding ties).
+        name: the operator or capture point, for messages and pyproject overrides.
+        policy: overrides from ``[tool.numalign]``; the built-in tables when None.
+    """
+
+    if op_class not in OP_CLASSES:
+        raise ValueError(
+            f"Unknown operator class {op_class!r}; allowed: {', '.join(OP_CLASSES)}."
+            + _did_you_mean(op_class, OP_CLASSES)
+        )
+    policy = policy or DEFAULT_POLICY
+    shape = tuple(actual.shape)
+    dtype = dtype_name(actual.dtype)
+    exact = not actual.is_floating_point() or ties is not None
+    if not exact and dtype not in FLOAT_FORMATS:
+        raise ValueError(
+            f"{name}: unsupported dtype {dtype!r}; supported floating dtypes: "
+            f"{', '.join(FLOAT_FORMATS)}, and integer or boolean dtypes (compared exactly)."
+        )
+    result = _Builder(name=name, dtype=dtype, shape=shape, op_class=op_class)
+
+    if actual.shape != expected.shape:
+        return result.failed_shape(tuple(expected.shape), "the reference's")
+    if control is not None:
+        if control.shape != expected.shape:
+            raise ValueError(
+                f"{name}: control shape {tuple(control.shape)} != reference shape "
+                f"{tuple(expected.shape)}; the control is the reference run in the candidate dtype"
+            )
+        if control.dtype != actual.dtype:
+            raise ValueError(
+                f"{name}: control dtype {dtype_name(control.dtype)} != candidate dtype {dtype}; "
+                "the control must run in the same dtype as the candidate"
+            )
+
+    if exact:
+        return _exact(result, actual, expected, ties=ties, tolerance=tolerance)
+
+    fmt = FLOAT_FORMATS[dtype]
+    eps = 2.0 ** -fmt[0]
+    if control is not None:
+        control_metrics = compute_metrics(control, expected)
+        budget = policy.budget(name, dtype)
+        floor = _ulp(control_metrics.max_expected, fmt)
+        limit_max = budget.max_abs_multiplier * control_metrics.max_abs + floor
+        limit_l2 = budget.rel_l2_multiplier * control_metrics.rel_l2 + eps / 2
+        metrics = compute_metrics(actual, expected, threshold=limit_max)
+        result.budget = {
+            "max_abs": limit_max,
+            "max_abs_multiplier": budget.max_abs_multiplier,
+            "control_max_abs": control_metrics.max_abs,
+            "floor": floor,
+            "rel_l2": limit_l2,
+            "rel_l2_multiplier": budget.rel_l2_multiplier,
+            "control_rel_l2": control_metrics.rel_l2,
+            "roundoff": eps / 2,
+        }
+        result.control = control_metrics
+        result.budget_used = max(_over(metrics.max_abs, limit_max), _over(metrics.rel_l2, limit_l2))
+        spread = budget.rel_l2_multiplier
+    else:
+        tol = tolerance or policy.tolerance(name, dtype, op_class, reduction_length)
+        metrics = compute_metrics(actual, expected, tolerance=tol)
+        result.budget = {"rtol": tol.rtol, "atol": tol.atol}
+        if tolerance is None and reduction_length and reduction_length > 1:
+            result.budget["reduction_length"] = float(reduction_length)
+        result.budget_used = metrics.tolerance_ratio
+        control_metrics = None
+        spread = policy.budget(name, dtype).rel_l2_multiplier
+    result.metrics = metrics
+
+    nonfinite = _nonfinite_reason(metrics)
+    if nonfinite:
+        return result.fail("non-finite", *nonfinite)
+
+    if control is not None:
+        if metrics.max_abs > result.budget["max_abs"]:
+            times = _times_control(metrics.max_abs, result.budget)
+            return result.fail(
+                "budget",
+                f"max abs error {_g(metrics.max_abs)} exceeds the budget "
+                f"{_g(result.budget['max_abs'])} ({times})",
+                _error_hint(actual, expected, result.budget["max_abs"], None, metrics),
+            )
+        if metrics.rel_l2 > result.budget["rel_l2"]:
+            return result.fail(
+                "budget",
+                f"relative L2 error {_g(metrics.rel_l2)} exceeds the budget "
+                f"{_g(result.budget['rel_l2'])}",
+                _error_hint(actual, expected, None, None, metrics),
+            )
+    elif metrics.mismatch_count:
+        return result.fail(
+            "tolerance",
+            f"{metrics.mismatch_count} element(s) exceed atol + rtol * |expected|, "
+            f"worst by {_g(metrics.tolerance_ratio, 3)}x",
+            _error_hint(actual, expected, None, tol, metrics),
+        )
+
+    distribution = _distribution(actual, expected, metrics, control_metrics, spread, dtype)
+    if distribution:
+        return result.fail("distribution", *distribution)
+    rule = "budget" if control is not None else "tolerance"
+    return result.ok(rule, f"within budget (worst use {_g(result.budget_used, 3)})")
+
+
+def assert_aligned(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    **kwargs: object,
+) -> CompareResult:
+    """``compare()`` that raises ``AssertionError`` with the formatted result when the
+    candidate is not aligned; returns the result otherwise (to record it)."""
+    __tracebackhide__ = True
+    result = compare(actual, expected, **kwargs)  # type: ignore[arg-type]
+    if not result.passed:
+        raise AssertionError(result.message())
+    return result
+
+
+class _Builder:
+    """Collects the parts of a CompareResult while the rules run."""
+
+    def __init__(self, *, name: str, dtype: str, shape: tuple[int, ...], op_class: str) -> None:
+        self.name, self.dtype, self.shape, self.op_class = name, dtype, shape, op_class
+        self.metrics: Metrics | None = None
+        self.control: Metrics | None = None
+        self.budget: dict[str, float] = {}
+        self.budget_used = 0.0
+
+    def _build(self, passed: bool, rule: str, reason: str, hint: str | None) -> CompareResult:
+        assert self.metrics is not None
+        return CompareResult(
+            name=self.name, dtype=self.dtype, shape=self.shape, op_class=self.op_class,
+            passed=passed, rule=rule, reason=reason, metrics=self.metrics, control=self.control,
+            budget=self.budget, budget_used=self.budget_used, hint=hint,
+        )  # fmt: skip
+
+    def ok(self, rule: str, reason: str) -> CompareResult:
+        return self._build(True, rule, reason, None)
+
+    def fail(self, rule: str, reason: str, hint: str | None) -> CompareResult:
+        self.budget_used = (
+            max(self.budget_used, 1.0) if math.isfinite(self.budget_used) else self.budget_used
+        )
+        return self._build(False, rule, reason, hint)
+
+    def failed_shape(self, expected_shape: tuple[int, ...], whose: str) -> CompareResult:
+        self.metrics = _empty_metrics(math.prod(self.shape))
+        self.budget_used = math.inf
+        return self._build(
+            False,
+            "shape",
+            f"shape {self.shape} differs from {whose} {expected_shape}",
+            "check the output layout (transposes, head and sequence order) and dropped or "
+            "padded tails",
+        )
+
+
+def _empty_metrics(numel: int) -> Metrics:
+    nan = math.nan
+    return Metrics(
+        numel=numel, max_abs=nan, max_rel=nan, mean_abs=nan, rmse=nan, rel_l2=nan, cosine=nan,
+        ulp_max=nan, ulp_p99=nan, mismatch_count=numel, tolerance_ratio=nan, nan_actual=0,
+        nan_expected=0, inf_actual=0, inf_expected=0, norm_ratio=nan, zero_fraction_actual=nan,
+        max_expected=nan, worst_index=None, worst_actual=None, worst_expected=None,
+    )  # fmt: skip
+
+
+def _ulp(magnitude: float, fmt: tuple[int, int]) -> float:
+    """One ulp of the format at ``magnitude``."""
+    if magnitude <= 0 or not math.isfinite(magnitude):
+        return 2.0 ** fmt[1]
+    return max(2.0 ** (math.floor(math.log2(magnitude)) - fmt[0]), 2.0 ** fmt[1])
+
+
+def _times_control(error: float, budget: dict[str, float]) -> str:
+    if budget["control_max_abs"] > 0:
+        return f"{_g(error / budget['control_max_abs'], 3)}x the control's error"
+    return f"{_g(error / budget['floor'], 3)} ulp; the control is exact here"
+
+
+def _over(value: float, limit: float) -> float:
+    return value / limit if limit > 0 else (0.0 if value == 0 else math.inf)
+
+
+def _g(value: float, digits: int = 4) -> str:
+    return f"{value:.{digits}g}"
+
+
+def _nonfinite_reason(m: Metrics) -> tuple[str, str] | None:
+    if m.nonfinite_index is None:
+        return None
+    where = "(" + ", ".join(str(i) for i in m.nonfinite_index) + ")"
+    if m.nan_actual > m.nan_expected or (m.nan_actual and m.nan_actual != m.nan_expected):
+        return (
+            f"a NaN appears at {where} where the reference is finite",
+            f"a NaN appears at {where} where the reference is finite: check fully masked rows "
+            "(softmax over all -inf must give zeros), 0/0 and sqrt or log of negative values",
+        )
+    if m.inf_actual > m.inf_expected:
+        return (
+            f"an Inf appears at {where} where the reference is finite",
+            "check overflow: accumulation in a narrow dtype (float16 ends at 65504), a missing "
+            "max subtraction before exp, or a division by a value that underflowed",
+        )
+    return (
+        f"the non-finite values differ from the reference's at {where}",
+        f"the reference is NaN or Inf at {where} where the candidate differs: the candidate "
+        "hides an invalid value or changes its sign; NaN and Inf positions must match exactly",
+    )
+
+
+def _exact(
+    result: _Builder,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    ties: torch.Tensor | None,
+    tolerance: Tolerance | None,
+) -> CompareResult:
+
+    a = actual.detach().cpu()
+    e = expected.detach().to(a.device)
+    if ties is not None:
+        return _ties(result, a, e, ties.detach().cpu())
+    atol = tolerance.atol if tolerance is not None else 0.0
+    threshold = atol if atol > 0 else None
+    metrics = compute_metrics(a, e, threshold=threshold)
+    if threshold is None:
+        differ = (a != e).sum()
+        metrics = _with_mismatches(metrics, int(differ))
+    result.metrics = metrics
+    result.budget = {"atol": atol}
+    result.budget_used = 0.0 if metrics.mismatch_count == 0 else math.inf
+    if metrics.mismatch_count:
+        m = metrics
+        return result.fail(
+            "exact",
+            f"{m.mismatch_count} of {m.numel} exact outputs differ"
+            + (f" by more than {atol:g}" if atol else ""),
+            f"the worst difference is at {m.worst_index} (actual {m.worst_actual:g}, expected "
+            f"{m.worst_expected:g}): check off-by-one masks, index arithmetic and "
+            "tie-breaking",
+        )
+    return result.ok("exact", "all exact outputs are equal")
+
+
+def _with_mismatches(m: Metrics, count: int) -> Metrics:
+    from dataclasses import replace
+
+    return replace(m, mismatch_count=count)
+
+
+def _ties(
+    result: _Builder, a: torch.Tensor, e: torch.Tensor, scores: torch.Tensor
+) -> CompareResult:
+    """Index outputs that may differ only where the selected scores tie."""
+    import torch
+
+    n = scores.shape[-1] if scores.dim() else 0
+    metrics = compute_metrics(a, e)
+    result.metrics = metrics
+    if a.is_floating_point() or a.dtype == torch.bool:
+        raise ValueError(f"{result.name}: ties= needs integer index outputs, got {a.dtype}")
+    if bool(((a < 0) | (a >= n)).any()):
+        bad = tuple(int(i) for i in ((a < 0) | (a >= n)).nonzero()[0])
+        return result.fail(
+            "ties",
+            f"index out of range [0, {n}) at {bad}",
+            "check the index base and the length of the selected dimension",
+        )
+    if a.numel() and a.shape[-1] > 1:
+        sorted_idx = a.sort(dim=-1).values
+        if bool((sorted_idx[..., 1:] == sorted_idx[..., :-1]).any()):
+            return result.fail(
+                "ties",
+                "an index is selected twice in one row",
+                "top-k and sort must select distinct positions",
+            )
+    lead = scores.shape[:-1]
+    if a.shape[:-1] != lead:
+        raise ValueError(
+            f"{result.name}: ties= scores of shape {tuple(scores.shape)} do not match indices "
+            f"of shape {tuple(a.shape)} in the leading dimensions"
+        )
+    picked_a = scores.gather(-1, a.long()).to(torch.float64)
+    picked_e = scores.gather(-1, e.long()).to(torch.float64)
+    tol = DTYPE_TOLERANCES.get(dtype_name(scores.dtype), DTYPE_TOLERANCES["float64"])
+    # Order within tied values is free: compare the selected scores sorted.
+    sa = picked_a.sort(dim=-1, descending=True).values
+    se = picked_e.sort(dim=-1, descending=True).values
+    untied = (sa - se).abs() > tol.atol + tol.rtol * se.abs()
+    index_diff = int((a != e).sum())
+    result.budget = {"rtol": tol.rtol, "atol": tol.atol}
+    count = int(untied.sum())
+    result.metrics = _with_mismatches(metrics, count)
+    if count:
+        return result.fail(
+            "ties",
+            f"{count} selected score(s) are not tied with the reference's selection within "
+            f"rtol={tol.rtol:g}, atol={tol.atol:g}",
+            "the candidate selects different elements, not a different order among ties: "
+            "check the comparison direction, masking before selection and k",
+        )
+    return result.ok(
+        "ties",
+        f"selections agree ({index_diff} index difference(s), all among tied scores)",
+    )
+
+
+def _distribution(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    m: Metrics,
+    control: Metrics | None,
+    spread: float,
+    dtype: str,
+) -> tuple[str, str] | None:
+    """Rule 4: values within tolerance but abnormal fail."""
+    if m.numel == 0 or m.worst_index is None:
+        return None
+    norm_tol, cos_tol = DISTRIBUTION_THRESHOLDS[dtype]
+    references = [control] if control is not None else []
+
+    def limits() -> tuple[float, float]:
+        n_tol, c_tol = norm_tol, cos_tol
+        for ref in references:
+            n_tol = max(n_tol, spread * abs(ref.norm_ratio - 1.0))
+            c_tol = max(c_tol, spread**2 * (1.0 - ref.cosine))
+        return n_tol, c_tol
+
+    n_tol, c_tol = limits()
+    if (abs(m.norm_ratio - 1.0) > n_tol or 1.0 - m.cosine > c_tol) and control is None:
+        # No control: the truth rounded to the dtype is the least error any kernel has;
+        # outputs that cancel (tiny norm) or sit among subnormals relax the thresholds.
+        references.append(compute_metrics(rounding_control(expected, actual.dtype), expected))
+        n_tol, c_tol = limits()
+    if abs(m.norm_ratio - 1.0) > n_tol:
+        small = f" (the reference's largest magnitude is {_g(m.max_expected)})"
+        return (
+            f"values are within tolerance but the norm ratio is {_g(m.norm_ratio, 6)}, off by more "
+            f"than {_g(n_tol, 3)}{small}",
+            "a systematic scale error: check epsilon (it dominates small inputs), a missing "
+            "or doubled scale, and outputs flushed to zero",
+        )
+    if 1.0 - m.cosine > c_tol:
+        return (
+            f"values are within tolerance but the cosine similarity is {_g(m.cosine, 8)}, below "
+            f"1 - {_g(c_tol, 3)}",
+            "the output's direction differs from the reference: check permuted or mixed-up "
+            "channels, heads or positions",
+        )
+    if m.zero_fraction_actual > 0:
+        fmt = float_format(actual.dtype)
+        if fmt is not None:
+            expected_zero = count_rounding_zeros(expected, actual.dtype) / max(m.numel, 1)
+            excess = m.zero_fraction_actual - expected_zero
+            if excess > ZERO_EXCESS_FRACTION:
+                return (
+                    f"{100 * m.zero_fraction_actual:.1f}% of the values are exactly zero where the "
+                    f"reference rounds to zero at {100 * expected_zero:.1f}%",
+                    "outputs flushed to zero: check underflow (flush-to-zero, a missing upcast) "
+                    "and skipped tiles or rows",
+                )
+    return None
+
+
+def _error_hint(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    threshold: float | None,
+    tolerance: Tolerance | None,
+    m: Metrics,
+) -> str:
+    """Where the errors are, said so that it points at a cause."""
+    import torch
+
+    a = actual.detach().to(torch.float64).cpu()
+    e = expected.detach().to(torch.float64).cpu()
+    err = (a - e).abs().nan_to_num(0.0)
+    if tolerance is not None:
+        bad = err > tolerance.atol + tolerance.rtol * e.abs()
+    elif threshold is not None:
+        bad = err > threshold
+    else:
+        bad = err > err.mean() + 3 * err.std() if err.numel() > 1 else err > 0
+    # The error along the truth's direction, over the whole error (both relative to ||e||):
+    # with a = s e + r, <d, e> = s - 1 and ||d||**2 = (s - 1)**2 + ||r||**2.
+    along = m.cosine * m.norm_ratio - 1.0
+    if m.rel_l2 > 0 and math.isfinite(m.rel_l2) and along**2 > 0.75 * m.rel_l2**2:
+        return (
+            f"the error is mostly a scale (norm ratio {_g(m.norm_ratio, 6)}, relative L2 error "
+            f"{_g(m.rel_l2)}): check epsilon, scaling factors and accumulation precision "
+            "(accumulate reductions in float32)"
+        )
+    if bad.any() and a.dim() > 0:
+        where = bad.nonzero()
+        for dim in range(a.dim() - 1, -1, -1):
+            first = int(where[:, dim].min())
+            size = a.shape[dim]
+            tail = bad.narrow(dim, first, size - first)
+            # A boundary only when most of what lies past it is wrong.
+            if first > 0 and size > 1 and float(tail.double().mean()) > 0.5:
+                return (
+                    f"every mismatch lies at index >= {first} of dim {dim} (size {size}): check "
+                    "tails past a tile, chunk, window or page boundary"
+                )
+    return (
+        "check accumulation precision (accumulate reductions in float32), epsilon and masks; "
+        f"the worst element is at {m.worst_index}"
+    )

@@ -1,0 +1,242 @@
+"""Tolerances are data: dtype facts, the (dtype, operator class) table, budget multipliers and
+distribution thresholds, and the per-operator or per-point overrides read from pyproject.toml.
+
+Every number below that is not a plain default carries its reason. ``rtol`` and ``atol`` are
+given together or not at all; ``None`` means "the default".
+
+Sources:
+- [torch] the defaults of ``torch.testing.assert_close`` (``_DTYPE_PRECISIONS`` in
+  ``torch/testing/_comparison.py``): float16 (1e-3, 1e-5), bfloat16 (1.6e-2, 1e-5),
+  float32 (1.3e-6, 1e-5), float64 (1e-7, 1e-7).
+- [ieee] unit roundoff u = eps / 2 of each format (IEEE 754; OCP 8-bit FP spec for float8).
+- [walk] rounding errors of a length-K reduction grow as sqrt(K) when they are independent
+  (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., section 3.1).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+#: Operator classes known to the tolerance table.
+OP_CLASSES: tuple[str, ...] = (
+    "elementwise",
+    "normalization",
+    "softmax",
+    "matmul",
+    "attention",
+    "scan",
+    "selection",
+    "gather-scatter",
+    "quantization",
+)
+
+#: Operator classes whose outputs are sums over ``reduction_length`` terms; their absolute
+#: tolerance is scaled by sqrt(reduction_length) [walk].
+REDUCTION_CLASSES: frozenset[str] = frozenset(
+    {"normalization", "softmax", "matmul", "attention", "scan"}
+)
+
+#: Floating dtypes by name, with the number of explicit mantissa bits and the exponent of the
+#: smallest subnormal (so that ulp(x) = max(2**(floor(log2|x|) - mantissa), 2**min_subnormal)).
+FLOAT_FORMATS: Mapping[str, tuple[int, int]] = {
+    "float64": (52, -1074),  # [ieee] binary64
+    "float32": (23, -149),  # [ieee] binary32
+    "float16": (10, -24),  # [ieee] binary16
+    "bfloat16": (7, -133),  # bfloat16: binary32's exponent, 7 mantissa bits
+    "float8_e4m3fn": (3, -9),  # OCP FP8 E4M3: min normal 2**-6, 3 mantissa bits
+    "float8_e5m2": (2, -16),  # OCP FP8 E5M2: min normal 2**-14, 2 mantissa bits
+}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """An elementwise tolerance: ``|actual - expected| <= atol + rtol * |expected|``."""
+
+    rtol: float
+    atol: float
+
+    def __post_init__(self) -> None:
+        if self.rtol < 0 or self.atol < 0 or math.isnan(self.rtol) or math.isnan(self.atol):
+            raise ValueError(f"rtol and atol must be >= 0, got rtol={self.rtol}, atol={self.atol}")
+
+
+#: Elementwise tolerances per dtype, for outputs computed with one rounding [torch].
+DTYPE_TOLERANCES: Mapping[str, Tolerance] = {
+    "float64": Tolerance(rtol=1e-7, atol=1e-7),  # [torch]
+    "float32": Tolerance(rtol=1.3e-6, atol=1e-5),  # [torch]
+    "float16": Tolerance(rtol=1e-3, atol=1e-5),  # [torch]
+    "bfloat16": Tolerance(rtol=1.6e-2, atol=1e-5),  # [torch]
+    # float8 formats: two units of roundoff relative, one min-normal absolute [ieee].
+    "float8_e4m3fn": Tolerance(rtol=0.125, atol=2.0**-6),
+    "float8_e5m2": Tolerance(rtol=0.25, atol=2.0**-14),
+}
+
+#: How much looser than elementwise each operator class is, as a factor on (rtol, atol).
+#: A class is looser when its outputs go through more roundings before the last one.
+OP_CLASS_FACTORS: Mapping[str, float] = {
+    "elementwise": 1.0,
+    # mean of squares, rsqrt and a scale: three roundings after the reduction.
+    "normalization": 2.0,
+    # max, exp, sum and divide: four roundings; exp amplifies input error by |x|.
+    "softmax": 4.0,
+    # one rounding of the float32 accumulator; the sqrt(K) growth is applied separately.
+    "matmul": 2.0,
+    # two matmuls and a softmax chained.
+    "attention": 8.0,
+    # a prefix sum carries the rounding of every earlier term (sqrt(K) applied separately).
+    "scan": 2.0,
+    "selection": 1.0,
+    "gather-scatter": 1.0,
+    # one rounding to the quantized grid dominates; the table's float8 rows already cover it.
+    "quantization": 1.0,
+}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Multipliers of the error budget against an honest control (DESIGN.md, rule 3).
+
+    A candidate passes when ``max_abs <= max_abs_multiplier * control.max_abs + floor`` and
+    ``rel_l2 <= rel_l2_multiplier * control.rel_l2 + eps(dtype) / 2``: the floors are one
+    ulp at the truth's largest magnitude and one unit roundoff, the error of a single rounding
+    that any kernel may add where the control happens to be exact.
+    """
+
+    #: The worst element may be 4x the control's worst: an honest kernel with another
+    #: accumulation order rounds intermediates differently (double rounding gives up to 2x)
+    #: and the maximum over many elements is noisy; 4x still catches a 2% error in bfloat16.
+    max_abs_multiplier: float = 4.0
+    #: The overall error may be 3x the control's: averages are stable, so this is tighter
+    #: than the max multiplier; an honest fused kernel measured at 1.0-1.8x here.
+    rel_l2_multiplier: float = 3.0
+
+
+#: Distribution thresholds per dtype: (|norm_ratio - 1|, 1 - cosine). An honest kernel's
+#: relative L2 error is about 0.3 eps (uniform rounding), so its norm ratio deviates by far
+#: less and 1 - cosine is about (0.3 eps)**2 / 2; the thresholds sit well above that and below
+#: "a norm off by a few percent" in the dtypes that can resolve a few percent.
+DISTRIBUTION_THRESHOLDS: Mapping[str, tuple[float, float]] = {
+    "float64": (1e-12, 1e-20),  # ~4500 eps; cosine error of 1e-10 relative L2
+    "float32": (1e-5, 1e-10),  # ~80 eps: float32 reductions of 1e6 terms stay below
+    "float16": (4e-3, 8e-6),  # 4 eps; cosine error of a 0.4% orthogonal error
+    "bfloat16": (2e-2, 2e-4),  # 2.5 eps: a 2% norm error fails; cosine of a 2% error
+    "float8_e4m3fn": (0.25, 3e-2),  # 2 eps
+    "float8_e5m2": (0.5, 1e-1),  # 2 eps
+}
+
+#: A candidate may have at most this fraction of elements more exact zeros than the truth
+#: rounded to its dtype: 1% allows different underflow paths, not a zeroed-out tile.
+ZERO_EXCESS_FRACTION = 0.01
+
+
+@dataclass(frozen=True)
+class Override:
+    """One ``[[tool.numalign.override]]`` entry of pyproject.toml."""
+
+    match: str
+    dtype: str | None = None
+    tolerance: Tolerance | None = None
+    budget: Budget | None = None
+
+    def applies(self, name: str, dtype: str) -> bool:
+        if self.dtype is not None and self.dtype != dtype:
+            return False
+        return fnmatch.fnmatchcase(name, self.match)
+
+
+@dataclass(frozen=True)
+class TolerancePolicy:
+    """Resolves the tolerance and budget for an operator or point name and a dtype.
+
+    Later overrides win over earlier ones; the built-in tables apply where none matches.
+    """
+
+    overrides: tuple[Override, ...] = field(default_factory=tuple)
+
+    def tolerance(
+        self, name: str, dtype: str, op_class: str, reduction_length: int | None
+    ) -> Tolerance:
+        """The elementwise tolerance for ``name`` in ``dtype`` when there is no control."""
+        for override in reversed(self.overrides):
+            if override.tolerance is not None and override.applies(name, dtype):
+                return override.tolerance
+        base = DTYPE_TOLERANCES[dtype]
+        factor = OP_CLASS_FACTORS[op_class]
+        atol = base.atol * factor
+        if op_class in REDUCTION_CLASSES and reduction_length is not None and reduction_length > 1:
+            atol *= math.sqrt(reduction_length)  # [walk]
+        return Tolerance(rtol=base.rtol * factor, atol=atol)
+
+    def budget(self, name: str, dtype: str) -> Budget:
+        """The control multipliers for ``name`` in ``dtype``."""
+        for override in reversed(self.overrides):
+            if override.budget is not None and override.applies(name, dtype):
+                return override.budget
+        return Budget()
+
+
+DEFAULT_POLICY = TolerancePolicy()
+
+
+def _override_from_table(entry: Mapping[str, Any], where: str) -> Override:
+    known = {"match", "dtype", "rtol", "atol", "max_abs_multiplier", "rel_l2_multiplier"}
+    unknown = sorted(set(entry) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(known)}")
+    if "match" not in entry:
+        raise ValueError(f"{where}: 'match' (an operator or point pattern such as 'rms_norm*')")
+    dtype = entry.get("dtype")
+    if dtype is not None and dtype not in FLOAT_FORMATS:
+        raise ValueError(f"{where}: unknown dtype {dtype!r}; allowed: {sorted(FLOAT_FORMATS)}")
+    if ("rtol" in entry) != ("atol" in entry):
+        raise ValueError(f"{where}: give rtol and atol together or not at all")
+    tolerance = None
+    if "rtol" in entry:
+        tolerance = Tolerance(rtol=float(entry["rtol"]), atol=float(entry["atol"]))
+    budget = None
+    if "max_abs_multiplier" in entry or "rel_l2_multiplier" in entry:
+        budget = replace(
+            Budget(),
+            **{
+                k: float(entry[k])
+                for k in ("max_abs_multiplier", "rel_l2_multiplier")
+                if k in entry
+            },
+        )
+    return Override(match=str(entry["match"]), dtype=dtype, tolerance=tolerance, budget=budget)
+
+
+def policy_from_entries(entries: Iterable[Mapping[str, Any]], source: str) -> TolerancePolicy:
+    """Builds a policy from ``[[tool.numalign.override]]`` tables (``source`` names them)."""
+    return TolerancePolicy(
+        tuple(
+            _override_from_table(entry, f"{source}: override #{i + 1}")
+            for i, entry in enumerate(entries)
+        )
+    )
+
+
+def load_policy(pyproject: str | Path) -> TolerancePolicy:
+    """Reads the overrides of ``[tool.numalign]`` from a pyproject.toml; no file, no overrides.
+
+    Example::
+
+        [[tool.numalign.override]]
+        match = "attention*"        # fnmatch pattern over operator or point names
+        dtype = "bfloat16"          # optional
+        max_abs_multiplier = 6.0    # looser budget against the control
+    """
+    path = Path(pyproject)
+    if not path.is_file():
+        return DEFAULT_POLICY
+    with path.open("rb") as fh:
+        data = tomllib.load(fh)
+    entries = data.get("tool", {}).get("numalign", {}).get("override", [])
+    return policy_from_entries(entries, str(path))

@@ -1,0 +1,182 @@
+"""The numalign pytest plugin: options, ini keys, markers, fixtures. Thin by design: every
+behaviour lives in the library; torch is imported only by fixtures that need it."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from numalign.settings import (
+    DEFAULT_DTYPES,
+    DEFAULT_TIER,
+    TIERS,
+    Settings,
+    parse_dtypes,
+    parse_tier,
+    validate_device,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from numalign.compare import TolerancePolicy
+
+settings_key = pytest.StashKey[Settings]()
+
+MARKERS = {
+    "operator": "an operator alignment test (operator x candidate x dtype x case)",
+    "model": "a full-model replay test over a golden set",
+    "layer": "a layer replay test over one capture point of a golden set",
+    "smoke": "runs at every tier (smoke, pr, nightly)",
+    "pr": "runs at tiers pr and nightly (deselected at smoke)",
+    "nightly": "runs at tier nightly only",
+}
+
+# (option, ini key, help, extra add_option kwargs, ini type, default)
+_OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
+    ("--device", "numalign_device",
+     "where candidates run: auto (first of cuda, xpu, npu, mps, else cpu), cpu, cuda, cuda:1, ...",
+     {}, "string", "auto"),
+    ("--device-plugin", "numalign_device_plugins",
+     "module imported before device detection, e.g. a vendor's torch extension (repeatable)",
+     {"action": "append"}, "linelist", []),
+    ("--dtype", "numalign_dtype",
+     f"comma list of dtypes candidates run in (default {','.join(DEFAULT_DTYPES)})",
+     {}, "string", ",".join(DEFAULT_DTYPES)),
+    ("--tier", "numalign_tier", f"case grid size: {', '.join(TIERS)} (default {DEFAULT_TIER})",
+     {}, "string", DEFAULT_TIER),
+    ("--golden", "numalign_golden", "extra golden set folder (repeatable)",
+     {"action": "append"}, "paths", []),
+    ("--candidates", "numalign_candidates",
+     "module that registers candidates with @numalign.candidate (repeatable)",
+     {"action": "append"}, "linelist", []),
+    ("--report-dir", "numalign_report_dir", "where run reports go (default reports/)",
+     {}, "string", "reports"),
+    ("--drift-baseline", "numalign_drift_baseline",
+     "a run folder or records.jsonl to compare this run against", {}, "string", ""),
+    ("--allow-tf32", "numalign_allow_tf32", "allow TF32 matmuls on CUDA (off by default)",
+     {"action": "store_true", "default": None}, "bool", False),
+]  # fmt: skip
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("numalign", "numalign: numerical alignment of models and operators")
+    for option, ini, help_text, kwargs, ini_type, default in _OPTIONS:
+        dest = ini
+        group.addoption(option, dest=dest, help=f"{help_text} [ini: {ini}]", **kwargs)
+        parser.addini(ini, help_text, type=ini_type, default=default)  # type: ignore[arg-type]
+
+
+def _value(config: pytest.Config, ini: str) -> Any:
+    value = config.getoption(ini)
+    return config.getini(ini) if value is None or value == [] else value
+
+
+def settings_from_config(config: pytest.Config) -> Settings:
+    """Validated settings from options and ini keys; pytest.UsageError on bad values."""
+    try:
+        device = validate_device(str(_value(config, "numalign_device")))
+        dtypes = parse_dtypes(str(_value(config, "numalign_dtype")))
+        tier = parse_tier(str(_value(config, "numalign_tier")))
+    except ValueError as exc:
+        raise pytest.UsageError(f"numalign: {exc}") from None
+    golden = tuple(Path(p) for p in _value(config, "numalign_golden"))
+    for folder in golden:
+        if not folder.is_dir():
+            raise pytest.UsageError(
+                f"numalign: --golden {folder}: no such folder; pass a golden set folder or a "
+                "folder of sets (see numalign capture)"
+            )
+    baseline = str(_value(config, "numalign_drift_baseline") or "")
+    return Settings(
+        device=device,
+        device_plugins=tuple(_value(config, "numalign_device_plugins")),
+        dtypes=dtypes,
+        tier=tier,
+        golden_dirs=golden,
+        candidate_modules=tuple(_value(config, "numalign_candidates")),
+        report_dir=Path(str(_value(config, "numalign_report_dir"))),
+        baseline=Path(baseline) if baseline else None,
+        allow_tf32=bool(_value(config, "numalign_allow_tf32")),
+    )
+
+
+def _import_all(modules: tuple[str, ...], what: str) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            raise pytest.UsageError(
+                f"numalign: {what} {name!r} failed to import: {type(exc).__name__}: {exc}. "
+                "Check that it is installed in this environment and on sys.path."
+            ) from None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+    settings = settings_from_config(config)
+    config.stash[settings_key] = settings
+    _import_all(settings.device_plugins, "--device-plugin")
+    if settings.device not in ("auto", "cpu"):
+        from numalign.replay import DeviceUnavailableError, resolve_device
+
+        try:
+            resolve_device(settings.device)
+        except DeviceUnavailableError as exc:
+            raise pytest.UsageError(f"numalign: {exc}") from None
+    _import_all(settings.candidate_modules, "--candidates")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselects tests marked for a tier above the selected one."""
+    rank = config.stash[settings_key].tier_rank()
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
+    for item in items:
+        marked = [TIERS.index(t) for t in TIERS if item.get_closest_marker(t)]
+        (drop if marked and min(marked) > rank else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "numalign_dtype" in metafunc.fixturenames:
+        dtypes = metafunc.config.stash[settings_key].dtypes
+        metafunc.parametrize("numalign_dtype", dtypes, ids=list(dtypes), indirect=True)
+
+
+@pytest.fixture(scope="session")
+def numalign_settings(pytestconfig: pytest.Config) -> Settings:
+    """The validated numalign settings of this session."""
+    return pytestconfig.stash[settings_key]
+
+
+@pytest.fixture(scope="session")
+def numalign_device(numalign_settings: Settings) -> torch.device:
+    """The device candidates run on; sets up torch for this worker on first use."""
+    from numalign.replay import configure_torch, resolve_device, threads_per_worker
+
+    configure_torch(threads=threads_per_worker(), allow_tf32=numalign_settings.allow_tf32)
+    return resolve_device(numalign_settings.device)
+
+
+@pytest.fixture
+def numalign_dtype(request: pytest.FixtureRequest) -> torch.dtype:
+    """One of the session's dtypes (tests using it are parametrized over ``--dtype``)."""
+    import torch
+
+    dtype: torch.dtype = getattr(torch, request.param)
+    return dtype
+
+
+@pytest.fixture(scope="session")
+def tolerance_policy(pytestconfig: pytest.Config) -> TolerancePolicy:
+    """Tolerance overrides from ``[tool.numalign]`` in the project's pyproject.toml."""
+    from numalign.compare import load_policy
+
+    return load_policy(pytestconfig.rootpath / "pyproject.toml")

@@ -1,0 +1,57 @@
+"""The session settings shared by the pytest plugin and the CLI, validated without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from numalign.replay.devices import parse_device
+
+#: dtypes candidates may run in, in the order of ``--dtype``'s default.
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
+DEFAULT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+#: Tiers scale the case grids; a test marked with a tier runs at that tier and above.
+TIERS: tuple[str, ...] = ("smoke", "pr", "nightly")
+DEFAULT_TIER = "pr"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a numalign session runs: where, in which dtypes, how much, against what."""
+
+    device: str = "auto"
+    device_plugins: tuple[str, ...] = ()
+    dtypes: tuple[str, ...] = DEFAULT_DTYPES
+    tier: str = DEFAULT_TIER
+    golden_dirs: tuple[Path, ...] = ()
+    candidate_modules: tuple[str, ...] = ()
+    report_dir: Path = Path("reports")
+    baseline: Path | None = None
+    allow_tf32: bool = False
+
+    def tier_rank(self) -> int:
+        return TIERS.index(self.tier)
+
+
+def parse_dtypes(text: str) -> tuple[str, ...]:
+    """``"float32,bfloat16"`` -> ``("float32", "bfloat16")``; ValueError on unknown names."""
+    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    unknown = [n for n in names if n not in DTYPES]
+    if unknown or not names:
+        raise ValueError(
+            f"unknown dtype {', '.join(unknown) or repr(text)}; allowed: {', '.join(DTYPES)} "
+            "(a comma-separated list)"
+        )
+    return names
+
+
+def parse_tier(text: str) -> str:
+    tier = text.strip()
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {text!r}; allowed: {', '.join(TIERS)}")
+    return tier
+
+
+def validate_device(text: str) -> str:
+    parse_device(text)
+    return text.strip().lower()

@@ -1,0 +1,173 @@
+"""The pytest plugin: options and ini keys, validation, markers and tiers, fixtures."""
+
+import subprocess
+import sys
+
+import pytest
+
+USES_DTYPE = """
+def test_dtype(numalign_dtype):
+    print("DTYPE", numalign_dtype)
+"""
+
+
+def test_dtype_option_parametrizes_tests(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(USES_DTYPE)
+    result = pytester.runpytest("--dtype", "bfloat16,float64", "-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*test_dtype?bfloat16? PASSED*", "*test_dtype?float64? PASSED*"])
+
+
+def test_default_dtypes(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(USES_DTYPE)
+    result = pytester.runpytest("-v")
+    result.assert_outcomes(passed=3)  # float32, bfloat16, float16
+
+
+def test_ini_keys_set_the_same_values(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nnumalign_dtype = float16\nnumalign_tier = nightly\n")
+    pytester.makepyfile(
+        USES_DTYPE
+        + """
+import pytest
+@pytest.mark.nightly
+def test_nightly_only():
+    pass
+"""
+    )
+    result = pytester.runpytest("-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*test_dtype?float16? PASSED*"])
+
+
+def test_command_line_wins_over_ini(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nnumalign_dtype = float16\n")
+    pytester.makepyfile(USES_DTYPE)
+    pytester.runpytest("--dtype", "float32").assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--dtype", "float33"],
+            "*unknown dtype float33; allowed: float32, bfloat16, float16, float64*",
+        ),
+        (["--tier", "huge"], "*unknown tier 'huge'; allowed: smoke, pr, nightly*"),
+        (["--device", "tpu"], "*unknown device 'tpu'; allowed: auto, cpu, cuda, xpu, npu, mps*"),
+        (["--device", "cpu:1"], "*cpu takes no index*"),
+        (
+            ["--device-plugin", "no_such_vendor_ext"],
+            "*--device-plugin 'no_such_vendor_ext' failed to import*",
+        ),
+        (["--candidates", "no_such_kernels"], "*--candidates 'no_such_kernels' failed to import*"),
+        (["--golden", "no/such/dir"], "*--golden no/such/dir: no such folder*"),
+    ],
+)
+def test_bad_values_are_usage_errors(
+    pytester: pytest.Pytester, args: list[str], message: str
+) -> None:
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
+def test_an_absent_accelerator_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the error path needs a machine without it")
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest("--device", "cuda")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*device 'cuda' is not available here*--device cpu*"])
+
+
+def test_device_fixture_resolves_and_sets_up_torch(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+import torch
+def test_device(numalign_device):
+    assert numalign_device.type in ("cpu", "cuda", "xpu", "npu", "mps")
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.get_float32_matmul_precision() == "highest"
+"""
+    )
+    pytester.runpytest("--device", "auto").assert_outcomes(passed=1)
+
+
+def test_candidate_and_device_plugin_modules_are_imported(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        my_kernels="import builtins\nbuiltins.MY_KERNELS_LOADED = True\n",
+        test_it="import builtins\ndef test_loaded():\n    assert builtins.MY_KERNELS_LOADED\n",
+    )
+    pytester.syspathinsert()
+    result = pytester.runpytest("--candidates", "my_kernels", "--device-plugin", "my_kernels")
+    result.assert_outcomes(passed=1)
+
+
+TIERED = """
+import pytest
+@pytest.mark.smoke
+def test_smoke(): pass
+@pytest.mark.pr
+def test_pr(): pass
+@pytest.mark.nightly
+def test_nightly(): pass
+def test_unmarked(): pass
+"""
+
+
+@pytest.mark.parametrize(("tier", "ran"), [("smoke", 2), ("pr", 3), ("nightly", 4)])
+def test_tier_markers_select_tests(pytester: pytest.Pytester, tier: str, ran: int) -> None:
+    pytester.makepyfile(TIERED)
+    result = pytester.runpytest("--tier", tier, "--strict-markers")
+    result.assert_outcomes(passed=ran, deselected=4 - ran)
+
+
+def test_markers_are_registered(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--markers")
+    for marker in ("operator", "model", "layer", "smoke", "pr", "nightly"):
+        result.stdout.fnmatch_lines([f"@pytest.mark.{marker}:*"])
+
+
+def test_options_are_in_one_group(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--help")
+    result.stdout.fnmatch_lines(["numalign: numerical alignment*", "*--device=*", "*--allow-tf32*"])
+
+
+def test_tolerance_policy_fixture_reads_pyproject(pytester: pytest.Pytester) -> None:
+    pytester.makefile(
+        ".toml",
+        pyproject='[tool.pytest.ini_options]\n\n[[tool.numalign.override]]\nmatch = "rms_*"\n'
+        "rtol = 0.5\natol = 0.25\n",
+    )
+    pytester.makepyfile(
+        """
+def test_policy(tolerance_policy):
+    tol = tolerance_policy.tolerance("rms_norm", "float32", "normalization", None)
+    assert (tol.rtol, tol.atol) == (0.5, 0.25)
+"""
+    )
+    pytester.runpytest().assert_outcomes(passed=1)
+
+
+def test_plugin_load_does_not_import_torch(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+import sys
+def test_no_torch():
+    assert "numalign.plugin" in sys.modules  # loaded through the pytest11 entry point
+    assert "torch" not in sys.modules
+    assert "transformers" not in sys.modules
+"""
+    )
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=1)
+
+
+def test_importing_the_package_and_cli_does_not_import_torch() -> None:
+    code = "import sys, numalign, numalign.cli, numalign.plugin; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
