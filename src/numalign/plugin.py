@@ -23,8 +23,10 @@ if TYPE_CHECKING:
     import torch
 
     from numalign.compare import TolerancePolicy
+    from numalign.record import NodeRecorder
 
 settings_key = pytest.StashKey[Settings]()
+collector_key = pytest.StashKey[object]()
 
 MARKERS = {
     "operator": "an operator alignment test (operator x candidate x dtype x case)",
@@ -129,6 +131,12 @@ def pytest_configure(config: pytest.Config) -> None:
         except DeviceUnavailableError as exc:
             raise pytest.UsageError(f"numalign: {exc}") from None
     _import_all(settings.candidate_modules, "--candidates")
+    if not hasattr(config, "workerinput"):  # the xdist controller, or a plain session
+        from numalign.report import DriftCollector
+
+        collector = DriftCollector(settings)
+        config.stash[collector_key] = collector
+        config.pluginmanager.register(collector, "numalign-drift")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -172,6 +180,15 @@ def numalign_dtype(request: pytest.FixtureRequest) -> torch.dtype:
 
     dtype: torch.dtype = getattr(torch, request.param)
     return dtype
+
+
+@pytest.fixture
+def record_drift(request: pytest.FixtureRequest) -> NodeRecorder:
+    """Records a comparison of this test: ``record_drift(result, suite=..., candidate=...,
+    device=..., case=...)``; the controller writes it to the run's records.jsonl."""
+    from numalign.record import NodeRecorder
+
+    return NodeRecorder(request.node.nodeid, request.node.user_properties)
 
 
 @pytest.fixture(scope="session")

@@ -114,7 +114,7 @@ def compare(
         budget = policy.budget(name, dtype)
         floor = _ulp(control_metrics.max_expected, fmt)
         limit_max = budget.max_abs_multiplier * control_metrics.max_abs + floor
-        limit_l2 = budget.rel_l2_multiplier * control_metrics.rel_l2 + eps / 2
+        limit_l2 = budget.rel_l2_multiplier * control_metrics.rel_l2 + eps
         metrics = compute_metrics(actual, expected, threshold=limit_max)
         result.budget = {
             "max_abs": limit_max,
@@ -124,7 +124,7 @@ def compare(
             "rel_l2": limit_l2,
             "rel_l2_multiplier": budget.rel_l2_multiplier,
             "control_rel_l2": control_metrics.rel_l2,
-            "roundoff": eps / 2,
+            "eps": eps,
         }
         result.control = control_metrics
         result.budget_used = max(_over(metrics.max_abs, limit_max), _over(metrics.rel_l2, limit_l2))
@@ -426,6 +426,8 @@ def _distribution(
         fmt = float_format(actual.dtype)
         if fmt is not None:
             expected_zero = count_rounding_zeros(expected, actual.dtype) / max(m.numel, 1)
+            if control is not None:
+                expected_zero = max(expected_zero, control.zero_fraction_actual)
             excess = m.zero_fraction_actual - expected_zero
             if excess > ZERO_EXCESS_FRACTION:
                 return (

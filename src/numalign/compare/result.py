@@ -87,7 +87,7 @@ class CompareResult:
                 f"max abs <= {_g(b['max_abs'])} = {_g(b['max_abs_multiplier'])} x control "
                 f"{_g(b['control_max_abs'])} + 1 ulp {_g(b['floor'])}; relative L2 <= "
                 f"{_g(b['rel_l2'])} = {_g(b['rel_l2_multiplier'])} x control "
-                f"{_g(b['control_rel_l2'])} + roundoff {_g(b['roundoff'])}"
+                f"{_g(b['control_rel_l2'])} + eps {_g(b['eps'])}"
             )
         if "rtol" in b:
             text = (

@@ -104,9 +104,9 @@ class Budget:
     """Multipliers of the error budget against an honest control (DESIGN.md, rule 3).
 
     A candidate passes when ``max_abs <= max_abs_multiplier * control.max_abs + floor`` and
-    ``rel_l2 <= rel_l2_multiplier * control.rel_l2 + eps(dtype) / 2``: the floors are one
-    ulp at the truth's largest magnitude and one unit roundoff, the error of a single rounding
-    that any kernel may add where the control happens to be exact.
+    ``rel_l2 <= rel_l2_multiplier * control.rel_l2 + eps(dtype)``: the floors are one ulp at
+    the truth's largest magnitude and eps, the error of the two roundings an unfused kernel
+    adds where the control rounds once (an activation then a product, both in bfloat16).
     """
 
     #: The worst element may be 4x the control's worst: an honest kernel with another

@@ -1,0 +1,169 @@
+"""Normalization: RMSNorm (with Gemma's 1 + weight), LayerNorm, fused residual add + RMSNorm."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from numalign.cases import Case, values
+from numalign.registry import Operator, Output, candidate, register_operator
+from operators._common import tier_cases, up
+
+NORM_CASES = tier_cases(
+    Case("one-1x1", {"tokens": 1, "hidden": 1}),
+    Case("tiny-3x8", {"tokens": 3, "hidden": 8}),
+    Case("llm-8x4096", {"tokens": 8, "hidden": 4096}),
+    Case("small-16x4096", {"tokens": 16, "hidden": 4096}, regime="small"),
+    Case("outliers-16x4096", {"tokens": 16, "hidden": 4096}, regime="outliers"),
+    Case("unaligned-33x4097", {"tokens": 33, "hidden": 4097}, tier="pr"),
+    Case("prime-7x1031", {"tokens": 7, "hidden": 1031}, tier="pr"),
+    Case("large-4x5120", {"tokens": 4, "hidden": 5120}, regime="large", tier="pr"),
+    Case("noncontig-9x768", {"tokens": 9, "hidden": 768, "noncontiguous": True}, tier="pr"),
+    Case("empty-0x4096", {"tokens": 0, "hidden": 4096}, tier="pr"),
+    Case("many-4096x8192", {"tokens": 4096, "hidden": 8192}, tier="nightly"),
+)
+#: Epsilon of Llama-family checkpoints; it dominates inputs with mean square near 1e-4 or less.
+EPS = 1e-5
+
+
+def rms_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
+    h = case["hidden"]
+    return {
+        "x": values((case["tokens"], h), case.regime, gen),
+        "weight": 1.0 + 0.1 * values((h,), "ordinary", gen),
+        "eps": EPS,
+        "offset": 0.0,
+    }
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * (offset + weight); Gemma uses offset 1."""
+    xf = up(x)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (offset + up(weight))).to(x.dtype)
+
+
+def _rms_adapter(module: Any) -> dict[str, Any]:
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", EPS))
+    # Gemma's RMSNorm multiplies by (1 + weight); Llama's by weight.
+    offset = 1.0 if type(module).__name__.startswith("Gemma") else 0.0
+    return {"weight": module.weight, "eps": float(eps), "offset": offset}
+
+
+register_operator(
+    Operator(
+        name="rms_norm",
+        op_class="normalization",
+        reference=rms_norm_reference,
+        make_inputs=rms_inputs,
+        cases=NORM_CASES,
+        reduction_length=lambda case: case["hidden"],
+        hf_modules=("*RMSNorm",),
+        adapter=_rms_adapter,
+        description="RMSNorm with float32 statistics",
+    )
+)
+
+
+@candidate("rms_norm", name="torch")
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """torch's F.rms_norm on the upcast input."""
+    xf = up(x)
+    return F.rms_norm(xf, (x.shape[-1],), offset + up(weight), eps).to(x.dtype)
+
+
+@candidate("rms_norm", name="fused")
+def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """One fused expression: the weight folded into the scale before the multiply."""
+    xf = up(x)
+    inv = torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + eps)
+    return torch.addcmul(torch.zeros_like(xf), xf, inv * (offset + up(weight))).to(x.dtype)
+
+
+def layer_norm_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
+    h = case["hidden"]
+    return {
+        # a mean offset, which a one-pass variance formula handles badly
+        "x": values((case["tokens"], h), case.regime, gen) + 0.5,
+        "weight": 1.0 + 0.1 * values((h,), "ordinary", gen),
+        "bias": 0.1 * values((h,), "ordinary", gen),
+        "eps": EPS,
+    }
+
+
+def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = up(x)
+    mean = xf.mean(-1, keepdim=True)
+    var = (xf - mean).pow(2).mean(-1, keepdim=True)
+    return ((xf - mean) * torch.rsqrt(var + eps) * up(weight) + up(bias)).to(x.dtype)
+
+
+register_operator(
+    Operator(
+        name="layer_norm",
+        op_class="normalization",
+        reference=layer_norm_reference,
+        make_inputs=layer_norm_inputs,
+        cases=NORM_CASES,
+        reduction_length=lambda case: case["hidden"],
+        hf_modules=("LayerNorm",),
+        adapter=lambda m: {"weight": m.weight, "bias": m.bias, "eps": float(m.eps)},
+        description="LayerNorm with float32 statistics (two-pass variance)",
+    )
+)
+
+
+@candidate("layer_norm", name="torch")
+def layer_norm_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.layer_norm(up(x), (x.shape[-1],), up(weight), up(bias), eps).to(x.dtype)
+
+
+@candidate("layer_norm", name="var_mean")
+def layer_norm_var_mean(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch.var_mean statistics (Welford on the CPU), then one fused multiply-add."""
+    xf = up(x)
+    if xf.numel() == 0:  # var_mean warns on empty reductions
+        return x.clone()
+    var, mean = torch.var_mean(xf, dim=-1, keepdim=True, correction=0)
+    return torch.addcmul(up(bias), xf - mean, torch.rsqrt(var + eps) * up(weight)).to(x.dtype)
+
+
+def add_rms_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
+    inputs = rms_inputs(case, gen)
+    inputs["residual"] = values((case["tokens"], case["hidden"]), "outliers", gen)
+    return inputs
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual (rounded to the dtype, as it is stored); out = RMSNorm(residual')."""
+    summed = (up(x) + up(residual)).to(x.dtype)
+    return rms_norm_reference(summed, weight, eps, offset), summed
+
+
+register_operator(
+    Operator(
+        name="add_rms_norm",
+        op_class="normalization",
+        reference=add_rms_norm_reference,
+        make_inputs=add_rms_inputs,
+        cases=NORM_CASES,
+        outputs=(Output("out"), Output("residual")),
+        reduction_length=lambda case: case["hidden"],
+        description="fused residual add + RMSNorm: returns the normed output and the new residual",
+    )
+)
+
+
+@candidate("add_rms_norm", name="fused")
+def add_rms_norm_fused(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass: the sum rounded once for the stored residual, its statistics from that."""
+    stored = (up(x) + up(residual)).to(x.dtype)
+    # Statistics from the stored (rounded) residual, as the unfused pair would compute them.
+    inv = torch.rsqrt(up(stored).square().mean(-1, keepdim=True) + eps)
+    return (up(stored) * inv * (offset + up(weight))).to(x.dtype), stored

@@ -1,0 +1,233 @@
+"""Operator specs and candidates, with external registration.
+
+An operator (``operators/<family>.py``) declares its reference, case grid, outputs and the
+Hugging Face modules it stands for. A candidate is an implementation under test, registered
+with ``@numalign.candidate("rms_norm", name="fused")``; built-in ones sit beside their
+operator, a vendor's come from ``--candidates MODULE`` or the ``numalign.candidates``
+entry-point group.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import importlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, TypeVar
+
+from numalign.cases import Case
+from numalign.compare import OP_CLASSES
+
+#: The built-in catalogue: one module per operator family.
+CATALOGUE: tuple[str, ...] = (
+    "operators.linear",
+    "operators.norms",
+    "operators.activations",
+    "operators.rotary",
+    "operators.attention",
+    "operators.paged_kv",
+    "operators.moe",
+    "operators.scan",
+    "operators.block_sparse",
+    "operators.linear_attention",
+    "operators.vision",
+    "operators.quantization",
+)
+ENTRY_POINT_GROUP = "numalign.candidates"
+
+T = TypeVar("T")
+
+
+class RegistryError(LookupError):
+    """An unknown name, or a name registered twice."""
+
+
+class Registry(Mapping[str, T]):
+    """A small name -> entry registry with clash checks and "did you mean" errors."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, T] = {}
+
+    def add(self, name: str, entry: T, *, replace: bool = False) -> T:
+        if name in self._entries and not replace and self._entries[name] is not entry:
+            raise RegistryError(f"{self.kind} {name!r} is already registered")
+        self._entries[name] = entry
+        return entry
+
+    def __getitem__(self, name: str) -> T:
+        try:
+            return self._entries[name]
+        except KeyError:
+            close = difflib.get_close_matches(name, list(self._entries), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            known = ", ".join(sorted(self._entries)) or "none"
+            raise RegistryError(f"Unknown {self.kind} {name!r}.{hint} Known: {known}.") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass(frozen=True)
+class Output:
+    """One output of an operator.
+
+    ``kind`` is "float" (compared against the control's error budget), "exact" (integers,
+    indices) or "ties" (indices that may differ among tied scores; ``ties_from`` names the
+    input or output holding the scores, along the last dimension). ``atol`` lets exact
+    outputs differ by that much (1 for a quantizer's rounding ties)."""
+
+    name: str
+    kind: str = "float"
+    ties_from: str | None = None
+    atol: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("float", "exact", "ties"):
+            raise ValueError(f"output {self.name}: kind must be float, exact or ties")
+        if self.kind == "ties" and not self.ties_from:
+            raise ValueError(f"output {self.name}: ties outputs name their scores (ties_from)")
+
+
+@dataclass(frozen=True)
+class Operator:
+    """An operator of the catalogue.
+
+    ``reference(**inputs)`` is dtype-generic and upcasts its reductions to at least float32:
+    run on float64 inputs it is the truth, on inputs in the target dtype the honest control.
+    ``make_inputs(case, generator)`` returns the float64 (and integer) inputs of a case;
+    floating inputs are cast to the target dtype for the control and the candidates.
+    ``hf_modules`` are fnmatch patterns over Hugging Face module class names the operator
+    stands for; ``adapter(module)`` returns the operator's non-activation arguments read from
+    such a module (weights, epsilon, ...), so model suites can swap candidates in.
+    """
+
+    name: str
+    op_class: str
+    reference: Callable[..., Any]
+    make_inputs: Callable[[Case, Any], dict[str, Any]]
+    cases: Sequence[Case]
+    outputs: tuple[Output, ...] = (Output("out"),)
+    reduction_length: Callable[[Case], int] | None = None
+    hf_modules: tuple[str, ...] = ()
+    adapter: Callable[[Any], dict[str, Any]] | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.op_class not in OP_CLASSES:
+            raise ValueError(f"operator {self.name}: unknown class {self.op_class!r}")
+
+    def cases_for(self, tier: str) -> list[Case]:
+        return [case for case in self.cases if case.runs_at(tier)]
+
+    def stands_for(self, module_type: str) -> bool:
+        return any(fnmatch.fnmatchcase(module_type, p) for p in self.hf_modules)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An implementation under test of an operator."""
+
+    operator: str
+    name: str
+    fn: Callable[..., Any]
+    devices: tuple[str, ...] | None = None
+    dtypes: tuple[str, ...] | None = None
+    module: str = ""
+    supports: Callable[[Case], str | None] | None = field(default=None, compare=False)
+
+    def skip_reason(self, device_type: str, dtype: str, case: Case) -> str | None:
+        """Why this candidate cannot run here, or None when it can."""
+        if self.devices is not None and device_type not in self.devices:
+            return f"candidate {self.operator}/{self.name} does not run on {device_type}"
+        if self.dtypes is not None and dtype not in self.dtypes:
+            return f"candidate {self.operator}/{self.name} does not support {dtype}"
+        if self.supports is not None:
+            return self.supports(case)
+        return None
+
+
+OPERATORS: Registry[Operator] = Registry("operator")
+_CANDIDATES: dict[str, Registry[Candidate]] = {}
+_loaded = False
+
+
+def register_operator(operator: Operator) -> Operator:
+    """Adds an operator to the catalogue (clash-checked)."""
+    OPERATORS.add(operator.name, operator)
+    _CANDIDATES.setdefault(operator.name, Registry(f"candidate of {operator.name}"))
+    return operator
+
+
+def candidate(
+    operator: str,
+    *,
+    name: str,
+    devices: Sequence[str] | None = None,
+    dtypes: Sequence[str] | None = None,
+    supports: Callable[[Case], str | None] | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Registers the decorated function as a candidate implementation of ``operator``.
+
+    It is called with the operator's inputs as keyword arguments, in the target dtype on the
+    target device, and returns what the reference returns. ``devices`` and ``dtypes`` limit
+    where it runs (others are skipped with the reason); ``supports(case)`` returns a reason
+    to skip a case it does not handle, or None.
+    """
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        load_catalogue()
+        registry = _CANDIDATES.get(operator)
+        if registry is None:
+            OPERATORS[operator]  # raises "Unknown operator ... Did you mean"
+            raise AssertionError("unreachable")
+        registry.add(
+            name,
+            Candidate(
+                operator=operator,
+                name=name,
+                fn=fn,
+                devices=tuple(devices) if devices is not None else None,
+                dtypes=tuple(dtypes) if dtypes is not None else None,
+                module=fn.__module__,
+                supports=supports,
+            ),
+        )
+        return fn
+
+    return register
+
+
+def candidates(operator: str) -> Registry[Candidate]:
+    """The candidates of an operator (raises with "did you mean" for unknown names)."""
+    load_catalogue()
+    OPERATORS[operator]
+    return _CANDIDATES[operator]
+
+
+def load_catalogue() -> None:
+    """Imports the built-in operator families and the entry-point candidates, once."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for module in CATALOGUE:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        ep.load()
+
+
+def load_candidate_modules(modules: Sequence[str]) -> None:
+    """Imports modules that register external candidates (``--candidates``)."""
+    load_catalogue()
+    for module in modules:
+        importlib.import_module(module)

@@ -1,0 +1,105 @@
+"""The controller-side session object: writes records as test reports arrive, then the
+tables at the end, and names what it wrote in the terminal summary."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from numalign.record import (
+    USER_PROPERTY,
+    RecordWriter,
+    crashed_record,
+    new_run_id,
+    read_records,
+)
+from numalign.report.tables import summarize, write_tables
+from numalign.settings import Settings
+
+#: How many of the worst records the terminal summary names.
+WORST_SHOWN = 5
+
+
+class DriftCollector:
+    """Created on the xdist controller (or a plain session) only; kept in ``config.stash``."""
+
+    def __init__(self, settings: Settings, run_id: str | None = None) -> None:
+        self.settings = settings
+        self.run_id = run_id or new_run_id()
+        self.run_dir = settings.report_dir / self.run_id
+        self.writer = RecordWriter(self.run_dir / "records.jsonl")
+        self.outcomes: dict[str, str] = {}
+        self.written: list[Path] = []
+        self.records: list[dict[str, Any]] = []
+
+    # -- pytest hooks -------------------------------------------------------------------------
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "???":  # xdist's report for a test whose worker died
+            self.writer.write(crashed_record(report.nodeid, str(report.longrepr)))
+            self.outcomes[report.nodeid] = "crashed"
+            return
+        if report.when == "call":  # every phase's report carries the same user properties
+            for name, value in report.user_properties:
+                if name == USER_PROPERTY and isinstance(value, dict):
+                    self.writer.write(value)
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            self.outcomes[report.nodeid] = report.outcome
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.writer.close()
+        if self.writer.count == 0:  # no numalign comparison ran: write nothing
+            return
+        records = read_records(self.writer.path)
+        summary = summarize(records, self.outcomes, self.header())
+        self.written = [self.writer.path, *write_tables(self.run_dir, records, summary)]
+        self._point_latest()
+        self.records = records
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.written:
+            return
+        tr = terminalreporter
+        tr.write_sep("-", "numalign drift")
+        worst = sorted(
+            (r for r in self.records if isinstance(r.get("budget_used"), (int, float))),
+            key=lambda r: -float(r["budget_used"]),
+        )[:WORST_SHOWN]
+        for record in worst:
+            tr.write_line(
+                f"{float(record['budget_used']):8.3g} of budget  {record['verdict']:<7} "
+                f"{record['test_id']}"
+            )
+        tr.write_line(f"numalign: {self.writer.count} drift records; reports in {self.run_dir}/")
+
+    # -- helpers ------------------------------------------------------------------------------
+    def header(self) -> dict[str, Any]:
+        versions: dict[str, str] = {}
+        for module in ("torch", "transformers", "numalign"):
+            try:
+                versions[module] = __import__(module).__version__
+            except Exception:  # not installed, or not importable here
+                versions[module] = "n/a"
+        return {
+            "run_id": self.run_id,
+            "device": self.settings.device,
+            "dtypes": list(self.settings.dtypes),
+            "tier": self.settings.tier,
+            "versions": versions,
+            "host": platform.node(),
+            "python": platform.python_version(),
+        }
+
+    def _point_latest(self) -> None:
+        latest = self.settings.report_dir / "latest"
+        tmp = self.settings.report_dir / f".latest-{os.getpid()}"
+        try:
+            if tmp.is_symlink() or tmp.exists():
+                tmp.unlink()
+            tmp.symlink_to(self.run_id, target_is_directory=True)
+            tmp.replace(latest)
+        except OSError:  # file systems without symlinks: a text pointer instead
+            (self.settings.report_dir / "LATEST").write_text(self.run_id + "\n", encoding="utf-8")

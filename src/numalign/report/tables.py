@@ -1,0 +1,75 @@
+"""Machine-readable tables of a run: drift.csv (drift.parquet with pyarrow), summary.json."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+#: Metric columns flattened into the drift table.
+METRIC_COLUMNS: tuple[str, ...] = (
+    "max_abs", "max_rel", "mean_abs", "rmse", "rel_l2", "cosine", "ulp_max", "ulp_p99",
+    "mismatch_fraction", "nan_actual", "inf_actual", "norm_ratio",
+)  # fmt: skip
+TABLE_COLUMNS: tuple[str, ...] = (
+    "test_id", "suite", "point", "candidate", "device", "dtype", "case", "verdict", "rule",
+    "budget_used", "duration_s", "swap", "golden_fingerprint", *METRIC_COLUMNS, "reason",
+)  # fmt: skip
+
+
+def records_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
+    """One row per record, metrics flattened into columns."""
+    import pandas as pd
+
+    rows = []
+    for record in records:
+        row = {key: record.get(key) for key in TABLE_COLUMNS if key not in METRIC_COLUMNS}
+        metrics = record.get("metrics") or {}
+        row.update({key: metrics.get(key) for key in METRIC_COLUMNS})
+        rows.append(row)
+    return pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
+
+
+def summarize(
+    records: list[dict[str, Any]], outcomes: dict[str, str], header: dict[str, Any]
+) -> dict[str, Any]:
+    """Counts of tests per outcome, and of records per (suite, dtype, verdict)."""
+    per_group: Counter[tuple[str, str, str]] = Counter()
+    worst: dict[str, float] = {}
+    for record in records:
+        key = (str(record.get("suite")), str(record.get("dtype")), str(record.get("verdict")))
+        per_group[key] += 1
+        used = record.get("budget_used")
+        if isinstance(used, (int, float)):
+            suite = str(record.get("suite"))
+            worst[suite] = max(worst.get(suite, 0.0), float(used))
+    return {
+        **header,
+        "tests": dict(Counter(outcomes.values())),
+        "records": len(records),
+        "by_suite_dtype": [
+            {"suite": s, "dtype": d, "verdict": v, "count": n}
+            for (s, d, v), n in sorted(per_group.items())
+        ],
+        "worst_budget_used": worst,
+    }
+
+
+def write_tables(run_dir: Path, records: list[dict[str, Any]], summary: dict[str, Any]) -> list[Path]:
+    """Writes drift.csv (and drift.parquet when pyarrow is installed) and summary.json."""
+    frame = records_frame(records)
+    written = [run_dir / "drift.csv", run_dir / "summary.json"]
+    frame.to_csv(written[0], index=False)
+    written[1].write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        frame.to_parquet(run_dir / "drift.parquet", index=False)
+        written.append(run_dir / "drift.parquet")
+    return written

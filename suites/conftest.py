@@ -1,0 +1,1 @@
+"""The alignment suites (operators/, models/). Options come from the numalign plugin."""

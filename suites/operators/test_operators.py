@@ -1,0 +1,76 @@
+"""The operator suite: operator x candidate x dtype x case, judged against the same-dtype
+control. One test function per operator (``test_rms_norm``), with ids such as
+``test_rms_norm[fused-bfloat16-unaligned-33x4097]``.
+
+    pytest -n auto suites/operators --candidates my_kernels --device cuda -k rms_norm
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from numalign.cases import Case
+from numalign.opcheck import check_operator
+from numalign.registry import OPERATORS, Candidate, Operator, candidates, load_catalogue
+
+load_catalogue()
+
+
+def _make_test(op: Operator) -> Callable[..., None]:
+    @pytest.mark.operator
+    def test(
+        op_case: tuple[Candidate, str, Case],
+        numalign_device: torch.device,
+        tolerance_policy: object,
+        record_drift: Callable[..., object],
+    ) -> None:
+        __tracebackhide__ = True
+        cand, dtype_name, case = op_case
+        reason = cand.skip_reason(numalign_device.type, dtype_name, case)
+        if reason:
+            pytest.skip(reason)
+        start = time.perf_counter()
+        results = check_operator(
+            op, cand, case, getattr(torch, dtype_name), numalign_device, policy=tolerance_policy  # type: ignore[arg-type]
+        )
+        duration = time.perf_counter() - start
+        for result in results:
+            record_drift(
+                result, suite="operators", candidate=cand.name, device=str(numalign_device),
+                case=case.name, duration_s=duration,
+            )  # fmt: skip
+        failed = [r for r in results if not r.passed]
+        if failed:
+            pytest.fail(
+                f"candidate {cand.name!r} ({cand.module}) on case {case.name} [{case.regime}]:\n"
+                + "\n\n".join(r.message() for r in failed),
+                pytrace=False,
+            )
+
+    test.__name__ = f"test_{op.name}"
+    test.__doc__ = op.description
+    return test
+
+
+for _name, _op in OPERATORS.items():
+    globals()[f"test_{_name}"] = _make_test(_op)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "op_case" not in metafunc.fixturenames:
+        return
+    from numalign.plugin import settings_key
+
+    settings = metafunc.config.stash[settings_key]
+    op = OPERATORS[metafunc.function.__name__.removeprefix("test_")]
+    params, ids = [], []
+    for cand in candidates(op.name).values():
+        for dtype in settings.dtypes:
+            for case in op.cases_for(settings.tier):
+                params.append((cand, dtype, case))
+                ids.append(f"{cand.name}-{dtype}-{case.name}")
+    metafunc.parametrize("op_case", params, ids=ids)
