@@ -3,6 +3,7 @@ dtype) and candidate (in the target dtype, on the device), then compares every o
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,25 @@ def make_inputs(op: Operator, case: Case) -> dict[str, Any]:
     return op.make_inputs(case, generator(op.name, case.name, case.regime))
 
 
+#: Truths kept per worker: tests of one case with other candidates and dtypes reuse them.
+_TRUTH_CACHE_SIZE = 4
+_truths: OrderedDict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]] = OrderedDict()
+
+
+def inputs_and_truth(op: Operator, case: Case) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The case's inputs and the reference's float64 outputs, cached per worker."""
+    key = (op.name, case.name)
+    if key in _truths:
+        _truths.move_to_end(key)
+        return _truths[key]
+    inputs = make_inputs(op, case)
+    entry = (inputs, _named(op, op.reference(**inputs)))
+    _truths[key] = entry
+    while len(_truths) > _TRUTH_CACHE_SIZE:
+        _truths.popitem(last=False)
+    return entry
+
+
 def check_operator(
     op: Operator,
     candidate: Candidate,
@@ -60,8 +80,7 @@ def check_operator(
     output. Float outputs are judged against the control's error budget; exact outputs
     against the control (both see the same rounded inputs); tie-aware outputs against the
     truth, with ties judged on the scores rounded to ``dtype``."""
-    inputs = make_inputs(op, case)
-    truth = _named(op, op.reference(**inputs))
+    inputs, truth = inputs_and_truth(op, case)
     strided = bool(case.get("noncontiguous", False))
     control = _named(op, op.reference(**_cast(inputs, dtype, device, strided=False)))
     actual = _named(op, candidate.fn(**_cast(inputs, dtype, device, strided=strided)))

@@ -1,0 +1,155 @@
+"""Scaled dot-product attention: causal and padding masks, GQA and MQA, sliding window, logit
+soft-capping and a custom scale. Fully masked query rows (left padding) output zeros."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from numalign.cases import Case, values
+from numalign.registry import Operator, candidate, register_operator
+from operators._common import tier_cases, up
+
+
+def _case(name: str, b: int, hq: int, hkv: int, t: int, s: int, d: int, tier: str = "smoke",
+          regime: str = "ordinary", **options: Any) -> Case:  # fmt: skip
+    params = {"batch": b, "q_heads": hq, "kv_heads": hkv, "tokens": t, "keys": s, "dim": d}
+    return Case(name, params | options, regime=regime, tier=tier)
+
+
+ATTENTION_CASES = tier_cases(
+    _case("one-1x1x1x1x1x8", 1, 1, 1, 1, 1, 8),
+    _case("gqa-causal-1x8x2x33x33x64", 1, 8, 2, 33, 33, 64, causal=True),
+    _case("mqa-padded-2x4x1x17x17x32", 2, 4, 1, 17, 17, 32, causal=True, pad_left=(0, 5)),
+    _case("window-1x4x4x80x80x32", 1, 4, 4, 80, 80, 32, causal=True, window=16),
+    _case("softcap-1x4x2x40x40x64", 1, 4, 2, 40, 40, 64, causal=True, softcap=50.0),
+    _case("decode-2x8x2x1x300x64", 2, 8, 2, 1, 300, 64, causal=True, pad_left=(0, 37)),
+    _case("scale-1x2x2x9x13x16", 1, 2, 2, 9, 13, 16, scale=0.05),
+    _case("large-1x4x2x64x64x64", 1, 4, 2, 64, 64, 64, tier="pr", regime="large", causal=True),
+    _case("llm-1x32x8x256x256x128", 1, 32, 8, 256, 256, 128, tier="pr", causal=True),
+    _case("unaligned-1x6x3x77x77x80", 1, 6, 3, 77, 77, 80, tier="pr", causal=True, window=29),
+    _case("noncontig-1x4x2x31x31x64", 1, 4, 2, 31, 31, 64, tier="pr", causal=True, noncontiguous=True),
+    _case("softcap-window-1x8x4x300x300x128", 1, 8, 4, 300, 300, 128, tier="pr", causal=True,
+          window=128, softcap=50.0),  # fmt: skip
+    _case("long-1x8x2x4096x4096x128", 1, 8, 2, 4096, 4096, 128, tier="nightly", causal=True),
+)
+
+
+def attention_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
+    b, t, s, d = case["batch"], case["tokens"], case["keys"], case["dim"]
+    q = values((b, case["q_heads"], t, d), case.regime, gen)
+    # The large regime scales queries only: scores of a few hundred, keys and values of 1.
+    k = values((b, case["kv_heads"], s, d), "ordinary", gen)
+    v = values((b, case["kv_heads"], s, d), "ordinary", gen)
+    pad = case.get("pad_left") or (0,) * b
+    return {
+        "q": q, "k": k, "v": v,
+        "causal": bool(case.get("causal", False)),
+        "window": case.get("window"),
+        "softcap": case.get("softcap"),
+        "scale": case.get("scale"),
+        "pad_left": torch.tensor(pad, dtype=torch.int64),
+    }  # fmt: skip
+
+
+def attention_mask(
+    tokens: int, keys: int, causal: bool, window: int | None, pad_left: torch.Tensor
+) -> torch.Tensor:
+    """[batch, 1, tokens, keys], True where a query may attend a key. Queries are the last
+    ``tokens`` positions of ``keys``; keys before ``pad_left[b]`` are padding."""
+    device = pad_left.device
+    q_pos = torch.arange(keys - tokens, keys, device=device)[:, None]
+    k_pos = torch.arange(keys, device=device)[None, :]
+    allowed = torch.ones(tokens, keys, dtype=torch.bool, device=device)
+    if causal:
+        allowed &= k_pos <= q_pos
+    if window is not None:
+        allowed &= q_pos - k_pos < window
+    not_pad = k_pos[None] >= pad_left[:, None, None]
+    return (allowed[None] & not_pad)[:, None]
+
+
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int | None,
+    softcap: float | None, scale: float | None, pad_left: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    group = q.shape[1] // k.shape[1]
+    qf, kf, vf = up(q), up(k).repeat_interleave(group, 1), up(v).repeat_interleave(group, 1)
+    scores = qf @ kf.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    mask = attention_mask(q.shape[2], k.shape[2], causal, window, pad_left)
+    scores = scores.masked_fill(~mask, -math.inf)
+    peak = scores.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
+    weights = torch.exp(scores - peak)
+    total = weights.sum(-1, keepdim=True)
+    probs = torch.where(total > 0, weights / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
+    return (probs @ vf).to(q.dtype)
+
+
+register_operator(
+    Operator(
+        name="attention",
+        op_class="attention",
+        reference=attention_reference,
+        make_inputs=attention_inputs,
+        cases=ATTENTION_CASES,
+        reduction_length=lambda case: case["keys"],
+        hf_modules=("*Attention", "*SdpaAttention"),
+        description="softmax(q k^T * scale, masked) v with GQA, window, soft-capping",
+    )
+)
+
+
+def _sdpa_supports(case: Case) -> str | None:
+    return "SDPA has no logit soft-capping" if case.get("softcap") else None
+
+
+@candidate("attention", name="sdpa", supports=_sdpa_supports)
+def attention_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int | None,
+    softcap: float | None, scale: float | None, pad_left: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    mask = attention_mask(q.shape[2], k.shape[2], causal, window, pad_left.to(q.device))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+#: KV tile of the online-softmax candidate.
+KV_TILE = 64
+
+
+@candidate("attention", name="tiled")
+def attention_tiled(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int | None,
+    softcap: float | None, scale: float | None, pad_left: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Flash-attention style: KV tiles of 64 with a running max and sum in float32; query
+    head h reads KV head h // (q_heads / kv_heads)."""
+    b, hq, t, d = q.shape
+    s = k.shape[2]
+    kv_head = torch.arange(hq, device=q.device) // (hq // k.shape[1])
+    qf = up(q) * (scale if scale is not None else d**-0.5)
+    mask = attention_mask(t, s, causal, window, pad_left.to(q.device))
+    acc = torch.zeros(b, hq, t, v.shape[-1], dtype=qf.dtype, device=q.device)
+    run_max = torch.full((b, hq, t, 1), -math.inf, dtype=qf.dtype, device=q.device)
+    run_sum = torch.zeros(b, hq, t, 1, dtype=qf.dtype, device=q.device)
+    for start in range(0, s, KV_TILE):
+        kt = up(k[:, kv_head, start : start + KV_TILE])
+        vt = up(v[:, kv_head, start : start + KV_TILE])
+        scores = qf @ kt.transpose(-1, -2)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~mask[..., start : start + KV_TILE], -math.inf)
+        new_max = torch.maximum(run_max, scores.amax(-1, keepdim=True))
+        safe = new_max.nan_to_num(0.0, neginf=0.0)
+        correction = torch.exp(run_max - safe)
+        p = torch.exp(scores - safe)
+        run_sum = run_sum * correction + p.sum(-1, keepdim=True)
+        # p is rounded to the input dtype before the PV product, as fused kernels do
+        acc = acc * correction + up(p.to(q.dtype)) @ vt
+        run_max = new_max
+    out = torch.where(run_sum > 0, acc / run_sum.clamp_min(torch.finfo(acc.dtype).tiny), 0.0)
+    return out.to(q.dtype)
