@@ -48,19 +48,26 @@ def make_inputs(op: Operator, case: Case) -> dict[str, Any]:
     return op.make_inputs(case, generator(op.name, case.name, case.regime))
 
 
-#: Truths kept per worker: tests of one case with other candidates and dtypes reuse them.
+#: Truths kept per worker: tests of one case with other candidates reuse them.
 _TRUTH_CACHE_SIZE = 4
-_truths: OrderedDict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]] = OrderedDict()
+_truths: OrderedDict[tuple[str, str, str], tuple[dict[str, Any], dict[str, Any]]] = OrderedDict()
 
 
-def inputs_and_truth(op: Operator, case: Case) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The case's inputs and the reference's float64 outputs, cached per worker."""
-    key = (op.name, case.name)
+def inputs_and_truth(op: Operator, case: Case, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The case's inputs rounded to ``dtype`` (on the CPU) and the reference's float64
+    outputs on exactly those values, cached per worker.
+
+    The truth sees the rounded inputs, upcast: rounding the inputs is not the kernel's error,
+    and selections (top-k, routing) must be judged on the values the kernel saw."""
+    import torch
+
+    key = (op.name, case.name, str(dtype))
     if key in _truths:
         _truths.move_to_end(key)
         return _truths[key]
-    inputs = make_inputs(op, case)
-    entry = (inputs, _named(op, op.reference(**inputs)))
+    rounded = _cast(make_inputs(op, case), dtype, torch.device("cpu"), strided=False)
+    upcast = _cast(rounded, torch.float64, torch.device("cpu"), strided=False)
+    entry = (rounded, _named(op, op.reference(**upcast)))
     _truths[key] = entry
     while len(_truths) > _TRUTH_CACHE_SIZE:
         _truths.popitem(last=False)
@@ -78,9 +85,9 @@ def check_operator(
 ) -> list[CompareResult]:
     """Compares ``candidate`` with the operator's reference on one case; one result per
     output. Float outputs are judged against the control's error budget; exact outputs
-    against the control (both see the same rounded inputs); tie-aware outputs against the
-    truth, with ties judged on the scores rounded to ``dtype``."""
-    inputs, truth = inputs_and_truth(op, case)
+    against the control; tie-aware outputs against the truth, with ties judged on the scores
+    in ``dtype``. Truth, control and candidate all see the same inputs rounded to ``dtype``."""
+    inputs, truth = inputs_and_truth(op, case, dtype)
     strided = bool(case.get("noncontiguous", False))
     control = _named(op, op.reference(**_cast(inputs, dtype, device, strided=False)))
     actual = _named(op, candidate.fn(**_cast(inputs, dtype, device, strided=strided)))
