@@ -30,6 +30,7 @@ CATALOGUE: tuple[str, ...] = (
     "operators.paged_kv",
     "operators.moe",
     "operators.scan",
+    "operators.selection",
     "operators.block_sparse",
     "operators.linear_attention",
     "operators.vision",
