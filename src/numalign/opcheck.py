@@ -100,6 +100,7 @@ def check_operator(
             result = compare(
                 a, truth[output.name], control=control[output.name].to(a.device),
                 op_class=op.op_class, reduction_length=reduction, name=name, policy=policy,
+                budget=op.budget,
             )  # fmt: skip
         elif output.kind == "exact":
             tol = Tolerance(rtol=0.0, atol=output.atol) if output.atol else None

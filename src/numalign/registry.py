@@ -18,7 +18,7 @@ from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
 from numalign.cases import Case
-from numalign.compare import OP_CLASSES
+from numalign.compare import OP_CLASSES, Budget
 
 #: The built-in catalogue: one module per operator family.
 CATALOGUE: tuple[str, ...] = (
@@ -118,6 +118,9 @@ class Operator:
     hf_modules: tuple[str, ...] = ()
     adapter: Callable[[Any], dict[str, Any]] | None = None
     description: str = ""
+    #: Control multipliers where honest alternatives round differently by design (with the
+    #: reason beside the number); None: the built-in Budget().
+    budget: Budget | None = None
 
     def __post_init__(self) -> None:
         if self.op_class not in OP_CLASSES:

@@ -24,6 +24,7 @@ from numalign.compare.tolerances import (
     DISTRIBUTION_THRESHOLDS,
     DTYPE_TOLERANCES,
     FLOAT_FORMATS,
+    Budget,
     OP_CLASSES,
     ZERO_EXCESS_FRACTION,
     Tolerance,
@@ -53,6 +54,7 @@ def compare(
     reduction_length: int | None = None,
     ties: torch.Tensor | None = None,
     tolerance: Tolerance | None = None,
+    budget: Budget | None = None,
     name: str = "output",
     policy: TolerancePolicy | None = None,
 ) -> CompareResult:
@@ -70,6 +72,8 @@ def compare(
             last dimension; indices may then differ where the scores tie within tolerance.
         tolerance: an explicit elementwise tolerance, replacing the table (and, for integer
             outputs, allowing ``atol`` of difference, e.g. 1 for rounding ties).
+        budget: the control multipliers when no pyproject override matches (an operator's
+            own, where its honest alternatives round differently by design).
         name: the operator or capture point, for messages and pyproject overrides.
         policy: overrides from ``[tool.numalign]``; the built-in tables when None.
     """
@@ -111,24 +115,24 @@ def compare(
     eps = 2.0 ** -fmt[0]
     if control is not None:
         control_metrics = compute_metrics(control, expected)
-        budget = policy.budget(name, dtype)
+        multipliers = policy.budget(name, dtype, budget)
         floor = _ulp(control_metrics.max_expected, fmt)
-        limit_max = budget.max_abs_multiplier * control_metrics.max_abs + floor
-        limit_l2 = budget.rel_l2_multiplier * control_metrics.rel_l2 + eps
+        limit_max = multipliers.max_abs_multiplier * control_metrics.max_abs + floor
+        limit_l2 = multipliers.rel_l2_multiplier * control_metrics.rel_l2 + eps
         metrics = compute_metrics(actual, expected, threshold=limit_max)
         result.budget = {
             "max_abs": limit_max,
-            "max_abs_multiplier": budget.max_abs_multiplier,
+            "max_abs_multiplier": multipliers.max_abs_multiplier,
             "control_max_abs": control_metrics.max_abs,
             "floor": floor,
             "rel_l2": limit_l2,
-            "rel_l2_multiplier": budget.rel_l2_multiplier,
+            "rel_l2_multiplier": multipliers.rel_l2_multiplier,
             "control_rel_l2": control_metrics.rel_l2,
             "eps": eps,
         }
         result.control = control_metrics
         result.budget_used = max(_over(metrics.max_abs, limit_max), _over(metrics.rel_l2, limit_l2))
-        spread = budget.rel_l2_multiplier
+        spread = multipliers.rel_l2_multiplier
     else:
         tol = tolerance or policy.tolerance(name, dtype, op_class, reduction_length)
         metrics = compute_metrics(actual, expected, tolerance=tol)
@@ -137,7 +141,7 @@ def compare(
             result.budget["reduction_length"] = float(reduction_length)
         result.budget_used = metrics.tolerance_ratio
         control_metrics = None
-        spread = policy.budget(name, dtype).rel_l2_multiplier
+        spread = policy.budget(name, dtype, budget).rel_l2_multiplier
     result.metrics = metrics
 
     nonfinite = _nonfinite_reason(metrics)

@@ -174,12 +174,13 @@ class TolerancePolicy:
             atol *= math.sqrt(reduction_length)  # [walk]
         return Tolerance(rtol=base.rtol * factor, atol=atol)
 
-    def budget(self, name: str, dtype: str) -> Budget:
-        """The control multipliers for ``name`` in ``dtype``."""
+    def budget(self, name: str, dtype: str, default: Budget | None = None) -> Budget:
+        """The control multipliers for ``name`` in ``dtype``: an override, else ``default``
+        (an operator's own), else the built-in one."""
         for override in reversed(self.overrides):
             if override.budget is not None and override.applies(name, dtype):
                 return override.budget
-        return Budget()
+        return default or Budget()
 
 
 DEFAULT_POLICY = TolerancePolicy()
