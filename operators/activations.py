@@ -78,8 +78,13 @@ for _name, _ref, _inputs, _modules, _doc in (
 ):  # fmt: skip
     register_operator(
         Operator(
-            name=_name, op_class="elementwise", reference=_ref, make_inputs=_inputs,
-            cases=ACT_CASES, hf_modules=_modules, adapter=(lambda m: {}) if _modules else None,
+            name=_name,
+            op_class="elementwise",
+            reference=_ref,
+            make_inputs=_inputs,
+            cases=ACT_CASES,
+            hf_modules=_modules,
+            adapter=(lambda m: {}) if _modules else None,
             description=_doc,
         )  # fmt: skip
     )

@@ -31,9 +31,22 @@ ATTENTION_CASES = tier_cases(
     _case("large-1x4x2x64x64x64", 1, 4, 2, 64, 64, 64, tier="pr", regime="large", causal=True),
     _case("llm-1x32x8x256x256x128", 1, 32, 8, 256, 256, 128, tier="pr", causal=True),
     _case("unaligned-1x6x3x77x77x80", 1, 6, 3, 77, 77, 80, tier="pr", causal=True, window=29),
-    _case("noncontig-1x4x2x31x31x64", 1, 4, 2, 31, 31, 64, tier="pr", causal=True, noncontiguous=True),
-    _case("softcap-window-1x8x4x300x300x128", 1, 8, 4, 300, 300, 128, tier="pr", causal=True,
-          window=128, softcap=50.0),  # fmt: skip
+    _case(
+        "noncontig-1x4x2x31x31x64", 1, 4, 2, 31, 31, 64, tier="pr", causal=True, noncontiguous=True
+    ),
+    _case(
+        "softcap-window-1x8x4x300x300x128",
+        1,
+        8,
+        4,
+        300,
+        300,
+        128,
+        tier="pr",
+        causal=True,
+        window=128,
+        softcap=50.0,
+    ),  # fmt: skip
     _case("long-1x8x2x4096x4096x128", 1, 8, 2, 4096, 4096, 128, tier="nightly", causal=True),
 )
 

@@ -56,7 +56,9 @@ def _block_scores(q: torch.Tensor, k: torch.Tensor, block: int) -> torch.Tensor:
     return padded.view(h, t, blocks, block).amax(-1)
 
 
-def block_topk_reference(q: torch.Tensor, k: torch.Tensor, block: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_topk_reference(
+    q: torch.Tensor, k: torch.Tensor, block: int, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(kept block indices [heads, tokens, k'], block scores [heads, tokens, blocks]) with
     k' = min(top_k, blocks); the query's own block gets +inf so it is always kept."""
     scores = _block_scores(q, k, block)
@@ -70,8 +72,11 @@ def block_topk_reference(q: torch.Tensor, k: torch.Tensor, block: int, top_k: in
 
 register_operator(
     Operator(
-        name="block_topk", op_class="selection", reference=block_topk_reference,
-        make_inputs=sparse_inputs, cases=SPARSE_CASES,
+        name="block_topk",
+        op_class="selection",
+        reference=block_topk_reference,
+        make_inputs=sparse_inputs,
+        cases=SPARSE_CASES,
         outputs=(Output("blocks", kind="ties", ties_from="scores"), Output("scores")),
         description="score key blocks by max q.k, keep the top-k per query",
     )  # fmt: skip
@@ -79,7 +84,9 @@ register_operator(
 
 
 @candidate("block_topk", name="topk")
-def block_topk_torch(q: torch.Tensor, k: torch.Tensor, block: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_topk_torch(
+    q: torch.Tensor, k: torch.Tensor, block: int, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Block scores by a strided max-pool of the score matrix, then torch.topk."""
     t, s = q.shape[1], k.shape[1]
     scores = up(q) @ up(k).transpose(-1, -2) * q.shape[-1] ** -0.5
@@ -127,8 +134,11 @@ def sparse_attention_reference(
 
 register_operator(
     Operator(
-        name="block_sparse_attention", op_class="attention", reference=sparse_attention_reference,
-        make_inputs=sparse_attention_inputs, cases=SPARSE_ATTN_CASES,
+        name="block_sparse_attention",
+        op_class="attention",
+        reference=sparse_attention_reference,
+        make_inputs=sparse_attention_inputs,
+        cases=SPARSE_ATTN_CASES,
         reduction_length=lambda case: case["block"] * case["top_k"],
         description="attention over the kept key blocks only",
     )  # fmt: skip

@@ -34,7 +34,9 @@ def linear_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
     }
 
 
-def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     out = up(x) @ up(weight).T
     if bias is not None:
         out = out + up(bias)
@@ -66,7 +68,9 @@ SPLIT_K = 256
 
 
 @candidate("linear", name="split_k")
-def linear_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_split_k(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """Split-K: partial products over slices of K, summed in float32."""
     out = torch.zeros(x.shape[0], weight.shape[0], dtype=up(x).dtype, device=x.device)
     for start in range(0, x.shape[1], SPLIT_K):
@@ -83,7 +87,11 @@ MATMUL_CASES = tier_cases(
     Case("unaligned-2x31x1023x65", {"batch": 2, "m": 31, "k": 1023, "n": 65}),
     Case("large-2x8x256x8", {"batch": 2, "m": 8, "k": 256, "n": 8}, regime="large"),
     Case("heads-32x64x128x64", {"batch": 32, "m": 64, "k": 128, "n": 64}, tier="pr"),
-    Case("noncontig-4x33x100x7", {"batch": 4, "m": 33, "k": 100, "n": 7, "noncontiguous": True}, tier="pr"),
+    Case(
+        "noncontig-4x33x100x7",
+        {"batch": 4, "m": 33, "k": 100, "n": 7, "noncontiguous": True},
+        tier="pr",
+    ),
     Case("long-k-1x4x131072x4", {"batch": 1, "m": 4, "k": 131072, "n": 4}, tier="nightly"),
 )
 

@@ -53,8 +53,11 @@ def linear_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 register_operator(
     Operator(
-        name="linear_attention", op_class="scan", reference=linear_attention_reference,
-        make_inputs=linear_attention_inputs, cases=RECURRENT_CASES,
+        name="linear_attention",
+        op_class="scan",
+        reference=linear_attention_reference,
+        make_inputs=linear_attention_inputs,
+        cases=RECURRENT_CASES,
         reduction_length=lambda case: case["tokens"],
         description="causal linear attention (no decay, no normalization)",
     )  # fmt: skip
@@ -113,8 +116,11 @@ def gated_delta_rule_reference(
 
 register_operator(
     Operator(
-        name="gated_delta_rule", op_class="scan", reference=gated_delta_rule_reference,
-        make_inputs=delta_rule_inputs, cases=RECURRENT_CASES,
+        name="gated_delta_rule",
+        op_class="scan",
+        reference=gated_delta_rule_reference,
+        make_inputs=delta_rule_inputs,
+        cases=RECURRENT_CASES,
         reduction_length=lambda case: case["tokens"],
         hf_modules=("*GatedDeltaNet",),
         description="gated delta rule (Qwen3-Next linear attention)",
@@ -151,10 +157,14 @@ def gated_delta_rule_chunked(
         rhs = bc[..., None] * (vc - torch.exp(gc)[..., None] * (kc @ state))
         updates = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
         out[:, :, start : start + n] = scale * (
-            torch.exp(gc)[..., None] * (qc @ state) + ((qc @ kc.transpose(-1, -2)) * decay) @ updates
+            torch.exp(gc)[..., None] * (qc @ state)
+            + ((qc @ kc.transpose(-1, -2)) * decay) @ updates
         )
         last = gc[..., -1:]
-        state = torch.exp(last)[..., None] * state + (kc * torch.exp(last - gc)[..., None]).transpose(-1, -2) @ updates
+        state = (
+            torch.exp(last)[..., None] * state
+            + (kc * torch.exp(last - gc)[..., None]).transpose(-1, -2) @ updates
+        )
     return out.to(q.dtype)
 
 
@@ -179,7 +189,9 @@ def conv_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
     }
 
 
-def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def causal_conv1d_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
     """silu(sum_i w[c, i] x[c, t - (W-1) + i] + b[c]), zeros before the first token."""
     xf, wf = up(x), up(weight)
     width, t = weight.shape[1], x.shape[-1]
@@ -192,8 +204,11 @@ def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 register_operator(
     Operator(
-        name="causal_conv1d", op_class="elementwise", reference=causal_conv1d_reference,
-        make_inputs=conv_inputs, cases=CONV_CASES,
+        name="causal_conv1d",
+        op_class="elementwise",
+        reference=causal_conv1d_reference,
+        make_inputs=conv_inputs,
+        cases=CONV_CASES,
         description="causal depthwise conv1d + SiLU (before the gated delta rule)",
     )  # fmt: skip
 )
@@ -202,7 +217,9 @@ register_operator(
 @candidate("causal_conv1d", name="torch")
 def causal_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """F.conv1d with groups = channels and W-1 of left padding."""
-    out = F.conv1d(up(x), up(weight)[:, None, :], up(bias), padding=weight.shape[1] - 1, groups=x.shape[1])
+    out = F.conv1d(
+        up(x), up(weight)[:, None, :], up(bias), padding=weight.shape[1] - 1, groups=x.shape[1]
+    )
     return F.silu(out[..., : x.shape[-1]]).to(x.dtype)
 
 
@@ -211,4 +228,6 @@ def causal_conv1d_unfold(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """Sliding windows by unfold, then one multiply-sum per channel."""
     width = weight.shape[1]
     windows = F.pad(up(x), (width - 1, 0)).unfold(-1, width, 1)  # [b, c, t, width]
-    return F.silu((windows * up(weight)[None, :, None, :]).sum(-1) + up(bias)[None, :, None]).to(x.dtype)
+    return F.silu((windows * up(weight)[None, :, None, :]).sum(-1) + up(bias)[None, :, None]).to(
+        x.dtype
+    )

@@ -46,7 +46,9 @@ def routing_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
     return {
         "logits": logits,
         # DeepSeek-V3's e_score_correction_bias: kept in float32 by real checkpoints.
-        "bias": (torch.arange(e, dtype=torch.float64) % 7) * 1e-3 if case["scoring"] == "sigmoid" else None,
+        "bias": (torch.arange(e, dtype=torch.float64) % 7) * 1e-3
+        if case["scoring"] == "sigmoid"
+        else None,
         "top_k": case["top_k"],
         "scoring": case["scoring"],
         "renormalize": case["renormalize"],
@@ -74,7 +76,9 @@ def routing_reference(
         per_group = choice.view(t, groups, e // groups)
         group_score = per_group.sort(dim=-1, descending=True).values[..., :2].sum(-1)
         kept_groups = group_score.argsort(dim=-1, descending=True, stable=True)[:, :topk_groups]
-        keep = torch.zeros(t, groups, dtype=torch.bool, device=logits.device).scatter_(1, kept_groups, True)
+        keep = torch.zeros(t, groups, dtype=torch.bool, device=logits.device).scatter_(
+            1, kept_groups, True
+        )
         choice = choice.masked_fill(~keep.repeat_interleave(e // groups, dim=1), float("-inf"))
     experts = choice.argsort(dim=-1, descending=True, stable=True)[:, :top_k].sort(dim=-1).values
     weights = scores.gather(1, experts)
@@ -85,9 +89,16 @@ def routing_reference(
 
 register_operator(
     Operator(
-        name="moe_routing", op_class="selection", reference=routing_reference,
-        make_inputs=routing_inputs, cases=ROUTING_CASES,
-        outputs=(Output("weights"), Output("experts", kind="ties", ties_from="choice"), Output("choice")),
+        name="moe_routing",
+        op_class="selection",
+        reference=routing_reference,
+        make_inputs=routing_inputs,
+        cases=ROUTING_CASES,
+        outputs=(
+            Output("weights"),
+            Output("experts", kind="ties", ties_from="choice"),
+            Output("choice"),
+        ),
         hf_modules=("*TopkRouter", "*MoEGate", "*SparseMoeBlock"),
         description="router scoring, (grouped) top-k, renormalisation and scaling",
     )  # fmt: skip
@@ -153,7 +164,13 @@ def expert_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
     }
 
 
-def _expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _expert(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """SwiGLU expert in float32 with the intermediate stored in the input dtype."""
     hidden = (F.silu(up(x) @ up(w_gate).T) * (up(x) @ up(w_up).T)).to(dtype)
     return up(hidden) @ up(w_down).T
@@ -175,8 +192,11 @@ def experts_reference(
 
 register_operator(
     Operator(
-        name="moe_experts", op_class="matmul", reference=experts_reference,
-        make_inputs=expert_inputs, cases=EXPERT_CASES,
+        name="moe_experts",
+        op_class="matmul",
+        reference=experts_reference,
+        make_inputs=expert_inputs,
+        cases=EXPERT_CASES,
         reduction_length=lambda case: case["hidden"],
         hf_modules=("*Experts", "*SparseMoeBlock", "*MoE"),
         description="dispatch tokens to SwiGLU experts, weighted scatter-combine",

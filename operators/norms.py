@@ -38,7 +38,9 @@ def rms_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
     }
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * (offset + weight); Gemma uses offset 1."""
     xf = up(x)
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -68,14 +70,18 @@ register_operator(
 
 
 @candidate("rms_norm", name="torch")
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+def rms_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
     """torch's F.rms_norm on the upcast input."""
     xf = up(x)
     return F.rms_norm(xf, (x.shape[-1],), offset + up(weight), eps).to(x.dtype)
 
 
 @candidate("rms_norm", name="fused")
-def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+def rms_norm_fused(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
     """One fused expression: the weight folded into the scale before the multiply."""
     xf = up(x)
     inv = torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + eps)
@@ -93,7 +99,9 @@ def layer_norm_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
     }
 
 
-def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+def layer_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
     xf = up(x)
     mean = xf.mean(-1, keepdim=True)
     var = (xf - mean).pow(2).mean(-1, keepdim=True)
@@ -116,12 +124,16 @@ register_operator(
 
 
 @candidate("layer_norm", name="torch")
-def layer_norm_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+def layer_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
     return F.layer_norm(up(x), (x.shape[-1],), up(weight), up(bias), eps).to(x.dtype)
 
 
 @candidate("layer_norm", name="var_mean")
-def layer_norm_var_mean(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+def layer_norm_var_mean(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
     """torch.var_mean statistics (Welford on the CPU), then one fused multiply-add."""
     xf = up(x)
     if xf.numel() == 0:  # var_mean warns on empty reductions

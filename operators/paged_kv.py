@@ -43,13 +43,17 @@ def _valid(lengths: torch.Tensor, s: int) -> torch.Tensor:
     return torch.arange(s, device=lengths.device)[None, :] < lengths[:, None]
 
 
-def kv_gather_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def kv_gather_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
     """The keys each sequence holds, zeros past its length: what a gather must return."""
     valid = _valid(lengths.to(k.device), k.shape[1])
     return torch.where(valid[:, :, None, None], k, torch.zeros_like(k))
 
 
-def paged_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def paged_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
     """Decode attention: one query per sequence over its first ``lengths[b]`` keys."""
     group = q.shape[1] // k.shape[2]
     kf = up(k).repeat_interleave(group, 2)  # [b, s, hq, d]
@@ -62,15 +66,21 @@ def paged_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 register_operator(
     Operator(
-        name="paged_kv_gather", op_class="gather-scatter", reference=kv_gather_reference,
-        make_inputs=paged_inputs, cases=PAGED_CASES,
+        name="paged_kv_gather",
+        op_class="gather-scatter",
+        reference=kv_gather_reference,
+        make_inputs=paged_inputs,
+        cases=PAGED_CASES,
         description="write K into pages by slot mapping, gather back by block table",
     )  # fmt: skip
 )
 register_operator(
     Operator(
-        name="paged_attention", op_class="attention", reference=paged_attention_reference,
-        make_inputs=paged_inputs, cases=PAGED_CASES,
+        name="paged_attention",
+        op_class="attention",
+        reference=paged_attention_reference,
+        make_inputs=paged_inputs,
+        cases=PAGED_CASES,
         reduction_length=lambda case: max(case["lengths"]),
         description="decode attention over a paged KV cache",
     )  # fmt: skip
@@ -119,7 +129,9 @@ def _fill(k: torch.Tensor, lengths: torch.Tensor, page_size: int) -> PagedCache:
 
 
 def _gather_candidate(page_size: int) -> Callable[..., torch.Tensor]:
-    def gather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def gather(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
         cache = _fill(k, lengths, page_size)
         out = torch.zeros_like(k)
         for seq, n in enumerate(lengths.tolist()):
@@ -130,7 +142,9 @@ def _gather_candidate(page_size: int) -> Callable[..., torch.Tensor]:
 
 
 def _attention_candidate(page_size: int) -> Callable[..., torch.Tensor]:
-    def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def paged_attention(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
         """Page by page with an online softmax in float32 (vLLM's paged attention v1)."""
         kc, vc = _fill(k, lengths, page_size), _fill(v, lengths, page_size)
         group = q.shape[1] // k.shape[2]

@@ -64,12 +64,16 @@ def _rotate_gptj(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
 
 def rope_neox_reference(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     xf = up(x)
-    return _rotate_neox(xf, _angles(positions.to(x.device), x.shape[-1], theta, xf.dtype)).to(x.dtype)
+    return _rotate_neox(xf, _angles(positions.to(x.device), x.shape[-1], theta, xf.dtype)).to(
+        x.dtype
+    )
 
 
 def rope_gptj_reference(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     xf = up(x)
-    return _rotate_gptj(xf, _angles(positions.to(x.device), x.shape[-1], theta, xf.dtype)).to(x.dtype)
+    return _rotate_gptj(xf, _angles(positions.to(x.device), x.shape[-1], theta, xf.dtype)).to(
+        x.dtype
+    )
 
 
 def rope_partial_reference(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -95,14 +99,18 @@ def mrope_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
     return inputs
 
 
-def _mrope_angles(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype) -> torch.Tensor:
+def _mrope_angles(
+    positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype
+) -> torch.Tensor:
     """[tokens, dim // 2]: frequency i takes its position from the axis whose section holds i."""
     per_axis = torch.stack([_angles(p, dim, theta, dtype) for p in positions])  # [3, T, dim/2]
     scale = (dim // 2) / sum(MROPE_SECTIONS)
     bounds = [round(s * scale) for s in MROPE_SECTIONS]
     bounds[-1] = dim // 2 - sum(bounds[:-1])
     axis = torch.repeat_interleave(torch.arange(3), torch.tensor(bounds))
-    return per_axis.gather(0, axis.to(positions.device)[None, None, :].expand(1, per_axis.shape[1], -1))[0]
+    return per_axis.gather(
+        0, axis.to(positions.device)[None, None, :].expand(1, per_axis.shape[1], -1)
+    )[0]
 
 
 def mrope_reference(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -118,9 +126,15 @@ for _name, _ref, _inputs, _doc in (
     ("mrope", mrope_reference, mrope_inputs, "multimodal M-RoPE sections (Qwen2-VL)"),
 ):
     register_operator(
-        Operator(name=_name, op_class="elementwise", reference=_ref, make_inputs=_inputs,
-                 cases=ROPE_CASES, description=_doc,
-                 hf_modules=("*RotaryEmbedding",) if _name == "rope_neox" else ())  # fmt: skip
+        Operator(
+            name=_name,
+            op_class="elementwise",
+            reference=_ref,
+            make_inputs=_inputs,
+            cases=ROPE_CASES,
+            description=_doc,
+            hf_modules=("*RotaryEmbedding",) if _name == "rope_neox" else (),
+        )  # fmt: skip
     )
 
 

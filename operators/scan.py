@@ -33,8 +33,12 @@ def cumsum_reference(x: torch.Tensor) -> torch.Tensor:
 
 register_operator(
     Operator(
-        name="cumsum", op_class="scan", reference=cumsum_reference, make_inputs=cumsum_inputs,
-        cases=CUMSUM_CASES, reduction_length=lambda case: case["length"],
+        name="cumsum",
+        op_class="scan",
+        reference=cumsum_reference,
+        make_inputs=cumsum_inputs,
+        cases=CUMSUM_CASES,
+        reduction_length=lambda case: case["length"],
         description="inclusive prefix sum along the last dim",
     )  # fmt: skip
 )
@@ -85,15 +89,20 @@ def segment_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
     }
 
 
-def segment_sum_reference(x: torch.Tensor, segment_ids: torch.Tensor, segments: int) -> torch.Tensor:
+def segment_sum_reference(
+    x: torch.Tensor, segment_ids: torch.Tensor, segments: int
+) -> torch.Tensor:
     out = torch.zeros(segments, x.shape[1], dtype=up(x).dtype, device=x.device)
     return out.index_add_(0, segment_ids.to(x.device), up(x)).to(x.dtype)
 
 
 register_operator(
     Operator(
-        name="segment_sum", op_class="scan", reference=segment_sum_reference,
-        make_inputs=segment_inputs, cases=SEGMENT_CASES,
+        name="segment_sum",
+        op_class="scan",
+        reference=segment_sum_reference,
+        make_inputs=segment_inputs,
+        cases=SEGMENT_CASES,
         reduction_length=lambda case: max(1, case["rows"] // case["segments"]),
         description="sum of rows per sorted segment id (variable-length batches)",
     )  # fmt: skip
@@ -108,7 +117,9 @@ def segment_sum_scatter(x: torch.Tensor, segment_ids: torch.Tensor, segments: in
 
 
 @candidate("segment_sum", name="boundaries")
-def segment_sum_boundaries(x: torch.Tensor, segment_ids: torch.Tensor, segments: int) -> torch.Tensor:
+def segment_sum_boundaries(
+    x: torch.Tensor, segment_ids: torch.Tensor, segments: int
+) -> torch.Tensor:
     """Sorted ids: each segment is a contiguous run; sum each run with torch.sum."""
     counts = torch.bincount(segment_ids, minlength=segments).tolist()
     out = torch.zeros(segments, x.shape[1], dtype=up(x).dtype, device=x.device)

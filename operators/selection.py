@@ -35,8 +35,12 @@ def topk_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 register_operator(
     Operator(
-        name="topk", op_class="selection", reference=topk_reference, make_inputs=topk_inputs,
-        cases=TOPK_CASES, outputs=(Output("values"), Output("indices", kind="ties", ties_from="x")),
+        name="topk",
+        op_class="selection",
+        reference=topk_reference,
+        make_inputs=topk_inputs,
+        cases=TOPK_CASES,
+        outputs=(Output("values"), Output("indices", kind="ties", ties_from="x")),
         description="k largest values and their indices (sampling, routing)",
     )  # fmt: skip
 )
@@ -74,8 +78,12 @@ def sort_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 register_operator(
     Operator(
-        name="sort", op_class="selection", reference=sort_reference, make_inputs=sort_inputs,
-        cases=SORT_CASES, outputs=(Output("values"), Output("indices", kind="ties", ties_from="x")),
+        name="sort",
+        op_class="selection",
+        reference=sort_reference,
+        make_inputs=sort_inputs,
+        cases=SORT_CASES,
+        outputs=(Output("values"), Output("indices", kind="ties", ties_from="x")),
         description="ascending sort with the permutation",
     )  # fmt: skip
 )

@@ -15,7 +15,9 @@ if TYPE_CHECKING:
     import torch
 
 
-def _cast(inputs: Mapping[str, Any], dtype: torch.dtype, device: torch.device, strided: bool) -> dict[str, Any]:
+def _cast(
+    inputs: Mapping[str, Any], dtype: torch.dtype, device: torch.device, strided: bool
+) -> dict[str, Any]:
     """Floating tensors to ``dtype`` on ``device`` (non-contiguous when ``strided``); other
     tensors to ``device``; everything else as it is. Always fresh copies."""
     import torch
@@ -23,7 +25,9 @@ def _cast(inputs: Mapping[str, Any], dtype: torch.dtype, device: torch.device, s
     out: dict[str, Any] = {}
     for key, value in inputs.items():
         if isinstance(value, torch.Tensor):
-            moved = value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype, copy=True)
+            moved = value.to(
+                device=device, dtype=dtype if value.is_floating_point() else value.dtype, copy=True
+            )
             out[key] = noncontiguous(moved) if strided and moved.is_floating_point() else moved
         else:
             out[key] = value
@@ -53,7 +57,9 @@ _TRUTH_CACHE_SIZE = 4
 _truths: OrderedDict[tuple[str, str, str], tuple[dict[str, Any], dict[str, Any]]] = OrderedDict()
 
 
-def inputs_and_truth(op: Operator, case: Case, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
+def inputs_and_truth(
+    op: Operator, case: Case, dtype: torch.dtype
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The case's inputs rounded to ``dtype`` (on the CPU) and the reference's float64
     outputs on exactly those values, cached per worker.
 

@@ -221,11 +221,7 @@ def load_catalogue() -> None:
         return
     _loaded = True
     for module in CATALOGUE:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
+        importlib.import_module(module)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         ep.load()
 

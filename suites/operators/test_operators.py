@@ -35,7 +35,12 @@ def _make_test(op: Operator) -> Callable[..., None]:
             pytest.skip(reason)
         start = time.perf_counter()
         results = check_operator(
-            op, cand, case, getattr(torch, dtype_name), numalign_device, policy=tolerance_policy  # type: ignore[arg-type]
+            op,
+            cand,
+            case,
+            getattr(torch, dtype_name),
+            numalign_device,
+            policy=tolerance_policy,  # type: ignore[arg-type]
         )
         duration = time.perf_counter() - start
         for result in results:

@@ -118,3 +118,12 @@ def test_guarded_relative_error_near_zero() -> None:
     # not 1e23.
     m = compute_metrics(actual, expected)
     assert m.max_rel == pytest.approx(float(torch.tensor(1e-7, dtype=torch.float32)) / 2**-23)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_float8_on_both_sides(dtype: torch.dtype) -> None:
+    expected = torch.tensor([1.0, -2.0, 448.0 if dtype == torch.float8_e4m3fn else 512.0]).to(dtype)
+    actual = torch.tensor([1.0, -2.5, 0.0]).to(dtype)
+    m = compute_metrics(actual, expected)
+    assert m.max_expected == float(expected.double().abs().max())
+    assert m.worst_index == (2,)

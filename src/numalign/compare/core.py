@@ -116,19 +116,29 @@ def compare(
     if control is not None:
         control_metrics = compute_metrics(control, expected)
         multipliers = policy.budget(name, dtype, budget)
+        # Floors: one ulp of the output at its largest magnitude, and, for a reduction of
+        # length K, sqrt(K) ulps of the accumulator (float32; float64 for float64): honest
+        # kernels sum in other orders than the control, and sequential sums drift as sqrt(K).
+        walk = math.sqrt(reduction_length) if reduction_length and reduction_length > 1 else 0.0
+        acc_fmt = FLOAT_FORMATS["float64" if dtype == "float64" else "float32"]
         floor = _ulp(control_metrics.max_expected, fmt)
-        limit_max = multipliers.max_abs_multiplier * control_metrics.max_abs + floor
-        limit_l2 = multipliers.rel_l2_multiplier * control_metrics.rel_l2 + eps
+        accumulation = walk * _ulp(control_metrics.max_expected, acc_fmt)
+        limit_max = multipliers.max_abs_multiplier * control_metrics.max_abs + floor + accumulation
+        limit_l2 = (
+            multipliers.rel_l2_multiplier * control_metrics.rel_l2 + eps + walk * 2.0 ** -acc_fmt[0]
+        )
         metrics = compute_metrics(actual, expected, threshold=limit_max)
         result.budget = {
             "max_abs": limit_max,
             "max_abs_multiplier": multipliers.max_abs_multiplier,
             "control_max_abs": control_metrics.max_abs,
             "floor": floor,
+            "accumulation": accumulation,
             "rel_l2": limit_l2,
             "rel_l2_multiplier": multipliers.rel_l2_multiplier,
             "control_rel_l2": control_metrics.rel_l2,
             "eps": eps,
+            "accumulation_rel": walk * 2.0 ** -acc_fmt[0],
         }
         result.control = control_metrics
         result.budget_used = max(_over(metrics.max_abs, limit_max), _over(metrics.rel_l2, limit_l2))

@@ -83,11 +83,15 @@ class CompareResult:
     def budget_text(self) -> str:
         b = self.budget
         if "max_abs" in b:
+            walk_abs = f" + accumulation {_g(b['accumulation'])}" if b.get("accumulation") else ""
+            walk_rel = (
+                f" + accumulation {_g(b['accumulation_rel'])}" if b.get("accumulation_rel") else ""
+            )
             return (
                 f"max abs <= {_g(b['max_abs'])} = {_g(b['max_abs_multiplier'])} x control "
-                f"{_g(b['control_max_abs'])} + 1 ulp {_g(b['floor'])}; relative L2 <= "
+                f"{_g(b['control_max_abs'])} + 1 ulp {_g(b['floor'])}{walk_abs}; relative L2 <= "
                 f"{_g(b['rel_l2'])} = {_g(b['rel_l2_multiplier'])} x control "
-                f"{_g(b['control_rel_l2'])} + eps {_g(b['eps'])}"
+                f"{_g(b['control_rel_l2'])} + eps {_g(b['eps'])}{walk_rel}"
             )
         if "rtol" in b:
             text = (

@@ -59,7 +59,9 @@ def summarize(
     }
 
 
-def write_tables(run_dir: Path, records: list[dict[str, Any]], summary: dict[str, Any]) -> list[Path]:
+def write_tables(
+    run_dir: Path, records: list[dict[str, Any]], summary: dict[str, Any]
+) -> list[Path]:
     """Writes drift.csv (and drift.parquet when pyarrow is installed) and summary.json."""
     frame = records_frame(records)
     written = [run_dir / "drift.csv", run_dir / "summary.json"]

@@ -1,0 +1,153 @@
+"""Quantization: symmetric per-row int8 and per-tensor float8 (E4M3) quantize and dequantize.
+
+Quantized int8 values may differ by 1 where x / scale lands on a rounding tie or where a
+kernel multiplies by 1 / scale instead of dividing: ``atol = 1``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from numalign.cases import Case, values
+from numalign.registry import Operator, Output, candidate, register_operator
+from operators._common import tier_cases, up
+
+INT8_MAX = 127.0
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+QUANT_CASES = tier_cases(
+    Case("one-1x1", {"tokens": 1, "hidden": 1}),
+    Case("rows-8x4096", {"tokens": 8, "hidden": 4096}),
+    Case("outliers-16x4096", {"tokens": 16, "hidden": 4096}, regime="outliers"),
+    Case("small-4x1000", {"tokens": 4, "hidden": 1000}, regime="small"),
+    Case("unaligned-33x4097", {"tokens": 33, "hidden": 4097}, tier="pr"),
+    Case("zeros-row-3x64", {"tokens": 3, "hidden": 64, "zero_row": True}, tier="pr"),
+    Case("many-4096x4096", {"tokens": 4096, "hidden": 4096}, tier="nightly"),
+)
+
+
+def quant_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
+    x = values((case["tokens"], case["hidden"]), case.regime, gen)
+    if case.get("zero_row"):
+        x[1] = 0.0  # an all-zero row: the scale must not divide by zero
+    return {"x": x}
+
+
+def _row_scale(x: torch.Tensor) -> torch.Tensor:
+    absmax = up(x).abs().amax(-1, keepdim=True)
+    return torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))
+
+
+def quantize_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q = round(x / scale) with scale = max|x| / 127 per row (1 for an all-zero row)."""
+    scale = _row_scale(x)
+    q = torch.round(up(x) / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale.to(x.dtype)
+
+
+register_operator(
+    Operator(
+        name="quantize_int8",
+        op_class="quantization",
+        reference=quantize_int8_reference,
+        make_inputs=quant_inputs,
+        cases=QUANT_CASES,
+        outputs=(Output("q", kind="exact", atol=1.0), Output("scale")),
+        description="symmetric per-row int8 quantization",
+    )  # fmt: skip
+)
+
+
+@candidate("quantize_int8", name="reciprocal")
+def quantize_int8_reciprocal(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multiplies by 127 / max|x| (one reciprocal per row), as vectorized kernels do."""
+    absmax = up(x).abs().amax(-1, keepdim=True)
+    inv = torch.where(absmax > 0, INT8_MAX / absmax, torch.ones_like(absmax))
+    q = torch.round(up(x) * inv).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, (1.0 / inv).to(x.dtype)
+
+
+def dequant_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
+    q, scale = quantize_int8_reference(quant_inputs(case, gen)["x"])
+    return {"q": q, "scale": scale}
+
+
+def dequantize_int8_reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (q.to(up(scale).dtype) * up(scale)).to(scale.dtype)
+
+
+register_operator(
+    Operator(
+        name="dequantize_int8",
+        op_class="quantization",
+        reference=dequantize_int8_reference,
+        make_inputs=dequant_inputs,
+        cases=QUANT_CASES,
+        description="int8 values times their row scale",
+    )  # fmt: skip
+)
+
+
+@candidate("dequantize_int8", name="torch")
+def dequantize_int8_torch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Straight in the output dtype, as an unfused model does."""
+    return q.to(scale.dtype) * scale
+
+
+def _tensor_scale(x: torch.Tensor) -> torch.Tensor:
+    absmax = up(x).abs().amax()
+    return torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
+
+
+def quantize_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor scale max|x| / 448, values rounded to float8_e4m3fn."""
+    scale = _tensor_scale(x)
+    q = (up(x) / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.to(x.dtype)
+
+
+register_operator(
+    Operator(
+        name="quantize_fp8",
+        op_class="quantization",
+        reference=quantize_fp8_reference,
+        make_inputs=quant_inputs,
+        cases=QUANT_CASES,
+        outputs=(Output("q"), Output("scale")),
+        description="per-tensor float8 E4M3 quantization",
+    )  # fmt: skip
+)
+
+
+@candidate("quantize_fp8", name="reciprocal")
+def quantize_fp8_reciprocal(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = _tensor_scale(x)
+    q = (up(x) * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.to(x.dtype)
+
+
+def fp8_dequant_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
+    q, scale = quantize_fp8_reference(quant_inputs(case, gen)["x"])
+    return {"q": q, "scale": scale}
+
+
+def dequantize_fp8_reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (q.to(up(scale).dtype) * up(scale)).to(scale.dtype)
+
+
+register_operator(
+    Operator(
+        name="dequantize_fp8",
+        op_class="quantization",
+        reference=dequantize_fp8_reference,
+        make_inputs=fp8_dequant_inputs,
+        cases=QUANT_CASES,
+        description="float8 E4M3 values times the tensor scale",
+    )  # fmt: skip
+)
+
+
+@candidate("dequantize_fp8", name="torch")
+def dequantize_fp8_torch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (q.float() * scale.float()).to(scale.dtype)
