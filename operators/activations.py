@@ -71,11 +71,16 @@ def _gated(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable
 for _name, _ref, _inputs, _modules, _doc in (
     ("silu", silu_reference, _x_inputs, ("SiLU*", "SiLUActivation"), "x * sigmoid(x)"),
     ("gelu_erf", gelu_erf_reference, _x_inputs, ("GELUActivation", "GELU"), "exact GELU (erf)"),
-    ("gelu_tanh", gelu_tanh_reference, _x_inputs,
-     ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh"), "tanh-approximate GELU"),
+    (
+        "gelu_tanh",
+        gelu_tanh_reference,
+        _x_inputs,
+        ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh"),
+        "tanh-approximate GELU",
+    ),
     ("swiglu", _gated(swiglu_reference), _gated_inputs, (), "silu(gate) * up"),
     ("geglu", _gated(geglu_reference), _gated_inputs, (), "gelu_tanh(gate) * up"),
-):  # fmt: skip
+):
     register_operator(
         Operator(
             name=_name,
@@ -86,7 +91,7 @@ for _name, _ref, _inputs, _modules, _doc in (
             hf_modules=_modules,
             adapter=(lambda m: {}) if _modules else None,
             description=_doc,
-        )  # fmt: skip
+        )
     )
 
 

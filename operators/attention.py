@@ -14,8 +14,18 @@ from numalign.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
 
 
-def _case(name: str, b: int, hq: int, hkv: int, t: int, s: int, d: int, tier: str = "smoke",
-          regime: str = "ordinary", **options: Any) -> Case:  # fmt: skip
+def _case(
+    name: str,
+    b: int,
+    hq: int,
+    hkv: int,
+    t: int,
+    s: int,
+    d: int,
+    tier: str = "smoke",
+    regime: str = "ordinary",
+    **options: Any,
+) -> Case:
     params = {"batch": b, "q_heads": hq, "kv_heads": hkv, "tokens": t, "keys": s, "dim": d}
     return Case(name, params | options, regime=regime, tier=tier)
 
@@ -46,7 +56,7 @@ ATTENTION_CASES = tier_cases(
         causal=True,
         window=128,
         softcap=50.0,
-    ),  # fmt: skip
+    ),
     _case("long-1x8x2x4096x4096x128", 1, 8, 2, 4096, 4096, 128, tier="nightly", causal=True),
 )
 
@@ -59,13 +69,15 @@ def attention_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
     v = values((b, case["kv_heads"], s, d), "ordinary", gen)
     pad = case.get("pad_left") or (0,) * b
     return {
-        "q": q, "k": k, "v": v,
+        "q": q,
+        "k": k,
+        "v": v,
         "causal": bool(case.get("causal", False)),
         "window": case.get("window"),
         "softcap": case.get("softcap"),
         "scale": case.get("scale"),
         "pad_left": torch.tensor(pad, dtype=torch.int64),
-    }  # fmt: skip
+    }
 
 
 def attention_mask(
@@ -86,9 +98,15 @@ def attention_mask(
 
 
 def attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int | None,
-    softcap: float | None, scale: float | None, pad_left: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+    scale: float | None,
+    pad_left: torch.Tensor,
+) -> torch.Tensor:
     group = q.shape[1] // k.shape[1]
     qf, kf, vf = up(q), up(k).repeat_interleave(group, 1), up(v).repeat_interleave(group, 1)
     scores = qf @ kf.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
@@ -123,9 +141,15 @@ def _sdpa_supports(case: Case) -> str | None:
 
 @candidate("attention", name="sdpa", supports=_sdpa_supports)
 def attention_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int | None,
-    softcap: float | None, scale: float | None, pad_left: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+    scale: float | None,
+    pad_left: torch.Tensor,
+) -> torch.Tensor:
     mask = attention_mask(q.shape[2], k.shape[2], causal, window, pad_left.to(q.device))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
@@ -136,9 +160,15 @@ KV_TILE = 64
 
 @candidate("attention", name="tiled")
 def attention_tiled(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int | None,
-    softcap: float | None, scale: float | None, pad_left: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+    scale: float | None,
+    pad_left: torch.Tensor,
+) -> torch.Tensor:
     """Flash-attention style: KV tiles of 64 with a running max and sum in float32; query
     head h reads KV head h // (q_heads / kv_heads)."""
     b, hq, t, d = q.shape

@@ -18,8 +18,17 @@ from numalign.registry import Operator, Output, candidate, register_operator
 from operators._common import tier_cases, up
 
 
-def _case(name: str, heads: int, t: int, s: int, d: int, block: int, k: int,
-          tier: str = "smoke", regime: str = "ordinary") -> Case:  # fmt: skip
+def _case(
+    name: str,
+    heads: int,
+    t: int,
+    s: int,
+    d: int,
+    block: int,
+    k: int,
+    tier: str = "smoke",
+    regime: str = "ordinary",
+) -> Case:
     params = {"heads": heads, "tokens": t, "keys": s, "dim": d, "block": block, "top_k": k}
     return Case(name, params, regime=regime, tier=tier)
 
@@ -79,7 +88,7 @@ register_operator(
         cases=SPARSE_CASES,
         outputs=(Output("blocks", kind="ties", ties_from="scores"), Output("scores")),
         description="score key blocks by max q.k, keep the top-k per query",
-    )  # fmt: skip
+    )
 )
 
 
@@ -141,7 +150,7 @@ register_operator(
         cases=SPARSE_ATTN_CASES,
         reduction_length=lambda case: case["block"] * case["top_k"],
         description="attention over the kept key blocks only",
-    )  # fmt: skip
+    )
 )
 
 #: Keys up to which the masked-dense candidate runs: beyond it the dense score matrix costs

@@ -136,8 +136,13 @@ def matmul_tiled(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
     for i in range(0, a.shape[1], TILE):
         for j in range(0, b.shape[2], TILE):
-            acc = torch.zeros(a.shape[0], min(TILE, a.shape[1] - i), min(TILE, b.shape[2] - j),
-                              dtype=up(a).dtype, device=a.device)  # fmt: skip
+            acc = torch.zeros(
+                a.shape[0],
+                min(TILE, a.shape[1] - i),
+                min(TILE, b.shape[2] - j),
+                dtype=up(a).dtype,
+                device=a.device,
+            )
             for k in range(0, a.shape[2], TILE):
                 acc += up(a[:, i : i + TILE, k : k + TILE]) @ up(b[:, k : k + TILE, j : j + TILE])
             out[:, i : i + TILE, j : j + TILE] = acc.to(a.dtype)

@@ -22,10 +22,15 @@ RECURRENT_CASES = tier_cases(
     Case("small-1x2x37x16", {"batch": 1, "heads": 2, "tokens": 37, "dim": 16}),
     Case("chunk-edges-2x2x129x32", {"batch": 2, "heads": 2, "tokens": 129, "dim": 32}),
     Case("llm-1x4x256x128", {"batch": 1, "heads": 4, "tokens": 256, "dim": 128}, tier="pr"),
-    Case("outliers-1x2x200x64", {"batch": 1, "heads": 2, "tokens": 200, "dim": 64}, regime="outliers", tier="pr"),
+    Case(
+        "outliers-1x2x200x64",
+        {"batch": 1, "heads": 2, "tokens": 200, "dim": 64},
+        regime="outliers",
+        tier="pr",
+    ),
     Case("long-1x1x2048x64", {"batch": 1, "heads": 1, "tokens": 2048, "dim": 64}, tier="pr"),
     Case("long-1x1x32768x64", {"batch": 1, "heads": 1, "tokens": 32768, "dim": 64}, tier="nightly"),
-)  # fmt: skip
+)
 #: Chunk length of the chunked candidates (the chunk size of FLA's kernels).
 CHUNK = 64
 
@@ -60,7 +65,7 @@ register_operator(
         cases=RECURRENT_CASES,
         reduction_length=lambda case: case["tokens"],
         description="causal linear attention (no decay, no normalization)",
-    )  # fmt: skip
+    )
 )
 
 
@@ -128,7 +133,7 @@ register_operator(
         # float32 their worst element measured 4.6x the recurrent control's (the solve's
         # rounding), their overall error 2.9x. 8x keeps a margin; a wrong decay is 1e4x.
         budget=Budget(max_abs_multiplier=8.0, rel_l2_multiplier=4.0),
-    )  # fmt: skip
+    )
 )
 
 
@@ -172,12 +177,21 @@ CONV_CASES = tier_cases(
     Case("one-1x1x1-w4", {"batch": 1, "channels": 1, "tokens": 1, "width": 4}),
     Case("short-2x8x3-w4", {"batch": 2, "channels": 8, "tokens": 3, "width": 4}),
     Case("qwen3next-1x64x100-w4", {"batch": 1, "channels": 64, "tokens": 100, "width": 4}),
-    Case("large-1x16x50-w4", {"batch": 1, "channels": 16, "tokens": 50, "width": 4}, regime="large"),
+    Case(
+        "large-1x16x50-w4", {"batch": 1, "channels": 16, "tokens": 50, "width": 4}, regime="large"
+    ),
     Case("llm-2x4096x512-w4", {"batch": 2, "channels": 4096, "tokens": 512, "width": 4}, tier="pr"),
-    Case("noncontig-1x33x77-w3", {"batch": 1, "channels": 33, "tokens": 77, "width": 3, "noncontiguous": True},
-         tier="pr"),
-    Case("long-1x256x32768-w4", {"batch": 1, "channels": 256, "tokens": 32768, "width": 4}, tier="nightly"),
-)  # fmt: skip
+    Case(
+        "noncontig-1x33x77-w3",
+        {"batch": 1, "channels": 33, "tokens": 77, "width": 3, "noncontiguous": True},
+        tier="pr",
+    ),
+    Case(
+        "long-1x256x32768-w4",
+        {"batch": 1, "channels": 256, "tokens": 32768, "width": 4},
+        tier="nightly",
+    ),
+)
 
 
 def conv_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
@@ -210,7 +224,7 @@ register_operator(
         make_inputs=conv_inputs,
         cases=CONV_CASES,
         description="causal depthwise conv1d + SiLU (before the gated delta rule)",
-    )  # fmt: skip
+    )
 )
 
 

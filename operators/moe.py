@@ -21,18 +21,56 @@ from numalign.registry import Operator, Output, candidate, register_operator
 from operators._common import tier_cases, up
 
 ROUTING_CASES = tier_cases(
-    Case("one-1x2-top1", {"tokens": 1, "experts": 2, "top_k": 1, "scoring": "softmax", "renormalize": False}),
-    Case("mixtral-17x8-top2", {"tokens": 17, "experts": 8, "top_k": 2, "scoring": "softmax", "renormalize": True}),
-    Case("qwen3-33x128-top8", {"tokens": 33, "experts": 128, "top_k": 8, "scoring": "softmax", "renormalize": True}),
-    Case("dsv3-9x64-top8-g8", {"tokens": 9, "experts": 64, "top_k": 8, "scoring": "sigmoid", "renormalize": True,
-                               "groups": 8, "topk_groups": 4, "scaling": 2.5}),
-    Case("dsv3-257x256-top8-g8", {"tokens": 257, "experts": 256, "top_k": 8, "scoring": "sigmoid",
-                                  "renormalize": True, "groups": 8, "topk_groups": 4, "scaling": 2.5}, tier="pr"),
-    Case("softmax-norenorm-100x60-top4", {"tokens": 100, "experts": 60, "top_k": 4, "scoring": "softmax",
-                                          "renormalize": False}, tier="pr"),
-    Case("many-8192x128-top8", {"tokens": 8192, "experts": 128, "top_k": 8, "scoring": "softmax",
-                                "renormalize": True}, tier="nightly"),
-)  # fmt: skip
+    Case(
+        "one-1x2-top1",
+        {"tokens": 1, "experts": 2, "top_k": 1, "scoring": "softmax", "renormalize": False},
+    ),
+    Case(
+        "mixtral-17x8-top2",
+        {"tokens": 17, "experts": 8, "top_k": 2, "scoring": "softmax", "renormalize": True},
+    ),
+    Case(
+        "qwen3-33x128-top8",
+        {"tokens": 33, "experts": 128, "top_k": 8, "scoring": "softmax", "renormalize": True},
+    ),
+    Case(
+        "dsv3-9x64-top8-g8",
+        {
+            "tokens": 9,
+            "experts": 64,
+            "top_k": 8,
+            "scoring": "sigmoid",
+            "renormalize": True,
+            "groups": 8,
+            "topk_groups": 4,
+            "scaling": 2.5,
+        },
+    ),
+    Case(
+        "dsv3-257x256-top8-g8",
+        {
+            "tokens": 257,
+            "experts": 256,
+            "top_k": 8,
+            "scoring": "sigmoid",
+            "renormalize": True,
+            "groups": 8,
+            "topk_groups": 4,
+            "scaling": 2.5,
+        },
+        tier="pr",
+    ),
+    Case(
+        "softmax-norenorm-100x60-top4",
+        {"tokens": 100, "experts": 60, "top_k": 4, "scoring": "softmax", "renormalize": False},
+        tier="pr",
+    ),
+    Case(
+        "many-8192x128-top8",
+        {"tokens": 8192, "experts": 128, "top_k": 8, "scoring": "softmax", "renormalize": True},
+        tier="nightly",
+    ),
+)
 
 #: Spacing of router logit levels; bfloat16's spacing near 6 is 0.03, well below it.
 LEVEL_SPACING = 0.1
@@ -64,9 +102,15 @@ def _scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
 
 
 def routing_reference(
-    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring: str, renormalize: bool,
-    groups: int, topk_groups: int, scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    scoring: str,
+    renormalize: bool,
+    groups: int,
+    topk_groups: int,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (weights [T, k], experts [T, k], selection scores [T, E]); weights and experts
     are ordered by expert id, so that the order top-k returns them in does not matter."""
     scores = _scores(logits, scoring)
@@ -101,15 +145,21 @@ register_operator(
         ),
         hf_modules=("*TopkRouter", "*MoEGate", "*SparseMoeBlock"),
         description="router scoring, (grouped) top-k, renormalisation and scaling",
-    )  # fmt: skip
+    )
 )
 
 
 @candidate("moe_routing", name="topk")
 def routing_topk(
-    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring: str, renormalize: bool,
-    groups: int, topk_groups: int, scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    scoring: str,
+    renormalize: bool,
+    groups: int,
+    topk_groups: int,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch.topk per group and per token; group masks built with scatter."""
     scores = _scores(logits, scoring)
     choice = scores + (bias.to(scores) if bias is not None else 0.0)
@@ -120,8 +170,7 @@ def routing_topk(
         mask = torch.zeros_like(group_score).scatter_(1, kept, 1.0)
         mask = mask[:, :, None].expand(t, groups, e // groups).reshape(t, e)
         choice = choice.masked_fill(mask == 0, float("-inf"))
-    picked, experts = choice.topk(top_k, dim=-1)
-    experts, order = experts.sort(dim=-1)
+    experts = choice.topk(top_k, dim=-1).indices.sort(dim=-1).values
     weights = scores.gather(1, experts)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
@@ -130,14 +179,25 @@ def routing_topk(
 
 EXPERT_CASES = tier_cases(
     Case("one-1x1x2-top1", {"tokens": 1, "hidden": 8, "inter": 4, "experts": 2, "top_k": 1}),
-    Case("small-17x64x32x8-top2", {"tokens": 17, "hidden": 64, "inter": 32, "experts": 8, "top_k": 2}),
-    Case("unbalanced-40x48x24x16-top4", {"tokens": 40, "hidden": 48, "inter": 24, "experts": 16, "top_k": 4,
-                                        "skew": True}),
-    Case("outliers-64x256x128x16-top4", {"tokens": 64, "hidden": 256, "inter": 128, "experts": 16, "top_k": 4},
-         regime="outliers", tier="pr"),
-    Case("many-512x256x64x64-top8", {"tokens": 512, "hidden": 256, "inter": 64, "experts": 64, "top_k": 8},
-         tier="nightly"),
-)  # fmt: skip
+    Case(
+        "small-17x64x32x8-top2", {"tokens": 17, "hidden": 64, "inter": 32, "experts": 8, "top_k": 2}
+    ),
+    Case(
+        "unbalanced-40x48x24x16-top4",
+        {"tokens": 40, "hidden": 48, "inter": 24, "experts": 16, "top_k": 4, "skew": True},
+    ),
+    Case(
+        "outliers-64x256x128x16-top4",
+        {"tokens": 64, "hidden": 256, "inter": 128, "experts": 16, "top_k": 4},
+        regime="outliers",
+        tier="pr",
+    ),
+    Case(
+        "many-512x256x64x64-top8",
+        {"tokens": 512, "hidden": 256, "inter": 64, "experts": 64, "top_k": 8},
+        tier="nightly",
+    ),
+)
 
 
 def expert_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
@@ -177,9 +237,13 @@ def _expert(
 
 
 def experts_reference(
-    x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-    w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
     """Token by token, slot by slot: sum_j weight_j * expert_{e_j}(x_t)."""
     out = torch.zeros(x.shape, dtype=up(x).dtype, device=x.device)
     for t in range(x.shape[0]):
@@ -200,15 +264,19 @@ register_operator(
         reduction_length=lambda case: case["hidden"],
         hf_modules=("*Experts", "*SparseMoeBlock", "*MoE"),
         description="dispatch tokens to SwiGLU experts, weighted scatter-combine",
-    )  # fmt: skip
+    )
 )
 
 
 @candidate("moe_experts", name="grouped")
 def experts_grouped(
-    x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-    w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
     """Sort (token, slot) pairs by expert, gather their rows, one matmul per expert, then a
     weighted index_add back to the tokens (the grouped-GEMM layout of fused MoE kernels)."""
     flat_experts = experts.reshape(-1)
@@ -230,9 +298,13 @@ def experts_grouped(
 
 @candidate("moe_experts", name="dense")
 def experts_dense(
-    x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-    w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
     """Every expert on every token, combined with a dense [T, E] weight matrix."""
     dense = torch.zeros(x.shape[0], w_gate.shape[0], dtype=up(x).dtype, device=x.device)
     dense.scatter_(1, experts, up(weights))

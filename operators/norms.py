@@ -151,7 +151,7 @@ def add_rms_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
 def add_rms_norm_reference(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual' = x + residual (rounded to the dtype, as it is stored); out = RMSNorm(residual')."""
+    """r = x + residual, rounded to the dtype as it is stored; returns (RMSNorm(r), r)."""
     summed = (up(x) + up(residual)).to(x.dtype)
     return rms_norm_reference(summed, weight, eps, offset), summed
 

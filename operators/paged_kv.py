@@ -18,13 +18,27 @@ PAGE_SIZES = (16, 64)
 
 PAGED_CASES = tier_cases(
     Case("one-1x1x1x8", {"lengths": (1,), "kv_heads": 1, "q_heads": 1, "dim": 8}),
-    Case("boundaries-6x4x8x64", {"lengths": (15, 16, 17, 63, 64, 65), "kv_heads": 4, "q_heads": 8, "dim": 64}),
+    Case(
+        "boundaries-6x4x8x64",
+        {"lengths": (15, 16, 17, 63, 64, 65), "kv_heads": 4, "q_heads": 8, "dim": 64},
+    ),
     Case("ragged-3x2x8x128", {"lengths": (1, 200, 129), "kv_heads": 2, "q_heads": 8, "dim": 128}),
-    Case("large-2x2x4x64", {"lengths": (100, 37), "kv_heads": 2, "q_heads": 4, "dim": 64}, regime="large"),
-    Case("llm-4x8x32x128", {"lengths": (1024, 1, 513, 65), "kv_heads": 8, "q_heads": 32,
-                           "dim": 128}, tier="pr"),
-    Case("long-1x2x16x128", {"lengths": (32768,), "kv_heads": 2, "q_heads": 16, "dim": 128}, tier="nightly"),
-)  # fmt: skip
+    Case(
+        "large-2x2x4x64",
+        {"lengths": (100, 37), "kv_heads": 2, "q_heads": 4, "dim": 64},
+        regime="large",
+    ),
+    Case(
+        "llm-4x8x32x128",
+        {"lengths": (1024, 1, 513, 65), "kv_heads": 8, "q_heads": 32, "dim": 128},
+        tier="pr",
+    ),
+    Case(
+        "long-1x2x16x128",
+        {"lengths": (32768,), "kv_heads": 2, "q_heads": 16, "dim": 128},
+        tier="nightly",
+    ),
+)
 
 
 def paged_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
@@ -72,7 +86,7 @@ register_operator(
         make_inputs=paged_inputs,
         cases=PAGED_CASES,
         description="write K into pages by slot mapping, gather back by block table",
-    )  # fmt: skip
+    )
 )
 register_operator(
     Operator(
@@ -83,7 +97,7 @@ register_operator(
         cases=PAGED_CASES,
         reduction_length=lambda case: max(case["lengths"]),
         description="decode attention over a paged KV cache",
-    )  # fmt: skip
+    )
 )
 
 
@@ -93,8 +107,15 @@ class PagedCache:
     Pages are handed out in a shuffled order (seeded), so that a gather that ignores the
     block table fails."""
 
-    def __init__(self, lengths: torch.Tensor, page_size: int, heads: int, dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        lengths: torch.Tensor,
+        page_size: int,
+        heads: int,
+        dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.page_size = page_size
         self.lengths = lengths.to(device)
         per_seq = [math.ceil(int(n) / page_size) for n in lengths]

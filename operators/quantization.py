@@ -55,7 +55,7 @@ register_operator(
         cases=QUANT_CASES,
         outputs=(Output("q", kind="exact", atol=1.0), Output("scale")),
         description="symmetric per-row int8 quantization",
-    )  # fmt: skip
+    )
 )
 
 
@@ -85,7 +85,7 @@ register_operator(
         make_inputs=dequant_inputs,
         cases=QUANT_CASES,
         description="int8 values times their row scale",
-    )  # fmt: skip
+    )
 )
 
 
@@ -116,7 +116,7 @@ register_operator(
         cases=QUANT_CASES,
         outputs=(Output("q"), Output("scale")),
         description="per-tensor float8 E4M3 quantization",
-    )  # fmt: skip
+    )
 )
 
 
@@ -144,7 +144,7 @@ register_operator(
         make_inputs=fp8_dequant_inputs,
         cases=QUANT_CASES,
         description="float8 E4M3 values times the tensor scale",
-    )  # fmt: skip
+    )
 )
 
 

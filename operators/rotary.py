@@ -16,11 +16,24 @@ ROPE_CASES = tier_cases(
     Case("small-1x4x17x64", {"batch": 1, "heads": 4, "tokens": 17, "dim": 64}),
     Case("llm-1x32x64x128", {"batch": 1, "heads": 32, "tokens": 64, "dim": 128}),
     Case("far-2x2x8x128", {"batch": 2, "heads": 2, "tokens": 8, "dim": 128, "offset": 32760}),
-    Case("outliers-1x8x33x128", {"batch": 1, "heads": 8, "tokens": 33, "dim": 128}, regime="outliers", tier="pr"),
-    Case("noncontig-2x3x9x64", {"batch": 2, "heads": 3, "tokens": 9, "dim": 64, "noncontiguous": True}, tier="pr"),
+    Case(
+        "outliers-1x8x33x128",
+        {"batch": 1, "heads": 8, "tokens": 33, "dim": 128},
+        regime="outliers",
+        tier="pr",
+    ),
+    Case(
+        "noncontig-2x3x9x64",
+        {"batch": 2, "heads": 3, "tokens": 9, "dim": 64, "noncontiguous": True},
+        tier="pr",
+    ),
     Case("long-1x2x32768x64", {"batch": 1, "heads": 2, "tokens": 32768, "dim": 64}, tier="pr"),
-    Case("long-1x1x131072x128", {"batch": 1, "heads": 1, "tokens": 131072, "dim": 128}, tier="nightly"),
-)  # fmt: skip
+    Case(
+        "long-1x1x131072x128",
+        {"batch": 1, "heads": 1, "tokens": 131072, "dim": 128},
+        tier="nightly",
+    ),
+)
 #: RoPE base of Llama 3 and Qwen2 checkpoints.
 THETA = 500000.0
 #: Partial rotary: the fraction of each head rotated (GPT-NeoX, Phi, GLM use 0.25-0.5).
@@ -134,7 +147,7 @@ for _name, _ref, _inputs, _doc in (
             cases=ROPE_CASES,
             description=_doc,
             hf_modules=("*RotaryEmbedding",) if _name == "rope_neox" else (),
-        )  # fmt: skip
+        )
     )
 
 

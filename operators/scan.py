@@ -40,7 +40,7 @@ register_operator(
         cases=CUMSUM_CASES,
         reduction_length=lambda case: case["length"],
         description="inclusive prefix sum along the last dim",
-    )  # fmt: skip
+    )
 )
 
 
@@ -71,10 +71,15 @@ SEGMENT_CASES = tier_cases(
     Case("one-1x1-s1", {"rows": 1, "hidden": 1, "segments": 1}),
     Case("ragged-100x64-s7", {"rows": 100, "hidden": 64, "segments": 7}),
     Case("empty-segments-50x16-s20", {"rows": 50, "hidden": 16, "segments": 20, "gaps": True}),
-    Case("outliers-1000x128-s33", {"rows": 1000, "hidden": 128, "segments": 33}, regime="outliers", tier="pr"),
+    Case(
+        "outliers-1000x128-s33",
+        {"rows": 1000, "hidden": 128, "segments": 33},
+        regime="outliers",
+        tier="pr",
+    ),
     Case("long-32768x64-s5", {"rows": 32768, "hidden": 64, "segments": 5}, tier="pr"),
     Case("long-262144x64-s17", {"rows": 262144, "hidden": 64, "segments": 17}, tier="nightly"),
-)  # fmt: skip
+)
 
 
 def segment_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
@@ -105,7 +110,7 @@ register_operator(
         cases=SEGMENT_CASES,
         reduction_length=lambda case: max(1, case["rows"] // case["segments"]),
         description="sum of rows per sorted segment id (variable-length batches)",
-    )  # fmt: skip
+    )
 )
 
 

@@ -19,7 +19,7 @@ TOPK_CASES = tier_cases(
     Case("vocab-2x151936-k40", {"rows": 2, "length": 151936, "k": 40}, tier="pr"),
     Case("noncontig-5x77-k3", {"rows": 5, "length": 77, "k": 3, "noncontiguous": True}, tier="pr"),
     Case("long-1x1048576-k1024", {"rows": 1, "length": 1048576, "k": 1024}, tier="nightly"),
-)  # fmt: skip
+)
 
 
 def topk_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
@@ -42,7 +42,7 @@ register_operator(
         cases=TOPK_CASES,
         outputs=(Output("values"), Output("indices", kind="ties", ties_from="x")),
         description="k largest values and their indices (sampling, routing)",
-    )  # fmt: skip
+    )
 )
 
 
@@ -85,7 +85,7 @@ register_operator(
         cases=SORT_CASES,
         outputs=(Output("values"), Output("indices", kind="ties", ties_from="x")),
         description="ascending sort with the permutation",
-    )  # fmt: skip
+    )
 )
 
 

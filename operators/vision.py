@@ -16,13 +16,26 @@ from operators._common import tier_cases, up
 PATCH_CASES = tier_cases(
     Case("one-1x1x1x1-e1", {"patches": 1, "channels": 1, "frames": 1, "patch": 1, "embed": 1}),
     Case("small-7x3x2x4-e16", {"patches": 7, "channels": 3, "frames": 2, "patch": 4, "embed": 16}),
-    Case("qwen2vl-64x3x2x14-e1280", {"patches": 64, "channels": 3, "frames": 2, "patch": 14, "embed": 1280}),
-    Case("large-9x3x2x14-e64", {"patches": 9, "channels": 3, "frames": 2, "patch": 14, "embed": 64}, regime="large"),
-    Case("image-1024x3x2x14-e1280", {"patches": 1024, "channels": 3, "frames": 2, "patch": 14, "embed": 1280},
-         tier="pr"),
-    Case("video-16384x3x2x14-e1280", {"patches": 16384, "channels": 3, "frames": 2, "patch": 14, "embed": 1280},
-         tier="nightly"),
-)  # fmt: skip
+    Case(
+        "qwen2vl-64x3x2x14-e1280",
+        {"patches": 64, "channels": 3, "frames": 2, "patch": 14, "embed": 1280},
+    ),
+    Case(
+        "large-9x3x2x14-e64",
+        {"patches": 9, "channels": 3, "frames": 2, "patch": 14, "embed": 64},
+        regime="large",
+    ),
+    Case(
+        "image-1024x3x2x14-e1280",
+        {"patches": 1024, "channels": 3, "frames": 2, "patch": 14, "embed": 1280},
+        tier="pr",
+    ),
+    Case(
+        "video-16384x3x2x14-e1280",
+        {"patches": 16384, "channels": 3, "frames": 2, "patch": 14, "embed": 1280},
+        tier="nightly",
+    ),
+)
 
 
 def patch_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
@@ -52,7 +65,7 @@ register_operator(
         hf_modules=("*PatchEmbed",),
         adapter=lambda m: {"weight": m.proj.weight},
         description="vision patch embedding (Conv3d, kernel = stride)",
-    )  # fmt: skip
+    )
 )
 
 
@@ -97,7 +110,7 @@ register_operator(
         hf_modules=("Embedding", "*ScaledWordEmbedding"),
         adapter=lambda m: {"table": m.weight},
         description="token embedding lookup",
-    )  # fmt: skip
+    )
 )
 
 

@@ -104,10 +104,15 @@ def check_operator(
         a = actual[output.name]
         if output.kind == "float":
             result = compare(
-                a, truth[output.name], control=control[output.name].to(a.device),
-                op_class=op.op_class, reduction_length=reduction, name=name, policy=policy,
+                a,
+                truth[output.name],
+                control=control[output.name].to(a.device),
+                op_class=op.op_class,
+                reduction_length=reduction,
+                name=name,
+                policy=policy,
                 budget=op.budget,
-            )  # fmt: skip
+            )
         elif output.kind == "exact":
             tol = Tolerance(rtol=0.0, atol=output.atol) if output.atol else None
             result = compare(a, control[output.name], tolerance=tol, name=name)

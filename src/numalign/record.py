@@ -25,10 +25,26 @@ USER_PROPERTY = "numalign.drift"
 
 #: Fields of a record, in the order the tables show them.
 FIELDS: tuple[str, ...] = (
-    "schema", "test_id", "suite", "point", "candidate", "device", "dtype", "case", "shape",
-    "verdict", "rule", "reason", "budget_used", "duration_s", "golden_fingerprint", "swap",
-    "metrics", "budget", "message",
-)  # fmt: skip
+    "schema",
+    "test_id",
+    "suite",
+    "point",
+    "candidate",
+    "device",
+    "dtype",
+    "case",
+    "shape",
+    "verdict",
+    "rule",
+    "reason",
+    "budget_used",
+    "duration_s",
+    "golden_fingerprint",
+    "swap",
+    "metrics",
+    "budget",
+    "message",
+)
 
 
 def make_record(
@@ -70,10 +86,14 @@ def make_record(
 
 def crashed_record(test_id: str, message: str) -> dict[str, Any]:
     """The record of a test whose worker died while running it."""
-    return {
-        field: None for field in FIELDS
-    } | {"schema": SCHEMA_VERSION, "test_id": test_id, "verdict": "crashed", "rule": "crashed",
-         "reason": "the worker process died while running this test", "message": message}  # fmt: skip
+    return {field: None for field in FIELDS} | {
+        "schema": SCHEMA_VERSION,
+        "test_id": test_id,
+        "verdict": "crashed",
+        "rule": "crashed",
+        "reason": "the worker process died while running this test",
+        "message": message,
+    }
 
 
 def record_key(record: dict[str, Any]) -> str:

@@ -45,9 +45,13 @@ def _make_test(op: Operator) -> Callable[..., None]:
         duration = time.perf_counter() - start
         for result in results:
             record_drift(
-                result, suite="operators", candidate=cand.name, device=str(numalign_device),
-                case=case.name, duration_s=duration,
-            )  # fmt: skip
+                result,
+                suite="operators",
+                candidate=cand.name,
+                device=str(numalign_device),
+                case=case.name,
+                duration_s=duration,
+            )
         failed = [r for r in results if not r.passed]
         if failed:
             pytest.fail(

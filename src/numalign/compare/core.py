@@ -24,9 +24,9 @@ from numalign.compare.tolerances import (
     DISTRIBUTION_THRESHOLDS,
     DTYPE_TOLERANCES,
     FLOAT_FORMATS,
-    Budget,
     OP_CLASSES,
     ZERO_EXCESS_FRACTION,
+    Budget,
     Tolerance,
     TolerancePolicy,
 )
@@ -216,10 +216,19 @@ class _Builder:
     def _build(self, passed: bool, rule: str, reason: str, hint: str | None) -> CompareResult:
         assert self.metrics is not None
         return CompareResult(
-            name=self.name, dtype=self.dtype, shape=self.shape, op_class=self.op_class,
-            passed=passed, rule=rule, reason=reason, metrics=self.metrics, control=self.control,
-            budget=self.budget, budget_used=self.budget_used, hint=hint,
-        )  # fmt: skip
+            name=self.name,
+            dtype=self.dtype,
+            shape=self.shape,
+            op_class=self.op_class,
+            passed=passed,
+            rule=rule,
+            reason=reason,
+            metrics=self.metrics,
+            control=self.control,
+            budget=self.budget,
+            budget_used=self.budget_used,
+            hint=hint,
+        )
 
     def ok(self, rule: str, reason: str) -> CompareResult:
         return self._build(True, rule, reason, None)
@@ -245,11 +254,28 @@ class _Builder:
 def _empty_metrics(numel: int) -> Metrics:
     nan = math.nan
     return Metrics(
-        numel=numel, max_abs=nan, max_rel=nan, mean_abs=nan, rmse=nan, rel_l2=nan, cosine=nan,
-        ulp_max=nan, ulp_p99=nan, mismatch_count=numel, tolerance_ratio=nan, nan_actual=0,
-        nan_expected=0, inf_actual=0, inf_expected=0, norm_ratio=nan, zero_fraction_actual=nan,
-        max_expected=nan, worst_index=None, worst_actual=None, worst_expected=None,
-    )  # fmt: skip
+        numel=numel,
+        max_abs=nan,
+        max_rel=nan,
+        mean_abs=nan,
+        rmse=nan,
+        rel_l2=nan,
+        cosine=nan,
+        ulp_max=nan,
+        ulp_p99=nan,
+        mismatch_count=numel,
+        tolerance_ratio=nan,
+        nan_actual=0,
+        nan_expected=0,
+        inf_actual=0,
+        inf_expected=0,
+        norm_ratio=nan,
+        zero_fraction_actual=nan,
+        max_expected=nan,
+        worst_index=None,
+        worst_actual=None,
+        worst_expected=None,
+    )
 
 
 def _ulp(magnitude: float, fmt: tuple[int, int]) -> float:

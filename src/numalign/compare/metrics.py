@@ -165,12 +165,26 @@ def compute_metrics(
     n = a.numel()
     if n == 0:
         return Metrics(
-            numel=numel, max_abs=0.0, max_rel=0.0, mean_abs=0.0, rmse=0.0, rel_l2=0.0,
-            cosine=1.0, ulp_max=0.0, ulp_p99=0.0, mismatch_count=nonfinite_mismatches,
-            tolerance_ratio=0.0, norm_ratio=1.0,
-            zero_fraction_actual=0.0, max_expected=0.0, worst_index=None, worst_actual=None,
-            worst_expected=None, nonfinite_index=nonfinite_index, **counts,
-        )  # fmt: skip
+            numel=numel,
+            max_abs=0.0,
+            max_rel=0.0,
+            mean_abs=0.0,
+            rmse=0.0,
+            rel_l2=0.0,
+            cosine=1.0,
+            ulp_max=0.0,
+            ulp_p99=0.0,
+            mismatch_count=nonfinite_mismatches,
+            tolerance_ratio=0.0,
+            norm_ratio=1.0,
+            zero_fraction_actual=0.0,
+            max_expected=0.0,
+            worst_index=None,
+            worst_actual=None,
+            worst_expected=None,
+            nonfinite_index=nonfinite_index,
+            **counts,
+        )
 
     f64 = torch.float64
     max_expected = _max_abs(e)

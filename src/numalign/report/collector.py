@@ -38,7 +38,7 @@ class DriftCollector:
 
     # -- pytest hooks -------------------------------------------------------------------------
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.when == "???":  # xdist's report for a test whose worker died
+        if str(report.when) == "???":  # xdist's report for a test whose worker died
             self.writer.write(crashed_record(report.nodeid, str(report.longrepr)))
             self.outcomes[report.nodeid] = "crashed"
             return

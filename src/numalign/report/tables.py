@@ -12,13 +12,36 @@ if TYPE_CHECKING:
 
 #: Metric columns flattened into the drift table.
 METRIC_COLUMNS: tuple[str, ...] = (
-    "max_abs", "max_rel", "mean_abs", "rmse", "rel_l2", "cosine", "ulp_max", "ulp_p99",
-    "mismatch_fraction", "nan_actual", "inf_actual", "norm_ratio",
-)  # fmt: skip
+    "max_abs",
+    "max_rel",
+    "mean_abs",
+    "rmse",
+    "rel_l2",
+    "cosine",
+    "ulp_max",
+    "ulp_p99",
+    "mismatch_fraction",
+    "nan_actual",
+    "inf_actual",
+    "norm_ratio",
+)
 TABLE_COLUMNS: tuple[str, ...] = (
-    "test_id", "suite", "point", "candidate", "device", "dtype", "case", "verdict", "rule",
-    "budget_used", "duration_s", "swap", "golden_fingerprint", *METRIC_COLUMNS, "reason",
-)  # fmt: skip
+    "test_id",
+    "suite",
+    "point",
+    "candidate",
+    "device",
+    "dtype",
+    "case",
+    "verdict",
+    "rule",
+    "budget_used",
+    "duration_s",
+    "swap",
+    "golden_fingerprint",
+    *METRIC_COLUMNS,
+    "reason",
+)
 
 
 def records_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
