@@ -22,6 +22,8 @@ NORM_CASES = tier_cases(
     Case("large-4x5120", {"tokens": 4, "hidden": 5120}, regime="large", tier="pr"),
     Case("noncontig-9x768", {"tokens": 9, "hidden": 768, "noncontiguous": True}, tier="pr"),
     Case("empty-0x4096", {"tokens": 0, "hidden": 4096}, tier="pr"),
+    # rows whose mean (30) is far above their spread (1): one-pass variance cancels
+    Case("offset-8x4096", {"tokens": 8, "hidden": 4096, "mean": 30.0}, tier="pr"),
     Case("many-4096x8192", {"tokens": 4096, "hidden": 8192}, tier="nightly"),
 )
 #: Epsilon of Llama-family checkpoints; it dominates inputs with mean square near 1e-4 or less.
@@ -31,7 +33,7 @@ EPS = 1e-5
 def rms_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
     h = case["hidden"]
     return {
-        "x": values((case["tokens"], h), case.regime, gen),
+        "x": values((case["tokens"], h), case.regime, gen) + case.get("mean", 0.0),
         "weight": 1.0 + 0.1 * values((h,), "ordinary", gen),
         "eps": EPS,
         "offset": 0.0,
@@ -92,7 +94,7 @@ def layer_norm_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
     h = case["hidden"]
     return {
         # a mean offset, which a one-pass variance formula handles badly
-        "x": values((case["tokens"], h), case.regime, gen) + 0.5,
+        "x": values((case["tokens"], h), case.regime, gen) + case.get("mean", 0.5),
         "weight": 1.0 + 0.1 * values((h,), "ordinary", gen),
         "bias": 0.1 * values((h,), "ordinary", gen),
         "eps": EPS,

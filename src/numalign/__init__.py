@@ -14,6 +14,7 @@ from numalign.compare import (
     compare,
     load_policy,
 )
+from numalign.registry import candidate
 
 try:
     __version__ = version("numalign")
@@ -27,6 +28,7 @@ __all__ = [
     "TolerancePolicy",
     "__version__",
     "assert_aligned",
+    "candidate",
     "compare",
     "load_policy",
 ]
