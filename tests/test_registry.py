@@ -40,7 +40,8 @@ def test_every_operator_has_a_builtin_candidate_and_cases_at_every_tier() -> Non
 
 
 def test_unknown_operator_suggests_the_closest_name() -> None:
-    with pytest.raises(RegistryError, match="Unknown operator 'rms_nrom'. Did you mean 'rms_norm'"):
+    message = r"Unknown operator 'rms_nrom'\. Did you mean 'rms_norm'"
+    with pytest.raises(RegistryError, match=message):
         numalign.candidate("rms_nrom", name="x")(lambda x: x)
     with pytest.raises(RegistryError, match="Did you mean 'attention'"):
         candidates("atention")
