@@ -5,6 +5,61 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+
+def _report(args: argparse.Namespace) -> int:
+    """numalign report RUN | numalign report merge RUN... --out DIR"""
+    from numalign.report import merge_runs, render_run
+
+    paths = [Path(p) for p in args.paths]
+    if args.paths[0] == "merge":
+        if len(paths) < 2 or args.out is None:
+            print(
+                "numalign report merge: give the run folders to merge and --out DIR",
+                file=sys.stderr,
+            )
+            return 2
+        run_dir = merge_runs(_existing(paths[1:]), Path(args.out))
+    elif len(paths) == 1:
+        run_dir = _existing(paths)[0]
+    else:
+        print(
+            "numalign report: one run folder (or: numalign report merge RUN... --out DIR)",
+            file=sys.stderr,
+        )
+        return 2
+    baseline = Path(args.baseline) if args.baseline else None
+    if baseline is not None and not baseline.exists():
+        print(
+            f"numalign report: --baseline {baseline}: no such run folder or records file",
+            file=sys.stderr,
+        )
+        return 2
+    rendered = render_run(
+        run_dir,
+        baseline=baseline,
+        factor=args.factor,
+        history=Path(args.history) if args.history else None,
+        append=False,
+    )
+    for path in rendered.written:
+        print(path)
+    if rendered.diff is not None:
+        print(f"{len(rendered.diff.regressed)} regression(s) against {baseline}")
+        if rendered.diff.regressed and args.fail_on_regression:
+            return 1
+    return 0
+
+
+def _existing(paths: list[Path]) -> list[Path]:
+    missing = [p for p in paths if not (p / "records.jsonl").is_file()]
+    if missing:
+        raise SystemExit(
+            f"numalign report: no records.jsonl in {', '.join(map(str, missing))}: give run "
+            "folders as written under --report-dir (reports/<run-id>/)"
+        )
+    return paths
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,7 +71,22 @@ def build_parser() -> argparse.ArgumentParser:
         "The suites run under pytest: pytest -n auto suites/",
     )
     parser.add_argument("--version", action="version", version=f"numalign {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    report = commands.add_parser(
+        "report",
+        help="render a run's drift report (or merge runs: report merge RUN... --out DIR)",
+        description="Re-renders drift.html, drift.csv and summary.json of a run folder, "
+        "optionally against a baseline run; 'report merge RUN... --out DIR' first joins "
+        "the records of several runs (shards, machines) into DIR.",
+    )
+    report.add_argument("paths", nargs="+", metavar="RUN", help="a run folder, or: merge RUN...")
+    report.add_argument("--baseline", help="a run folder or records.jsonl to compare against")
+    report.add_argument("--factor", type=float, default=2.0, help="regression factor (default 2)")
+    report.add_argument("--history", help="history file whose trend the report draws")
+    report.add_argument("--out", help="output run folder of 'report merge'")
+    report.add_argument("--fail-on-regression", action="store_true", help="exit 1 on regressions")
+    report.set_defaults(handler=_report)
     return parser
 
 
@@ -26,10 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    handler = getattr(args, "handler", None)
-    if handler is None:  # pragma: no cover - every registered command sets a handler
-        parser.error(f"command {args.command!r} has no handler")
-    return int(handler(args))
+    return int(args.handler(args))
 
 
 if __name__ == "__main__":

@@ -104,6 +104,30 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
         "",
     ),
     (
+        "--regression-factor",
+        "numalign_regression_factor",
+        "a record regresses when its use of budget grows beyond this factor (default 2)",
+        {},
+        "string",
+        "2.0",
+    ),
+    (
+        "--fail-on-regression",
+        "numalign_fail_on_regression",
+        "fail the session when a record regressed against --drift-baseline",
+        {"action": "store_true", "default": None},
+        "bool",
+        False,
+    ),
+    (
+        "--history",
+        "numalign_history",
+        "history file runs are appended to (default <report-dir>/history.jsonl)",
+        {},
+        "string",
+        "",
+    ),
+    (
         "--allow-tf32",
         "numalign_allow_tf32",
         "allow TF32 matmuls on CUDA (off by default)",
@@ -143,6 +167,17 @@ def settings_from_config(config: pytest.Config) -> Settings:
                 "folder of sets (see numalign capture)"
             )
     baseline = str(_value(config, "numalign_drift_baseline") or "")
+    if baseline and not Path(baseline).exists():
+        raise pytest.UsageError(
+            f"numalign: --drift-baseline {baseline}: no such run folder or records file"
+        )
+    try:
+        factor = float(_value(config, "numalign_regression_factor"))
+    except ValueError:
+        factor = 0.0
+    if not factor > 1.0:
+        raise pytest.UsageError("numalign: --regression-factor must be a number above 1")
+    history = str(_value(config, "numalign_history") or "")
     return Settings(
         device=device,
         device_plugins=tuple(_value(config, "numalign_device_plugins")),
@@ -152,6 +187,9 @@ def settings_from_config(config: pytest.Config) -> Settings:
         candidate_modules=tuple(_value(config, "numalign_candidates")),
         report_dir=Path(str(_value(config, "numalign_report_dir"))),
         baseline=Path(baseline) if baseline else None,
+        regression_factor=factor,
+        fail_on_regression=bool(_value(config, "numalign_fail_on_regression")),
+        history=Path(history) if history else None,
         allow_tf32=bool(_value(config, "numalign_allow_tf32")),
     )
 

@@ -183,3 +183,11 @@ class NodeRecorder:
         record = make_record(result, test_id=self.nodeid, **context)
         self.user_properties.append((USER_PROPERTY, record))
         return record
+
+    def skipped(self, reason: str, **context: Any) -> dict[str, Any]:
+        """Records a comparison that cannot run here (so summaries count it per dtype)."""
+        record = {field: None for field in FIELDS} | context
+        record |= {"schema": SCHEMA_VERSION, "test_id": self.nodeid, "verdict": "skipped",
+                   "rule": "skipped", "reason": reason}  # fmt: skip
+        self.user_properties.append((USER_PROPERTY, record))
+        return record

@@ -27,6 +27,9 @@ class Settings:
     candidate_modules: tuple[str, ...] = ()
     report_dir: Path = Path("reports")
     baseline: Path | None = None
+    regression_factor: float = 2.0
+    fail_on_regression: bool = False
+    history: Path | None = None
     allow_tf32: bool = False
 
     def tier_rank(self) -> int:

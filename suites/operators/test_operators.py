@@ -15,6 +15,7 @@ import torch
 
 from numalign.cases import Case
 from numalign.opcheck import check_operator
+from numalign.record import NodeRecorder
 from numalign.registry import OPERATORS, Candidate, Operator, candidates, load_catalogue
 
 load_catalogue()
@@ -26,12 +27,15 @@ def _make_test(op: Operator) -> Callable[..., None]:
         op_case: tuple[Candidate, str, Case],
         numalign_device: torch.device,
         tolerance_policy: object,
-        record_drift: Callable[..., object],
+        record_drift: NodeRecorder,
     ) -> None:
         __tracebackhide__ = True
         cand, dtype_name, case = op_case
+        context = {"suite": "operators", "candidate": cand.name, "device": str(numalign_device),
+                   "case": case.name}  # fmt: skip
         reason = cand.skip_reason(numalign_device.type, dtype_name, case)
         if reason:
+            record_drift.skipped(reason, point=op.name, dtype=dtype_name, **context)
             pytest.skip(reason)
         start = time.perf_counter()
         results = check_operator(
@@ -44,14 +48,7 @@ def _make_test(op: Operator) -> Callable[..., None]:
         )
         duration = time.perf_counter() - start
         for result in results:
-            record_drift(
-                result,
-                suite="operators",
-                candidate=cand.name,
-                device=str(numalign_device),
-                case=case.name,
-                duration_s=duration,
-            )
+            record_drift(result, duration_s=duration, **context)
         failed = [r for r in results if not r.passed]
         if failed:
             pytest.fail(

@@ -70,6 +70,9 @@ class Metrics:
     worst_expected: float | None
     #: position of the first non-finite mismatch (NaN or Inf where the other side differs)
     nonfinite_index: tuple[int, ...] | None = None
+    #: error histogram: (floor(log2(ulp error)), count) per occupied octave; None for the
+    #: errors below 2**-126 ulp (exact, in practice)
+    ulp_octaves: tuple[tuple[int | None, int], ...] = ()
 
     @property
     def mismatch_fraction(self) -> float:
@@ -183,7 +186,10 @@ def compute_metrics(
             worst_actual=None,
             worst_expected=None,
             nonfinite_index=nonfinite_index,
-            **counts,
+            nan_actual=counts["nan_actual"],
+            nan_expected=counts["nan_expected"],
+            inf_actual=counts["inf_actual"],
+            inf_expected=counts["inf_expected"],
         )
 
     f64 = torch.float64
@@ -259,6 +265,7 @@ def compute_metrics(
     worst_flat = int(chunk_arg[which])
     max_abs = float(maxes[which])
     ulp_p99 = _percentile_from_hist(ulps, hist, n, 0.99)
+    ulp_octaves = _octaves(hist)
     norm_a, norm_e = math.sqrt(float(sq_a)), math.sqrt(float(sq_e))
     original_flat = int(positions[worst_flat]) if positions is not None else worst_flat
     return Metrics(
@@ -280,7 +287,18 @@ def compute_metrics(
         worst_actual=float(a[worst_flat]),
         worst_expected=float(e[worst_flat]),
         nonfinite_index=nonfinite_index,
+        ulp_octaves=ulp_octaves,
         **counts,
+    )
+
+
+def _octaves(hist: torch.Tensor) -> tuple[tuple[int | None, int], ...]:
+    """Sums the float32-keyed histogram (exponent and 4 mantissa bits) per octave."""
+    per_exponent = hist.view(-1, 16).sum(-1).tolist()  # index = biased float32 exponent
+    return tuple(
+        (None if exponent == 0 else exponent - 127, int(count))
+        for exponent, count in enumerate(per_exponent)
+        if count
     )
 
 

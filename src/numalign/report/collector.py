@@ -10,14 +10,10 @@ from typing import Any
 
 import pytest
 
-from numalign.record import (
-    USER_PROPERTY,
-    RecordWriter,
-    crashed_record,
-    new_run_id,
-    read_records,
-)
-from numalign.report.tables import summarize, write_tables
+from numalign.record import USER_PROPERTY, RecordWriter, crashed_record, new_run_id
+from numalign.report.baseline import BaselineDiff
+from numalign.report.history import HISTORY_FILE
+from numalign.report.run import render_run
 from numalign.settings import Settings
 
 #: How many of the worst records the terminal summary names.
@@ -35,6 +31,7 @@ class DriftCollector:
         self.outcomes: dict[str, str] = {}
         self.written: list[Path] = []
         self.records: list[dict[str, Any]] = []
+        self.diff: BaselineDiff | None = None
 
     # -- pytest hooks -------------------------------------------------------------------------
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -53,11 +50,22 @@ class DriftCollector:
         self.writer.close()
         if self.writer.count == 0:  # no numalign comparison ran: write nothing
             return
-        records = read_records(self.writer.path)
-        summary = summarize(records, self.outcomes, self.header())
-        self.written = [self.writer.path, *write_tables(self.run_dir, records, summary)]
+        settings = self.settings
+        history = settings.history or settings.report_dir / HISTORY_FILE
+        rendered = render_run(
+            self.run_dir,
+            header=self.header(),
+            baseline=settings.baseline,
+            factor=settings.regression_factor,
+            history=history,
+            append=True,
+        )
+        self.records = rendered.records
+        self.written = [self.writer.path, *rendered.written]
+        self.diff = rendered.diff
         self._point_latest()
-        self.records = records
+        if self.diff and self.diff.regressed and settings.fail_on_regression:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not self.written:
@@ -73,7 +81,18 @@ class DriftCollector:
                 f"{float(record['budget_used']):8.3g} of budget  {record['verdict']:<7} "
                 f"{record['test_id']}"
             )
-        tr.write_line(f"numalign: {self.writer.count} drift records; reports in {self.run_dir}/")
+        if self.diff is not None:
+            tr.write_line(
+                f"numalign: {len(self.diff.regressed)} regression(s) against "
+                f"{self.settings.baseline} ({len(self.diff.new)} new, "
+                f"{len(self.diff.vanished)} vanished records)"
+            )
+            for item in self.diff.regressed[:WORST_SHOWN]:
+                growth = f"{item['growth']:.3g}x" if item["growth"] else "newly failing"
+                tr.write_line(f"  regressed {growth:>10}  {item['test_id']}")
+        tr.write_line(
+            f"numalign: {self.writer.count} drift records; report: {self.run_dir / 'drift.html'}"
+        )
 
     # -- helpers ------------------------------------------------------------------------------
     def header(self) -> dict[str, Any]:
@@ -85,7 +104,7 @@ class DriftCollector:
                 versions[module] = "n/a"
         return {
             "run_id": self.run_id,
-            "device": self.settings.device,
+            "device": self.settings.device,  # replaced by the devices the records name
             "dtypes": list(self.settings.dtypes),
             "tier": self.settings.tier,
             "versions": versions,

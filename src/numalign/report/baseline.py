@@ -1,0 +1,86 @@
+"""Regressions against a baseline run: records matched by a stable key (test id and point)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from numalign.record import record_key
+
+#: A record regresses when its budget use grows beyond this factor of the baseline's: twice
+#: the error is beyond run-to-run noise of deterministic inputs, well before a failure.
+DEFAULT_REGRESSION_FACTOR = 2.0
+#: Growth below this use of the budget is not reported: 0.001 -> 0.004 of a budget is noise
+#: of the last bits, not a trend.
+NOISE_FLOOR = 0.05
+
+
+@dataclass
+class BaselineDiff:
+    """What changed between a baseline run and this one."""
+
+    factor: float
+    compared: int = 0
+    regressed: list[dict[str, Any]] = field(default_factory=list)
+    new: list[str] = field(default_factory=list)
+    vanished: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "factor": self.factor,
+            "compared": self.compared,
+            "regressed": self.regressed,
+            "new": self.new,
+            "vanished": self.vanished,
+        }
+
+
+def _used(record: dict[str, Any]) -> float | None:
+    value = record.get("budget_used")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def diff_runs(
+    current: list[dict[str, Any]],
+    baseline: list[dict[str, Any]],
+    factor: float = DEFAULT_REGRESSION_FACTOR,
+) -> BaselineDiff:
+    """Flags records whose budget use grew beyond ``factor`` times the baseline's (above
+    ``NOISE_FLOOR``), or that passed in the baseline and fail or crash now, even while
+    others still pass. Lists keys new in this run and keys that vanished from it."""
+    if factor <= 1.0:
+        raise ValueError(f"the regression factor must be above 1, got {factor}")
+    before = {record_key(r): r for r in baseline if r.get("verdict") != "skipped"}
+    now = {record_key(r): r for r in current if r.get("verdict") != "skipped"}
+    diff = BaselineDiff(factor=factor)
+    for key, record in now.items():
+        old = before.get(key)
+        if old is None:
+            diff.new.append(key)
+            continue
+        diff.compared += 1
+        used, old_used = _used(record), _used(old)
+        newly_failing = old.get("verdict") == "passed" and record.get("verdict") != "passed"
+        grew = (
+            used is not None
+            and old_used is not None
+            and used > NOISE_FLOOR
+            and used > factor * old_used
+        )
+        if newly_failing or grew:
+            diff.regressed.append(
+                {
+                    "key": key,
+                    "test_id": record.get("test_id"),
+                    "point": record.get("point"),
+                    "dtype": record.get("dtype"),
+                    "baseline_budget_used": old_used,
+                    "budget_used": used,
+                    "growth": (used / old_used) if used is not None and old_used else None,
+                    "baseline_verdict": old.get("verdict"),
+                    "verdict": record.get("verdict"),
+                }
+            )
+    diff.vanished = sorted(set(before) - set(now))
+    diff.regressed.sort(key=lambda r: -(r["growth"] or float("inf")))
+    return diff

@@ -1,0 +1,117 @@
+"""Inline SVG charts for the drift report: no JavaScript library, no network, small files.
+Every label is escaped here; the SVG is inserted into the page as it is."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from html import escape
+
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b")
+
+
+@dataclass
+class Series:
+    name: str
+    values: Sequence[float | None]
+    color: str = PALETTE[0]
+    dashed: bool = False
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.3g}"
+
+
+def line_chart(
+    series: Sequence[Series],
+    x_labels: Sequence[str],
+    *,
+    title: str,
+    y_label: str,
+    width: int = 880,
+    height: int = 280,
+) -> str:
+    """A line chart with a log10 y axis; values <= 0 or None are gaps."""
+    left, right, top, bottom = 70, 150, 28, 70
+    plot_w, plot_h = width - left - right, height - top - bottom
+    positive = [v for s in series for v in s.values if v is not None and v > 0 and math.isfinite(v)]
+    if not positive or not x_labels:
+        return f'<p class="empty">{escape(title)}: no positive values to draw.</p>'
+    lo = math.floor(math.log10(min(positive)))
+    hi = math.ceil(math.log10(max(positive)))
+    hi = hi if hi > lo else lo + 1
+    n = len(x_labels)
+
+    def x(i: int) -> float:
+        return left + (plot_w * (i + 0.5) / n)
+
+    def y(v: float) -> float:
+        return top + plot_h * (hi - math.log10(v)) / (hi - lo)
+
+    parts = [
+        f'<svg class="chart" role="img" viewBox="0 0 {width} {height}" width="{width}" '
+        f'height="{height}" xmlns="http://www.w3.org/2000/svg">',
+        f"<title>{escape(title)}</title>",
+        f'<text x="{left}" y="16" class="chart-title">{escape(title)}</text>',
+    ]
+    for p in range(lo, hi + 1):
+        yy = y(10.0**p)
+        parts.append(
+            f'<line x1="{left}" x2="{left + plot_w}" y1="{yy:.1f}" y2="{yy:.1f}" class="grid"/>'
+        )
+        parts.append(
+            f'<text x="{left - 6}" y="{yy + 4:.1f}" class="tick" text-anchor="end">1e{p}</text>'
+        )
+    step = max(1, math.ceil(n / 24))
+    for i in range(0, n, step):
+        label = escape(x_labels[i][-28:])
+        parts.append(
+            f'<text transform="translate({x(i):.1f},{top + plot_h + 10}) rotate(40)" '
+            f'class="tick">{label}</text>'
+        )
+    parts.append(
+        f'<text transform="translate(14,{top + plot_h / 2:.0f}) rotate(-90)" class="axis" '
+        f'text-anchor="middle">{escape(y_label)} (log)</text>'
+    )
+    for k, s in enumerate(series):
+        points = [
+            (x(i), y(v), v, i)
+            for i, v in enumerate(s.values)
+            if v is not None and v > 0 and math.isfinite(v)
+        ]
+        if not points:
+            continue
+        path = " ".join(
+            f"{'M' if j == 0 else 'L'}{px:.1f},{py:.1f}" for j, (px, py, _, _) in enumerate(points)
+        )
+        dash = ' stroke-dasharray="6 4"' if s.dashed else ""
+        parts.append(f'<path d="{path}" fill="none" stroke="{s.color}" stroke-width="2"{dash}/>')
+        for px, py, v, i in points:
+            parts.append(
+                f'<circle cx="{px:.1f}" cy="{py:.1f}" r="2.5" fill="{s.color}">'
+                f"<title>{escape(s.name)} @ {escape(x_labels[i])}: {_fmt(v)}</title></circle>"
+            )
+        ly = top + 14 + 18 * k
+        parts.append(
+            f'<line x1="{left + plot_w + 12}" x2="{left + plot_w + 36}" y1="{ly}" y2="{ly}" '
+            f'stroke="{s.color}" stroke-width="2"{dash}/>'
+        )
+        parts.append(
+            f'<text x="{left + plot_w + 42}" y="{ly + 4}" class="legend">{escape(s.name)}</text>'
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def budget_color(used: float | None) -> str:
+    """Green well inside the budget, amber near it, red beyond it (log scale of use)."""
+    if used is None or not math.isfinite(used):
+        return "#b71c1c" if used is not None else "#eeeeee"
+    if used > 1.0:
+        return "#d32f2f"
+    t = min(1.0, max(0.0, used)) ** 2  # 0 -> green, 0.5 -> yellow-green, 1 -> amber
+    r = int(56 + t * (245 - 56))
+    g = int(142 + t * (180 - 142))
+    b = int(60 - t * 60)
+    return f"#{r:02x}{g:02x}{b:02x}"

@@ -1,0 +1,51 @@
+"""Run history: one JSON line per run, appended at the end of each session, for trends."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+#: The history file's name inside the report folder when --history does not name one.
+HISTORY_FILE = "history.jsonl"
+
+
+def group_of(record: dict[str, Any]) -> str:
+    """What a trend line follows: the model set for model suites, the operator otherwise."""
+    model = record.get("model")
+    if model:
+        return str(model)
+    return str(record.get("point") or "?").split(".")[0]
+
+
+def history_entry(records: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, Any]:
+    """The run's line: its header and counts, and the worst budget use per suite and group."""
+    worst: dict[str, dict[str, float]] = defaultdict(dict)
+    for record in records:
+        used = record.get("budget_used")
+        if isinstance(used, (int, float)):
+            suite, group = str(record.get("suite")), group_of(record)
+            worst[suite][group] = max(worst[suite].get(group, 0.0), float(used))
+    keep = ("run_id", "device", "dtypes", "tier", "versions", "tests", "records")
+    return {**{k: summary.get(k) for k in keep}, "worst_budget_used": worst}
+
+
+def append_history(path: Path, entry: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(entry, allow_nan=False) + "\n")
+
+
+def read_history(path: Path) -> list[dict[str, Any]]:
+    """The runs of a history file, oldest first; a missing file is an empty history."""
+    if not path.is_file():
+        return []
+    entries = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not a history entry ({exc})") from None
+    return entries

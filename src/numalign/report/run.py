@@ -1,0 +1,104 @@
+"""Rendering one run folder: tables, the HTML report, regressions and history. The pytest
+controller calls it at the end of a session; ``numalign report`` calls it offline."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from numalign.record import merge_records, read_records
+from numalign.report.baseline import DEFAULT_REGRESSION_FACTOR, BaselineDiff, diff_runs
+from numalign.report.history import append_history, history_entry, read_history
+from numalign.report.html import write_html
+from numalign.report.tables import summarize, write_tables
+
+
+@dataclass
+class RenderedRun:
+    run_dir: Path
+    records: list[dict[str, Any]]
+    written: list[Path] = field(default_factory=list)
+    diff: BaselineDiff | None = None
+
+
+def _outcomes(records: list[dict[str, Any]]) -> dict[str, str]:
+    """Per test id, its worst record's verdict (failed over crashed over passed over skipped)."""
+    rank = {"skipped": 0, "passed": 1, "crashed": 2, "failed": 3}
+    out: dict[str, str] = {}
+    for r in records:
+        test, verdict = str(r.get("test_id")), str(r.get("verdict"))
+        if rank.get(verdict, 0) >= rank.get(out.get(test, "skipped"), 0):
+            out[test] = verdict
+    return out
+
+
+def render_run(
+    run_dir: Path,
+    *,
+    header: dict[str, Any] | None = None,
+    baseline: Path | None = None,
+    factor: float = DEFAULT_REGRESSION_FACTOR,
+    history: Path | None = None,
+    append: bool = False,
+) -> RenderedRun:
+    """Writes drift.csv (and .parquet), summary.json, regressions.json (with a baseline) and
+    drift.html for the records of ``run_dir``; with ``append``, adds the run to ``history``."""
+    records = read_records(run_dir)
+    if header is None:
+        previous = run_dir / "summary.json"
+        header = json.loads(previous.read_text(encoding="utf-8")) if previous.is_file() else {}
+        header.setdefault("run_id", run_dir.name)
+    devices = sorted({str(r["device"]) for r in records if r.get("device")})
+    if devices:
+        header = {**header, "device": ", ".join(devices)}
+    rendered = RenderedRun(run_dir=run_dir, records=records)
+    summary = summarize(records, _outcomes(records), header)
+    baseline_dict = None
+    if baseline is not None:
+        rendered.diff = diff_runs(records, read_records(baseline), factor)
+        baseline_dict = rendered.diff.to_dict() | {"path": str(baseline)}
+        summary["regressions"] = len(rendered.diff.regressed)
+        regressions = run_dir / "regressions.json"
+        regressions.write_text(
+            json.dumps(baseline_dict, indent=2, allow_nan=False) + "\n", encoding="utf-8"
+        )
+        rendered.written.append(regressions)
+    rendered.written += write_tables(run_dir, records, summary)
+    entries = read_history(history) if history is not None else []
+    if append and history is not None:
+        entry = history_entry(records, summary)
+        append_history(history, entry)
+        entries.append(entry)
+    rendered.written.append(
+        write_html(
+            run_dir / "drift.html", records, summary, baseline=baseline_dict, history=entries
+        )
+    )
+    return rendered
+
+
+def merge_runs(sources: list[Path], out_dir: Path) -> Path:
+    """Joins the records of several runs (shards, machines) into ``out_dir``/records.jsonl;
+    a record key seen twice keeps the later source's record."""
+    merged = merge_records(read_records(s) for s in sources)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / "records.jsonl"
+    tmp = target.with_suffix(".jsonl.tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        for record in merged:
+            fh.write(json.dumps(record, allow_nan=False) + "\n")
+    tmp.replace(target)
+    headers = [
+        json.loads((s / "summary.json").read_text())
+        for s in sources
+        if (s / "summary.json").is_file()
+    ]
+    header = dict(headers[0]) if headers else {}
+    header["run_id"] = out_dir.name
+    header["merged_from"] = [str(s) for s in sources]
+    header["tests"] = dict(Counter(_outcomes(merged).values()))
+    (out_dir / "summary.json").write_text(json.dumps(header, indent=2) + "\n", encoding="utf-8")
+    return out_dir
