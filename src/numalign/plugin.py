@@ -276,7 +276,15 @@ def record_drift(request: pytest.FixtureRequest) -> NodeRecorder:
     device=..., case=...)``; the controller writes it to the run's records.jsonl."""
     from numalign.record import NodeRecorder
 
-    return NodeRecorder(request.node.nodeid, request.node.user_properties)
+    allure_on = bool(request.config.getoption("allure_report_dir", None))
+    annotate = _allure_annotate() if allure_on else None
+    return NodeRecorder(request.node.nodeid, request.node.user_properties, annotate)
+
+
+def _allure_annotate() -> Any:
+    from numalign.report.allure import annotate
+
+    return annotate
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -175,13 +175,23 @@ class NodeRecorder:
     """Hands records of one test to pytest as user properties (the ``record_drift``
     fixture): ``record_drift(result, suite=..., candidate=..., device=..., case=...)``."""
 
-    def __init__(self, nodeid: str, user_properties: list[tuple[str, object]]) -> None:
+    def __init__(
+        self,
+        nodeid: str,
+        user_properties: list[tuple[str, object]],
+        on_record: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.nodeid = nodeid
         self.user_properties = user_properties
+        self.on_record = on_record
 
     def __call__(self, result: CompareResult, **context: Any) -> dict[str, Any]:
-        record = make_record(result, test_id=self.nodeid, **context)
+        return self._add(make_record(result, test_id=self.nodeid, **context))
+
+    def _add(self, record: dict[str, Any]) -> dict[str, Any]:
         self.user_properties.append((USER_PROPERTY, record))
+        if self.on_record is not None:
+            self.on_record(record)
         return record
 
     def skipped(self, reason: str, **context: Any) -> dict[str, Any]:
@@ -189,5 +199,4 @@ class NodeRecorder:
         record = {field: None for field in FIELDS} | context
         record |= {"schema": SCHEMA_VERSION, "test_id": self.nodeid, "verdict": "skipped",
                    "rule": "skipped", "reason": reason}  # fmt: skip
-        self.user_properties.append((USER_PROPERTY, record))
-        return record
+        return self._add(record)

@@ -19,18 +19,19 @@ from numalign.record import NodeRecorder
 from numalign.registry import OPERATORS, Candidate, Operator, candidates, load_catalogue
 
 load_catalogue()
+_PARAMS: dict[tuple[str, str], tuple[Candidate, str, Case]] = {}
 
 
 def _make_test(op: Operator) -> Callable[..., None]:
     @pytest.mark.operator
     def test(
-        op_case: tuple[Candidate, str, Case],
+        op_case: str,
         numalign_device: torch.device,
         tolerance_policy: object,
         record_drift: NodeRecorder,
     ) -> None:
         __tracebackhide__ = True
-        cand, dtype_name, case = op_case
+        cand, dtype_name, case = _PARAMS[(op.name, op_case)]
         context = {"suite": "operators", "candidate": cand.name, "device": str(numalign_device),
                    "case": case.name}  # fmt: skip
         reason = cand.skip_reason(numalign_device.type, dtype_name, case)
@@ -73,10 +74,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
     settings = metafunc.config.stash[settings_key]
     op = OPERATORS[metafunc.function.__name__.removeprefix("test_")]
-    params, ids = [], []
+    ids = []
     for cand in candidates(op.name).values():
         for dtype in settings.dtypes:
             for case in op.cases_for(settings.tier):
-                params.append((cand, dtype, case))
-                ids.append(f"{cand.name}-{dtype}-{case.name}")
-    metafunc.parametrize("op_case", params, ids=ids)
+                param = f"{cand.name}-{dtype}-{case.name}"
+                _PARAMS[(op.name, param)] = (cand, dtype, case)
+                ids.append(param)
+    # The parameter is the readable id (as Allure and --collect-only show it); the objects
+    # behind it are looked up in the test.
+    metafunc.parametrize("op_case", ids, ids=ids)

@@ -18,9 +18,7 @@ def operator_record(
     gen = torch.Generator().manual_seed(abs(hash((point, dtype, case))) % 2**31)
     truth = torch.randn(256, generator=gen, dtype=torch.float64)
     dt = getattr(torch, dtype)
-    result = compare(
-        (truth * (1 + scale)).to(dt), truth, control=truth.to(dt), name=point
-    )
+    result = compare((truth * (1 + scale)).to(dt), truth, control=truth.to(dt), name=point)
     return make_record(
         result,
         test_id=f"suites/operators/test_operators.py::test_{point}[{candidate}-{dtype}-{case}]",

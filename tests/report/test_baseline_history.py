@@ -34,7 +34,9 @@ def test_growth_beyond_the_factor_regresses_even_while_passing(run_records: list
     assert diff.compared == len(run_records)
 
 
-def test_noise_below_the_floor_and_within_the_factor_is_not_a_regression(run_records: list[dict]) -> None:
+def test_noise_below_the_floor_and_within_the_factor_is_not_a_regression(
+    run_records: list[dict],
+) -> None:
     current = copy.deepcopy(run_records)
     current[0]["budget_used"] = 0.01  # from ~0: big ratio, but far below the noise floor
     current[1]["budget_used"] = current[1]["budget_used"] * 1.5  # within the factor 2
@@ -57,7 +59,9 @@ def test_the_factor_must_exceed_one(run_records: list[dict]) -> None:
         diff_runs(run_records, run_records, factor=1.0)
 
 
-def test_render_run_writes_everything_and_appends_history(tmp_path: Path, run_records: list[dict]) -> None:
+def test_render_run_writes_everything_and_appends_history(
+    tmp_path: Path, run_records: list[dict]
+) -> None:
     history = tmp_path / "history.jsonl"
     first = write_run(tmp_path / "run1", run_records)
     render_run(first, history=history, append=True)

@@ -27,7 +27,9 @@ def test_compare(i, record_drift):
 
 def _run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, list[dict]]:
     pytester.makepyfile(COMPARISONS.format(kill=77))
-    result = pytester.runpytest_subprocess("-n", "2", "--report-dir", "out", "-p", "no:cacheprovider", *args)
+    result = pytester.runpytest_subprocess(
+        "-n", "2", "--report-dir", "out", "-p", "no:cacheprovider", *args
+    )
     return result, read_records(pytester.path / "out" / "latest")
 
 
@@ -40,11 +42,15 @@ def test_two_hundred_comparisons_give_two_hundred_records(pytester: pytest.Pytes
     assert summary["records"] == 200
 
 
-def test_a_killed_worker_loses_no_other_record(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_killed_worker_loses_no_other_record(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("KILL_ONE", "1")
-    result, records = _run(pytester)
+    _, records = _run(pytester)
     crashed = [r for r in records if r["verdict"] == "crashed"]
-    assert [r["test_id"] for r in crashed] == ["test_a_killed_worker_loses_no_other_record.py::test_compare[77]"]
+    assert [r["test_id"] for r in crashed] == [
+        "test_a_killed_worker_loses_no_other_record.py::test_compare[77]"
+    ]
     assert "crashed" in crashed[0]["message"]
     others = [r for r in records if r["verdict"] == "passed"]
     assert len(others) == 199  # every record but the killed test's
@@ -59,7 +65,7 @@ def test_a_cut_last_line_is_skipped_and_a_broken_middle_line_is_an_error(tmp_pat
     (tmp_path / "records.jsonl").write_text(good[:10] + "\n" + good + "\n")
     with pytest.raises(ValueError, match=r"records.jsonl:1: not a JSON record"):
         read_records(tmp_path)
-    with pytest.raises(FileNotFoundError, match="expected a run folder holding records.jsonl"):
+    with pytest.raises(FileNotFoundError, match=r"expected a run folder holding records\.jsonl"):
         read_records(tmp_path / "nowhere")
 
 

@@ -173,8 +173,10 @@ def _table(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[di
 
 
 def _script_json(value: Any) -> str:
-    """JSON for a <script type="application/json"> block: '</' cannot close the element."""
-    return json.dumps(value, allow_nan=False).replace("</", "<\\/")
+    """JSON for a <script type="application/json"> block: no '<', '>' or '&' survives, so
+    nothing in a test id or message can close the element or open a comment."""
+    text = json.dumps(value, allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def render_html(

@@ -1,0 +1,71 @@
+"""Allure glue: labels and attachments for each drift record, when allure-pytest is active
+(``--alluredir``). Labels: epic = suite, feature = operator or model, story = dtype;
+parameters: candidate, case, device. Failing records attach their metrics (JSON) and an
+error histogram (PNG)."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+from numalign.report.history import group_of
+
+#: Histogram image size in pixels.
+_WIDTH, _HEIGHT = 560, 240
+
+
+def annotate(record: dict[str, Any]) -> None:
+    """Adds the record's labels, and for a failure its attachments, to the running test."""
+    import allure
+
+    allure.dynamic.epic(str(record.get("suite")))
+    allure.dynamic.feature(group_of(record))
+    allure.dynamic.story(str(record.get("dtype")))
+    for name in ("candidate", "case", "device", "swap"):
+        if record.get(name):
+            allure.dynamic.parameter(name, str(record[name]))
+    if record.get("verdict") in ("failed", "crashed"):
+        point = record.get("point") or "output"
+        allure.attach(
+            json.dumps({k: record.get(k) for k in ("point", "rule", "reason", "budget_used",
+                                                   "budget", "metrics")}, indent=2),
+            name=f"{point} metrics",
+            attachment_type=allure.attachment_type.JSON,
+        )  # fmt: skip
+        octaves = (record.get("metrics") or {}).get("ulp_octaves") or []
+        if octaves:
+            allure.attach(
+                histogram_png(octaves, title=f"{point}: error in ulps"),
+                name=f"{point} error histogram",
+                attachment_type=allure.attachment_type.PNG,
+            )
+
+
+def histogram_png(octaves: list[list[Any]], *, title: str) -> bytes:
+    """A bar chart of how many elements fall in each octave of ulp error (log2 bins), with
+    bar heights on a log scale so that a few outliers beside millions of exact values show."""
+    import math
+
+    from PIL import Image, ImageDraw
+
+    bins = [(("0" if k is None else f"2^{k}"), int(n)) for k, n in octaves]
+    image = Image.new("RGB", (_WIDTH, _HEIGHT), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((10, 6), f"{title} (elements per octave, log scale)", fill="black")
+    left, bottom, top = 20, _HEIGHT - 30, 34
+    peak = math.log10(max(n for _, n in bins) + 1)
+    width = (_WIDTH - left - 10) / max(1, len(bins))
+    label_every = max(1, math.ceil(len(bins) * 40 / (_WIDTH - left)))
+    for i, (label, count) in enumerate(bins):
+        x0 = left + i * width
+        height = (bottom - top) * math.log10(count + 1) / peak
+        draw.rectangle([x0 + 1, bottom - height, x0 + max(2.0, width - 2), bottom], fill="#1f77b4")
+        if i % label_every == 0:
+            draw.text((x0, bottom + 4), label, fill="black")
+            if width * label_every >= 36:
+                draw.text((x0, bottom - height - 12), str(count), fill="#333333")
+    draw.line([left, bottom, _WIDTH - 10, bottom], fill="black")
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()

@@ -1,0 +1,63 @@
+"""Allure results carry numalign's labels, and failing comparisons their attachments."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from numalign.report.allure import histogram_png
+
+TESTS = """
+import torch
+from numalign.compare import compare
+
+def test_good(record_drift):
+    t = torch.linspace(1, 2, 64, dtype=torch.float64)
+    record_drift(compare(t.to(torch.bfloat16), t, control=t.to(torch.bfloat16), name="rms_norm"),
+                 suite="operators", candidate="fused", device="cpu", case="llm")
+
+def test_bad(record_drift):
+    t = torch.linspace(1, 2, 64, dtype=torch.float64)
+    r = compare((t * 1.1).to(torch.bfloat16), t, control=t.to(torch.bfloat16), name="rms_norm")
+    record_drift(r, suite="operators", candidate="broken", device="cpu", case="small")
+    assert r.passed, r.message()
+"""
+
+
+def test_labels_parameters_and_attachments(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(TESTS)
+    result = pytester.runpytest_subprocess("--alluredir", "allure", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    results = [
+        json.loads(p.read_text()) for p in Path(pytester.path / "allure").glob("*-result.json")
+    ]
+    by_name = {r["name"]: r for r in results}
+    for name, candidate in (("test_good", "fused"), ("test_bad", "broken")):
+        labels = {(lab["name"], lab["value"]) for lab in by_name[name]["labels"]}
+        assert {("epic", "operators"), ("feature", "rms_norm"), ("story", "bfloat16")} <= labels
+        params = {p["name"]: p["value"] for p in by_name[name]["parameters"]}
+        assert params["candidate"] == repr(candidate)
+        assert params["device"] == repr("cpu")
+    assert "attachments" not in by_name["test_good"] or not by_name["test_good"]["attachments"]
+    attachments = {a["name"]: a for a in by_name["test_bad"]["attachments"]}
+    assert set(attachments) == {"rms_norm metrics", "rms_norm error histogram"}
+    metrics = json.loads(
+        (pytester.path / "allure" / attachments["rms_norm metrics"]["source"]).read_text()
+    )
+    assert metrics["rule"] == "budget"
+    png = (
+        pytester.path / "allure" / attachments["rms_norm error histogram"]["source"]
+    ).read_bytes()
+    assert png.startswith(b"\x89PNG")
+
+
+def test_histogram_is_a_png_of_the_requested_size() -> None:
+    import io
+
+    from PIL import Image
+
+    data = histogram_png([[None, 1000], [-3, 10], [0, 2]], title="t")
+    image = Image.open(io.BytesIO(data))
+    assert image.format == "PNG" and image.size == (560, 240)
