@@ -33,7 +33,7 @@ def line_chart(
     height: int = 280,
 ) -> str:
     """A line chart with a log10 y axis; values <= 0 or None are gaps."""
-    left, right, top, bottom = 70, 150, 28, 70
+    left, right, top, bottom = 70, 240, 28, 70
     plot_w, plot_h = width - left - right, height - top - bottom
     positive = [v for s in series for v in s.values if v is not None and v > 0 and math.isfinite(v)]
     if not positive or not x_labels:
@@ -98,7 +98,7 @@ def line_chart(
             f'stroke="{s.color}" stroke-width="2"{dash}/>'
         )
         parts.append(
-            f'<text x="{left + plot_w + 42}" y="{ly + 4}" class="legend">{escape(s.name)}</text>'
+            f'<text x="{left + plot_w + 42}" y="{ly + 4}" class="legend">{escape(s.name[:34])}</text>'
         )
     parts.append("</svg>")
     return "".join(parts)
