@@ -52,6 +52,90 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _capture(args: argparse.Namespace) -> int:
+    from numalign.golden.capture import capture
+
+    prompts = None
+    if args.prompts:
+        prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    golden = capture(
+        args.model_dir,
+        args.out,
+        points=args.points,
+        prompts=prompts,
+        image=args.image,
+        reference_dtype=args.reference_dtype,
+        calibrate=[d for d in args.calibrate.split(",") if d],
+        continuation=args.continuation,
+        attn_implementation=args.attn_implementation,
+        trust_remote_code=args.trust_remote_code,
+    )
+    print(f"{golden.path}: {len(golden.points)} points, {golden.disk_bytes() / 1e6:.2f} MB")
+    return 0
+
+
+def _zoo(args: argparse.Namespace) -> int:
+    from numalign.golden.capture import capture
+    from numalign.golden.zoo import build_zoo
+
+    for path in build_zoo(args.out, args.names or None):
+        line = f"{path}"
+        if args.sets:
+            golden = capture(path, Path(args.sets) / path.name, progress=False)
+            line += f" -> {golden.path} ({len(golden.points)} points)"
+        print(line)
+    return 0
+
+
+def _golden(args: argparse.Namespace) -> int:
+    from numalign.golden import GoldenSet
+
+    if args.action == "ls":
+        root = Path(args.target or "golden/sets")
+        sets = (
+            [root]
+            if (root / "manifest.json").is_file()
+            else sorted(p for p in root.iterdir() if (p / "manifest.json").is_file())
+        )
+        for folder in sets:
+            g = GoldenSet.open(folder)
+            model = g.manifest["model"]
+            fresh = "fresh" if g.model_dir.is_dir() and g.fingerprint_matches() else "STALE"
+            print(f"{g.name:24} {model['architecture']:36} {len(g.points):4} points "
+                  f"{g.disk_bytes() / 1e6:8.2f} MB  {fresh}")  # fmt: skip
+        return 0
+    if not args.target:
+        print(f"numalign golden {args.action}: give a golden set folder", file=sys.stderr)
+        return 2
+    g = GoldenSet.open(args.target)
+    if args.action == "verify":
+        g.verify()
+        g.check_fresh()
+        print(f"{g.path}: {len(g.manifest['shards'])} shard(s) verified; model fresh")
+        return 0
+    m = g.manifest
+    print(f"set        {g.path}")
+    print(f"model      {m['model']['name']} ({m['model']['architecture']}) at {g.model_dir}")
+    print(f"fingerprint {m['model']['fingerprint']}")
+    ref = m["reference"]
+    print(f"reference  {ref['dtype']} on {ref['device']}, attention {ref['attn_implementation']}, "
+          f"torch {ref['torch']}, transformers {ref['transformers']}")  # fmt: skip
+    print(f"requests   {', '.join(r['name'] for r in m['requests'])}")
+    print(f"calibrated {', '.join(m.get('calibration', {})) or 'no'}")
+    print(
+        f"size       {g.disk_bytes() / 1e6:.2f} MB on disk, "
+        f"{g.unique_tensor_bytes() / 1e6:.2f} MB of unique tensors"
+    )
+    for point in g.points:
+        call = next(iter(point.calls.values()))[0]
+        outputs = ", ".join(
+            f"{path}: {m['tensors'][key]['dtype']}{m['tensors'][key]['shape']}"
+            for path, key in call.outputs.items()
+        )
+        print(f"  {point.name:52} {point.type:28} {outputs}")
+    return 0
+
+
 def _existing(paths: list[Path]) -> list[Path]:
     missing = [p for p in paths if not (p / "records.jsonl").is_file()]
     if missing:
@@ -87,6 +171,43 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", help="output run folder of 'report merge'")
     report.add_argument("--fail-on-regression", action="store_true", help="exit 1 on regressions")
     report.set_defaults(handler=_report)
+
+    cap = commands.add_parser(
+        "capture",
+        help="capture a golden set from a local Hugging Face model folder",
+        description="Runs the model (loaded offline with from_pretrained) on built-in or given "
+        "prompts, records every capture point's inputs and outputs, the logits and a greedy "
+        "continuation, calibrates lower dtypes, and writes the set atomically.",
+    )
+    cap.add_argument("model_dir", metavar="MODEL_DIR")
+    cap.add_argument("--out", required=True, help="the golden set folder, e.g. golden/sets/NAME")
+    cap.add_argument(
+        "--points", nargs="+", metavar="PATTERN", help="module name patterns (fnmatch)"
+    )
+    cap.add_argument("--prompts", metavar="FILE", help="one prompt per line")
+    cap.add_argument("--image", metavar="FILE", help="image for image-text models")
+    cap.add_argument("--reference-dtype", default="float32", choices=["float32", "float64"])
+    cap.add_argument(
+        "--calibrate", default="bfloat16,float16", help="dtypes to calibrate ('' for none)"
+    )
+    cap.add_argument("--continuation", type=int, default=8, help="greedy tokens to record")
+    cap.add_argument("--attn-implementation", choices=["eager", "sdpa", "flex_attention"])
+    cap.add_argument("--trust-remote-code", action="store_true")
+    cap.set_defaults(handler=_capture)
+
+    zoo = commands.add_parser("zoo", help="the embedded tiny model zoo")
+    zoo.add_argument("action", choices=["build"])
+    zoo.add_argument("names", nargs="*", help="zoo models to build (default: all)")
+    zoo.add_argument("--out", default="golden/models")
+    zoo.add_argument(
+        "--sets", default="golden/sets", help="capture their golden sets here ('' not to)"
+    )
+    zoo.set_defaults(handler=_zoo)
+
+    golden = commands.add_parser("golden", help="list, show and verify golden sets")
+    golden.add_argument("action", choices=["ls", "show", "verify"])
+    golden.add_argument("target", nargs="?", help="a set folder (ls: a folder of sets)")
+    golden.set_defaults(handler=_golden)
     return parser
 
 
@@ -96,7 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return int(args.handler(args))
+    try:
+        return int(args.handler(args))
+    except (OSError, ValueError, RuntimeError) as exc:  # GoldenSetError is a RuntimeError
+        print(f"numalign {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

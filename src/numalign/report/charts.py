@@ -98,7 +98,8 @@ def line_chart(
             f'stroke="{s.color}" stroke-width="2"{dash}/>'
         )
         parts.append(
-            f'<text x="{left + plot_w + 42}" y="{ly + 4}" class="legend">{escape(s.name[:34])}</text>'
+            f'<text x="{left + plot_w + 42}" y="{ly + 4}" class="legend">'
+            f"{escape(s.name[:34])}</text>"
         )
     parts.append("</svg>")
     return "".join(parts)

@@ -1,0 +1,517 @@
+"""Capturing a golden set from a local Hugging Face model folder.
+
+Forward pre-hooks (with kwargs) and forward hooks on the capture points record each point's
+inputs and outputs while the reference forward runs; tensors go to safetensors shards of
+bounded size as they arrive, so peak memory stays near the model plus one shard. A tensor two
+points share (one layer's output is the next one's input) is stored once: by storage identity,
+then by content hash. The set is written into a temporary folder and renamed into place.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from numalign.golden.fingerprint import fingerprint
+from numalign.golden.store import FORMAT, MANIFEST, GoldenSet, sha256_file
+
+if TYPE_CHECKING:
+    import torch
+
+#: Shards are cut at this size by default: small enough to keep capture memory bounded.
+DEFAULT_SHARD_BYTES = 64 << 20
+#: Prompts of the built-in text requests (tokenized when the model has a tokenizer).
+DEFAULT_PROMPTS = (
+    "The quick brown fox jumps over the lazy dog while the accelerator checks its numerics.",
+    "Alignment means every layer agrees.",
+)
+#: Seeded token ids when the model has no tokenizer: lengths of the two padded rows.
+SEEDED_LENGTHS = (16, 9)
+DEFAULT_CONTINUATION = 8
+#: Module class names that are capture points inside a block.
+_BLOCK_PARTS = re.compile(r"(Attention|Attn|MLP|Mlp|MoE|Moe|MoeBlock|Experts|GatedDeltaNet|Norm|LayerNorm)$")
+_SKIP_TYPES = re.compile(r"(RotaryEmbedding|Dropout|Activation|ModuleList|ModuleDict|Identity)$")
+
+
+# -- tensor sink: dedup and shards ------------------------------------------------------------
+@dataclass
+class _Sink:
+    folder: Path
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    shards: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _buffer: dict[str, torch.Tensor] = field(default_factory=dict)
+    _buffer_bytes: int = 0
+    _by_identity: dict[tuple[Any, ...], tuple[str, weakref.ref[torch.Tensor]]] = field(
+        default_factory=dict
+    )
+    _by_content: dict[str, str] = field(default_factory=dict)
+
+    def put(self, key: str, tensor: torch.Tensor) -> str:
+        """Stores ``tensor`` under ``key`` unless the same storage or content is already
+        stored; returns the key that holds it."""
+        t = tensor.detach()
+        identity = (
+            t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+            str(t.dtype), str(t.device),
+        )  # fmt: skip
+        known = self._by_identity.get(identity)
+        # Same storage, still alive (a dead tensor's address may be reused by another).
+        if known is not None and known[1]() is not None:
+            return known[0]
+        cpu = t.to("cpu", copy=True).contiguous()
+        digest = hashlib.sha256(
+            str(cpu.dtype).encode() + str(tuple(cpu.shape)).encode() + _raw_bytes(cpu)
+        ).hexdigest()
+        if digest in self._by_content:
+            existing = self._by_content[digest]
+            self._by_identity[identity] = (existing, weakref.ref(tensor))
+            return existing
+        self._by_identity[identity] = (key, weakref.ref(tensor))
+        self._by_content[digest] = key
+        nbytes = cpu.numel() * cpu.element_size()
+        self._buffer[key] = cpu
+        self._buffer_bytes += nbytes
+        self.tensors[key] = {
+            "shard": self._shard_name(len(self.shards) + 1),
+            "dtype": str(cpu.dtype).removeprefix("torch."),
+            "shape": list(cpu.shape),
+            "bytes": nbytes,
+        }
+        if self._buffer_bytes >= self.max_shard_bytes:
+            self.flush()
+        return key
+
+    def release(self) -> None:
+        """Forgets storage identities (between forwards)."""
+        self._by_identity.clear()
+
+    @staticmethod
+    def _shard_name(index: int) -> str:
+        return f"tensors-{index:05d}.safetensors"
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        from safetensors.torch import save_file
+
+        name = self._shard_name(len(self.shards) + 1)
+        path = self.folder / name
+        save_file(self._buffer, str(path))
+        self.shards[name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        self._buffer = {}
+        self._buffer_bytes = 0
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    import torch
+
+    if t.numel() == 0:
+        return b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+# -- what to capture --------------------------------------------------------------------------
+def default_points(model: torch.nn.Module) -> list[str]:
+    """Embeddings, every block (decoder or vision) with its attention, MLP or MoE and norms,
+    the final norm, the LM head, and the vision patch embedding and merger."""
+    import torch
+
+    names: list[str] = []
+    blocks: set[str] = set()
+    for name, module in model.named_modules():
+        parent, _, leaf = name.rpartition(".")
+        if leaf.isdigit() and isinstance(model.get_submodule(parent), torch.nn.ModuleList):
+            if not _SKIP_TYPES.search(type(module).__name__):
+                blocks.add(name)
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        parent = name.rpartition(".")[0]
+        if not name or _SKIP_TYPES.search(kind):
+            continue
+        if name in blocks:
+            names.append(name)
+        elif parent in blocks and _BLOCK_PARTS.search(kind):
+            names.append(name)
+        elif isinstance(module, torch.nn.Embedding) and not any(name.startswith(b + ".") for b in blocks):
+            names.append(name)
+        elif name == "lm_head" or name.endswith((".merger", ".patch_embed")):
+            names.append(name)
+        elif _BLOCK_PARTS.search(kind) and kind.endswith("Norm") and not any(
+            name.startswith(b + ".") for b in blocks
+        ) and ".visual" not in name and "merger" not in name:  # the final norm
+            names.append(name)
+    return names
+
+
+def select_points(model: torch.nn.Module, patterns: Sequence[str] | None) -> list[str]:
+    """The default points, or the modules whose names match any of ``patterns`` (fnmatch)."""
+    if not patterns:
+        return default_points(model)
+    names = [n for n, _ in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    if not names:
+        raise ValueError(
+            f"--points {list(patterns)} match no module; module names look like "
+            f"{[n for n, _ in model.named_modules() if n][:6]}"
+        )
+    return names
+
+
+# -- flattening inputs and outputs ------------------------------------------------------------
+def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, leaf) pairs of nested tuples, lists, dicts and ModelOutputs; tensors are leaves."""
+    import torch
+
+    if isinstance(value, torch.Tensor) or value is None:
+        yield prefix or "0", value
+    elif isinstance(value, dict) or hasattr(value, "to_tuple") and hasattr(value, "keys"):
+        for k in value.keys():
+            yield from flatten(value[k], f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from flatten(item, f"{prefix}.{i}" if prefix else str(i))
+    else:
+        yield prefix or "0", value
+
+
+def jsonable(value: Any) -> Any:
+    """A JSON value for simple kwargs; a marked repr for anything else."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
+        return list(value)
+    return {"__repr__": type(value).__name__}
+
+
+# -- requests ---------------------------------------------------------------------------------
+@dataclass
+class Request:
+    name: str
+    inputs: dict[str, Any]
+    generate: bool = False
+
+
+def _tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+
+
+def text_requests(model_dir: Path, config: Any, prompts: Sequence[str], trust_remote_code: bool) -> list[Request]:
+    """Two requests of the same prompts: left-padded (as generation batches) and
+    right-padded (as training batches), so attention masks are exercised both ways."""
+    import torch
+
+    tok = _tokenizer(model_dir, trust_remote_code)
+    requests = []
+    for side in ("left", "right"):
+        if tok is not None:
+            tok.padding_side = side
+            if tok.pad_token is None:
+                tok.pad_token = tok.eos_token or tok.unk_token
+            enc = tok(list(prompts), return_tensors="pt", padding=True)
+            inputs = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+        else:
+            from numalign.cases import generator
+
+            vocab = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
+            gen = generator("numalign.capture", "text")
+            rows = [torch.randint(1, vocab, (n,), generator=gen) for n in SEEDED_LENGTHS]
+            width = max(SEEDED_LENGTHS)
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            mask = torch.zeros(len(rows), width, dtype=torch.long)
+            for i, row in enumerate(rows):
+                sl = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+                ids[i, sl], mask[i, sl] = row, 1
+            inputs = {"input_ids": ids, "attention_mask": mask}
+        requests.append(Request(f"text-{side}pad", inputs, generate=(side == "left")))
+    return requests
+
+
+def test_image() -> Any:
+    """A deterministic 56x56 test image: gradients and a checkerboard (no file, no network)."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:56, 0:56]
+    rgb = np.stack([x * 4, y * 4, ((x // 7 + y // 7) % 2) * 200 + 20], axis=-1)
+    return Image.fromarray(rgb.astype("uint8"), "RGB")
+
+
+def image_request(model_dir: Path, config: Any, image_path: str | None) -> Request | None:
+    """For image-text models (a vision config with image token ids): one image request,
+    pixels through the PIL image processor (never torchvision)."""
+    import torch
+
+    vision_start = getattr(config, "vision_start_token_id", None)
+    image_token = getattr(config, "image_token_id", None)
+    if getattr(config, "vision_config", None) is None or vision_start is None or image_token is None:
+        return None
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    image = Image.open(image_path).convert("RGB") if image_path else test_image()
+    side = 56
+    processor = Qwen2VLImageProcessorPil(min_pixels=side * side, max_pixels=side * side)
+    pixels = processor(images=[image.resize((side, side))], return_tensors="pt")
+    merge = int(getattr(config.vision_config, "spatial_merge_size", 2))
+    count = int(pixels["image_grid_thw"].prod()) // (merge * merge)
+    text = [5, 17, 33]
+    ids = torch.tensor([text + [vision_start, *[image_token] * count, config.vision_end_token_id] + text])
+    return Request(
+        "image",
+        {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "pixel_values": pixels["pixel_values"],
+            "image_grid_thw": pixels["image_grid_thw"],
+            "mm_token_type_ids": (ids == image_token).long(),
+        },
+        generate=True,
+    )
+
+
+# -- hooks --------------------------------------------------------------------------------------
+@contextmanager
+def hooks(
+    model: torch.nn.Module,
+    points: Sequence[str],
+    on_call: Callable[[str, tuple[Any, ...], dict[str, Any], Any], None],
+) -> Iterator[None]:
+    """Calls ``on_call(point, args, kwargs, output)`` after each call of each point."""
+    handles = []
+    pending: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+    for name in points:
+        module = model.get_submodule(name)
+
+        def pre(mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str = name) -> None:
+            pending.setdefault(name, []).append((args, dict(kwargs)))
+
+        def post(mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, name: str = name) -> None:
+            saved_args, saved_kwargs = pending[name].pop()
+            on_call(name, saved_args, saved_kwargs, output)
+
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# -- capture ------------------------------------------------------------------------------------
+def load_model(
+    model_dir: Path, dtype: str, *, attn_implementation: str | None, trust_remote_code: bool
+) -> Any:
+    """A model from a local folder, offline, in ``dtype``, for inference."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    config = transformers.AutoConfig.from_pretrained(
+        model_dir, local_files_only=True, trust_remote_code=trust_remote_code
+    )
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        cls = transformers.AutoModelForCausalLM
+    kwargs: dict[str, Any] = {"local_files_only": True, "dtype": getattr(torch, dtype),
+                              "trust_remote_code": trust_remote_code}  # fmt: skip
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = cls.from_pretrained(model_dir, **kwargs)
+    model.eval()
+    return model
+
+
+def _progress(enabled: bool, text: str) -> None:
+    if enabled:
+        sys.stderr.write(f"\r\x1b[2K{text}")
+        sys.stderr.flush()
+
+
+def capture(
+    model_dir: str | Path,
+    out: str | Path,
+    *,
+    points: Sequence[str] | None = None,
+    prompts: Sequence[str] | None = None,
+    image: str | None = None,
+    reference_dtype: str = "float32",
+    calibrate: Sequence[str] = ("bfloat16", "float16"),
+    continuation: int = DEFAULT_CONTINUATION,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool | None = None,
+) -> GoldenSet:
+    """Captures a golden set of the model in ``model_dir`` into ``out`` (replaced atomically:
+    an interrupted capture leaves any previous set untouched and no partial folder)."""
+    import torch
+    import transformers
+
+    from numalign.golden.calibrate import calibrate as run_calibration
+
+    model_dir, out = Path(model_dir).resolve(), Path(out)
+    if reference_dtype not in ("float32", "float64"):
+        raise ValueError(f"--reference-dtype {reference_dtype!r}: float32 or float64")
+    show = sys.stderr.isatty() if progress is None else progress
+    torch.manual_seed(0)
+    model = load_model(model_dir, reference_dtype, attn_implementation=attn_implementation,
+                       trust_remote_code=trust_remote_code)  # fmt: skip
+    config = model.config
+    requests = text_requests(model_dir, config, prompts or DEFAULT_PROMPTS, trust_remote_code)
+    extra = image_request(model_dir, config, image)
+    if extra is not None:
+        requests.append(extra)
+    point_names = select_points(model, points)
+    order = {name: i for i, name in enumerate(n for n, _ in model.named_modules())}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.capture-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        sink = _Sink(tmp, max_shard_bytes)
+        calls: dict[str, dict[str, list[dict[str, Any]]]] = {n: {} for n in point_names}
+        types = {n: type(model.get_submodule(n)).__name__ for n in point_names}
+        manifest_requests, logits, continuations = [], {}, {}
+        for r_index, request in enumerate(requests):
+            _progress(show, f"capture {out.name}: request {request.name} ({r_index + 1}/{len(requests)})")
+            inputs = {k: sink.put(f"{request.name}/inputs/{k}", v) for k, v in request.inputs.items()}
+
+            def on_call(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
+                        request: Request = request) -> None:  # fmt: skip
+                number = len(calls[name].setdefault(request.name, []))
+                base = f"{request.name}/{name}/{number}"
+                arg_keys: list[str | None] = []
+                arg_json: list[Any] = []
+                for i, a in enumerate(args):
+                    if isinstance(a, torch.Tensor):
+                        arg_keys.append(sink.put(f"{base}/args/{i}", a))
+                        arg_json.append(None)
+                    else:
+                        arg_keys.append(None)
+                        arg_json.append(jsonable(a))
+                kw_keys: dict[str, Any] = {}
+                kw_json: dict[str, Any] = {}
+                for k, v in kwargs.items():
+                    leaves = list(flatten(v))
+                    if leaves and all(isinstance(t, torch.Tensor) for _, t in leaves):
+                        keys = [sink.put(f"{base}/kwargs/{k}/{p}", t) for p, t in leaves]
+                        kw_keys[k] = keys[0] if isinstance(v, torch.Tensor) else keys
+                    else:
+                        kw_json[k] = jsonable(v)
+                outputs = {
+                    p: sink.put(f"{base}/out/{p}", t)
+                    for p, t in flatten(output)
+                    if isinstance(t, torch.Tensor)
+                }
+                calls[name][request.name].append(
+                    {"args": arg_keys, "args_json": arg_json, "kwargs": kw_keys, "kwargs_json": kw_json,
+                     "outputs": outputs}  # fmt: skip
+                )
+
+            with torch.no_grad(), hooks(model, point_names, on_call):
+                result = model(**request.inputs, use_cache=False)
+            logits[request.name] = sink.put(f"{request.name}/logits", result.logits)
+            sink.release()
+            if request.generate and continuation > 0:
+                continuations[request.name] = _greedy(model, request, continuation, sink)
+            manifest_requests.append({"name": request.name, "inputs": inputs})
+        sink.flush()
+        manifest: dict[str, Any] = {
+            "format": FORMAT,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "model": {
+                "path": os.path.relpath(model_dir, out.resolve()),
+                "name": model_dir.name,
+                "architecture": type(model).__name__,
+                "model_type": getattr(config, "model_type", None),
+                "fingerprint": fingerprint(model_dir),
+            },
+            "reference": {
+                "device": "cpu", "dtype": reference_dtype,
+                "attn_implementation": getattr(config, "_attn_implementation", None),
+                "torch": torch.__version__, "transformers": transformers.__version__, "seed": 0,
+            },  # fmt: skip
+            "requests": manifest_requests,
+            "points": [
+                {"name": n, "type": types[n], "order": order[n], "calls": calls[n]}
+                for n in sorted(point_names, key=lambda n: order[n])
+                if calls[n]
+            ],
+            "logits": logits,
+            "continuation": continuations,
+            "tensors": sink.tensors,
+            "shards": sink.shards,
+            "calibration": {},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        golden = GoldenSet.open(tmp)
+        for dtype in calibrate:
+            _progress(show, f"capture {out.name}: calibrating {dtype}")
+            manifest["calibration"][dtype] = run_calibration(golden, model_dir, dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=False), encoding="utf-8")
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        _progress(show, "")
+    return GoldenSet.open(out)
+
+
+def _greedy(model: Any, request: Request, steps: int, sink: _Sink) -> dict[str, str]:
+    """``steps`` greedy tokens, re-running the whole sequence each step (no cache), and the
+    logits of each step."""
+    import torch
+
+    inputs = dict(request.inputs)
+    tokens, step_logits = [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(**inputs, use_cache=False).logits[:, -1]
+            nxt = logits.argmax(-1, keepdim=True)
+            tokens.append(nxt)
+            step_logits.append(logits)
+            inputs["input_ids"] = torch.cat([inputs["input_ids"], nxt], dim=1)
+            inputs["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(nxt)], dim=1)
+            if "mm_token_type_ids" in inputs:
+                inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(nxt)], dim=1)
+    return {
+        "tokens": sink.put(f"{request.name}/continuation/tokens", torch.cat(tokens, dim=1)),
+        "logits": sink.put(f"{request.name}/continuation/logits", torch.stack(step_logits, dim=1)),
+    }
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Moves the finished set into place; a set it replaces is renamed aside first and
+    removed after, so a kill at any moment leaves one whole set (or an explained .previous)."""
+    previous = out.with_name(out.name + ".previous")
+    if previous.exists():
+        shutil.rmtree(previous)
+    if out.exists():
+        os.replace(out, previous)
+    os.replace(tmp, out)
+    if previous.exists():
+        shutil.rmtree(previous)

@@ -1,0 +1,165 @@
+"""The embedded tiny model zoo: small checkpoints of every family numalign must handle,
+regenerated deterministically from the configs below with ``numalign zoo build``.
+
+Random 0.02 initialisation gives logits below 1 and hidden states without outliers, which
+would teach the wrong tolerances. The weights are therefore rescaled to the magnitudes of
+real checkpoints: projections keep activations of order one (std 1/sqrt(fan_in)), a few
+hidden channels of the embedding are 20x larger (the outlier channels real models carry
+through the residual stream), and the LM head gives logits with a standard deviation of
+about 4, so that they span tens.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: Outlier channels: every 17th hidden channel of the embedding table, 20x larger.
+OUTLIER_STRIDE, OUTLIER_SCALE = 17, 20.0
+#: Embedding std and LM-head scale (std = LM_HEAD_GAIN / sqrt(hidden)).
+EMBED_STD, LM_HEAD_GAIN = 0.5, 4.0
+
+_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    name: str
+    config_class: str
+    config: dict[str, Any]
+    family: str
+    tokenizer: bool = False
+
+
+ZOO: tuple[ZooModel, ...] = (
+    ZooModel("tiny-llama", "LlamaConfig", _TEXT | {"num_hidden_layers": 2},
+             "dense GQA decoder (Llama)", tokenizer=True),
+    ZooModel("tiny-gemma2", "Gemma2Config", _TEXT | {
+        "num_hidden_layers": 2, "sliding_window": 8, "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 16,
+    }, "sliding-window and global layers, logit soft-capping (Gemma 2)"),
+    ZooModel("tiny-qwen3-moe", "Qwen3MoeConfig", _TEXT | {
+        "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    }, "mixture of experts (Qwen3-MoE)"),
+    ZooModel("tiny-deepseek-v3", "DeepseekV3Config", {
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+        "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+        "v_head_dim": 16, "max_position_embeddings": 256,
+    }, "multi-head latent attention with MoE (DeepSeek-V3)"),
+    ZooModel("tiny-qwen3-next", "Qwen3NextConfig", {
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32, "full_attention_interval": 2,
+        "max_position_embeddings": 256,
+    }, "hybrid gated-delta-rule and full attention (Qwen3-Next)"),
+    ZooModel("tiny-qwen2-vl", "Qwen2VLConfig", {
+        "text_config": _TEXT | {"num_hidden_layers": 2, "bos_token_id": 1, "eos_token_id": 2,
+                                "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+        "vision_config": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+                          "mlp_ratio": 2, "patch_size": 14, "temporal_patch_size": 2,
+                          "spatial_merge_size": 2, "in_channels": 3},
+        "image_token_id": 500, "video_token_id": 501, "vision_start_token_id": 502,
+        "vision_end_token_id": 503, "bos_token_id": 1, "eos_token_id": 2,
+    }, "image-text (Qwen2-VL)"),
+    ZooModel("tiny-gpt2", "GPT2Config", {
+        "vocab_size": 512, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256,
+        "bos_token_id": 0, "eos_token_id": 0,
+    }, "LayerNorm and GELU (GPT-2)"),
+)  # fmt: skip
+
+#: Words of the tiny tokenizer (with the built-in prompts' words).
+_WORDS = (
+    "the quick brown fox jumps over lazy dog while accelerator checks its numerics alignment "
+    "means every layer agrees a an and of to in is it that on for with as was at by be this "
+    "model kernel tensor float bfloat half drift budget error report token attention expert"
+).split()
+
+
+def _rescale(model: Any, gemma_norms: bool) -> None:
+    import torch
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            fan_in = module.in_features
+            gain = LM_HEAD_GAIN if name.endswith("lm_head") else 1.0
+            torch.nn.init.normal_(module.weight, std=gain / fan_in**0.5)
+            if module.bias is not None:
+                torch.nn.init.normal_(module.bias, std=0.02)
+        elif isinstance(module, torch.nn.Embedding):
+            torch.nn.init.normal_(module.weight, std=EMBED_STD)
+            with torch.no_grad():
+                module.weight[:, ::OUTLIER_STRIDE] *= OUTLIER_SCALE
+        elif "norm" in type(module).__name__.lower() and getattr(module, "weight", None) is not None:
+            weight = module.weight
+            if weight.dim() == 1:
+                with torch.no_grad():
+                    # Gemma multiplies by (1 + weight): its weights sit around 0, others' at 1.
+                    base = 0.0 if gemma_norms else 1.0
+                    weight.copy_(base + 0.1 * torch.randn_like(weight))
+
+
+def _save_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate([*specials, *_WORDS, ".", ","])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(folder)
+
+
+def build_model(spec: ZooModel, out_dir: Path) -> Path:
+    """Builds one zoo checkpoint deterministically into ``out_dir/<name>`` (replaced)."""
+    import torch
+    import transformers
+
+    from numalign.cases import stable_seed
+
+    transformers.utils.logging.disable_progress_bar()
+    config = getattr(transformers, spec.config_class)(**spec.config)
+    torch.manual_seed(stable_seed("numalign.zoo", spec.name) % 2**31)
+    if spec.config_class == "Qwen2VLConfig":
+        model = transformers.Qwen2VLForConditionalGeneration(config)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    _rescale(model, gemma_norms=spec.config_class.startswith("Gemma"))
+    model.eval()
+    target = out_dir / spec.name
+    tmp = out_dir / f".{spec.name}.build"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    if spec.tokenizer:
+        _save_tokenizer(tmp)
+    (tmp / "ZOO.json").write_text(json.dumps({"family": spec.family}, indent=1) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def build_zoo(out_dir: str | Path, names: Sequence[str] | None = None) -> list[Path]:
+    """Builds the zoo (or the named models of it) under ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    known = {m.name: m for m in ZOO}
+    unknown = sorted(set(names or ()) - set(known))
+    if unknown:
+        raise ValueError(f"unknown zoo models {unknown}; the zoo: {', '.join(known)}")
+    return [build_model(known[n], out) for n in (names or list(known))]

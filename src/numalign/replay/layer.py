@@ -1,0 +1,53 @@
+"""Layer replay: one capture point's module fed the golden inputs of one recorded call."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from numalign.golden.capture import flatten
+
+if TYPE_CHECKING:
+    import torch
+
+    from numalign.golden.store import Call, GoldenSet
+
+
+def call_inputs(
+    golden: GoldenSet, call: Call, *, device: torch.device | str, dtype: torch.dtype
+) -> tuple[list[Any], dict[str, Any]]:
+    """The call's positional and keyword inputs, floating tensors cast to ``dtype`` on
+    ``device``; non-tensor values from the manifest (objects such as caches become None)."""
+
+    def load(key: str) -> Any:
+        return golden.tensor(key, device=device, dtype=dtype)
+
+    def plain(value: Any) -> Any:
+        return None if isinstance(value, dict) and "__repr__" in value else value
+
+    args = [
+        load(k) if k is not None else plain(j)
+        for k, j in zip(call.args, call.args_json, strict=True)
+    ]
+    kwargs: dict[str, Any] = {}
+    for name, keys in call.kwargs.items():
+        kwargs[name] = tuple(load(k) for k in keys) if isinstance(keys, list) else load(keys)
+    for name, value in call.kwargs_json.items():
+        kwargs[name] = plain(value)
+    return args, kwargs
+
+
+def replay_call(
+    module: torch.nn.Module,
+    golden: GoldenSet,
+    call: Call,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Runs ``module`` on the golden inputs of ``call``; its tensor outputs by output path."""
+    import torch
+
+    args, kwargs = call_inputs(golden, call, device=device, dtype=dtype)
+    with torch.no_grad():
+        output = module(*args, **kwargs)
+    return {path: t for path, t in flatten(output) if isinstance(t, torch.Tensor)}
