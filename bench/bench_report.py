@@ -41,7 +41,8 @@ def synthetic(n: int) -> list[dict]:
             "metrics": {"max_abs": used * 1e-3, "rel_l2": used * 1e-4, "ulp_p99": used,
                         "max_rel": used * 1e-3, "cosine": 1.0, "norm_ratio": 1.0},
             "budget": {"max_abs": 1e-3, "rel_l2": 1e-4},
-            "message": ("rms_norm [bfloat16, 8x4096] is not aligned: ...\\n" * 8) if failed else None,
+            "message": ("rms_norm [bfloat16, 8x4096] is not aligned: ...\\n" * 8)
+            if failed else None,
         })  # fmt: skip
     return records
 

@@ -33,3 +33,40 @@ def test_unknown_command_is_an_error() -> None:
     out = run("frobnicate")
     assert out.returncode == 2
     assert "invalid choice" in out.stderr
+
+
+def test_zoo_build_capture_ls_show_verify(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    models, sets = tmp_path / "models", tmp_path / "sets"
+    out = run("zoo", "build", "tiny-gpt2", "--out", str(models), "--sets", str(sets))
+    assert out.returncode == 0, out.stderr
+    assert (models / "tiny-gpt2" / "model.safetensors").is_file()
+    out = run("capture", str(models / "tiny-gpt2"), "--out", str(sets / "again"), "--calibrate", "")
+    assert out.returncode == 0, out.stderr
+    listing = run("golden", "ls", str(sets)).stdout
+    assert "tiny-gpt2" in listing and "again" in listing and "fresh" in listing
+    shown = run("golden", "show", str(sets / "tiny-gpt2")).stdout
+    assert "GPT2LMHeadModel" in shown and "transformer.h.0.mlp" in shown
+    assert run("golden", "verify", str(sets / "tiny-gpt2")).returncode == 0
+    bad = run("golden", "show", str(tmp_path / "nowhere"))
+    assert bad.returncode == 1 and "no manifest" in bad.stderr
+
+
+def test_report_renders_and_merges(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        record = {"test_id": f"t::{name}", "point": "p", "suite": "operators", "dtype": "float32",
+                  "verdict": "passed", "budget_used": 0.1, "metrics": {}}  # fmt: skip
+        (tmp_path / name / "records.jsonl").write_text(json.dumps(record) + "\n")
+    out = run("report", str(tmp_path / "a"), "--baseline", str(tmp_path / "b"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "a" / "drift.html").is_file()
+    assert "0 regression(s)" in out.stdout
+    merged = run(
+        "report", "merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m")
+    )
+    assert merged.returncode == 0, merged.stderr
+    assert len((tmp_path / "m" / "records.jsonl").read_text().splitlines()) == 2
+    missing = run("report", str(tmp_path / "nowhere"))
+    assert missing.returncode != 0 and "no records.jsonl" in missing.stderr

@@ -386,6 +386,7 @@ def capture(
     order = {name: i for i, name in enumerate(n for n, _ in model.named_modules())}
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(out.parent)
     tmp = out.parent / f".{out.name}.capture-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -502,6 +503,24 @@ def _greedy(model: Any, request: Request, steps: int, sink: _Sink) -> dict[str, 
         "tokens": sink.put(f"{request.name}/continuation/tokens", torch.cat(tokens, dim=1)),
         "logits": sink.put(f"{request.name}/continuation/logits", torch.stack(step_logits, dim=1)),
     }
+
+
+def remove_abandoned(folder: Path) -> list[Path]:
+    """Removes the temporary folders of captures whose process died (a SIGKILL cannot clean
+    up after itself); a live capture's folder is left alone."""
+    removed = []
+    for tmp in folder.glob(".*.capture-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+        except PermissionError:  # alive, another user's
+            pass
+    return removed
 
 
 def _replace(tmp: Path, out: Path) -> None:

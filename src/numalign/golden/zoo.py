@@ -91,7 +91,10 @@ _WORDS = (
 def _rescale(model: Any, gemma_norms: bool) -> None:
     import torch
 
+    embedding = model.get_input_embeddings().weight
     for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module.weight is embedding:
+            continue  # an LM head tied to the embedding keeps the embedding's scale
         if isinstance(module, torch.nn.Linear):
             fan_in = module.in_features
             gain = LM_HEAD_GAIN if name.endswith("lm_head") else 1.0

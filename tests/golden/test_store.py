@@ -1,0 +1,95 @@
+"""The committed zoo's golden sets: format, lazy loading, sizes, dedup, calibration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from numalign.golden import GoldenSet
+from numalign.golden.zoo import ZOO
+from numalign.replay.layer import replay_call
+
+ROOT = Path(__file__).resolve().parents[2]
+SETS = ROOT / "golden" / "sets"
+NAMES = [m.name for m in ZOO]
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def golden(request: pytest.FixtureRequest) -> GoldenSet:
+    return GoldenSet.open(SETS / request.param)
+
+
+def test_every_zoo_model_is_small_and_has_a_fresh_set(golden: GoldenSet) -> None:
+    model_bytes = sum(p.stat().st_size for p in golden.model_dir.iterdir())
+    assert model_bytes < 2_000_000  # the zoo's size limit: 2 MB per model
+    golden.verify()
+    golden.check_fresh()
+
+
+def test_reload_points_inputs_outputs_logits_and_continuation(golden: GoldenSet) -> None:
+    points = golden.points
+    assert [p.order for p in points] == sorted(p.order for p in points)
+    types = {p.type for p in points}
+    assert any(t.endswith(("DecoderLayer", "Block")) for t in types)
+    assert any("Norm" in t for t in types)
+    assert points[-1].name == "lm_head"
+    first_request = golden.requests[0]["name"]
+    logits = golden.tensor(golden.manifest["logits"][first_request], dtype=torch.bfloat16)
+    assert logits.dtype == torch.bfloat16 and logits.shape[-1] == 512
+    continuation = golden.manifest["continuation"][first_request]
+    tokens = golden.tensor(continuation["tokens"])
+    assert tokens.shape[-1] == 8 and tokens.dtype == torch.int64  # the default 8 tokens
+    for dtype in ("bfloat16", "float16"):
+        calibration = golden.calibration(dtype)
+        assert set(calibration) == {p.name for p in points}
+        stats = calibration[points[1].name]["0"]
+        assert stats["isolated"]["max_abs"] is not None
+        assert stats["accumulated"]["rel_l2"] >= 0
+
+
+def test_realistic_magnitudes(golden: GoldenSet) -> None:
+    """Logits spanning tens and hidden states with outlier channels, as real checkpoints."""
+    request = golden.requests[0]["name"]
+    logits = golden.tensor(golden.manifest["logits"][request])
+    assert float(logits.abs().max()) > 10.0
+    embed = next(p for p in golden.points if "Embedding" in p.type and "wpe" not in p.name)
+    hidden = golden.tensor(embed.calls[request][0].outputs["0"])
+    channel_rms = hidden.pow(2).mean(dim=(0, 1)).sqrt()
+    assert float(channel_rms.max()) > 8 * float(channel_rms.median())  # outlier channels
+
+
+def test_shared_tensors_are_stored_once(golden: GoldenSet) -> None:
+    layers = [p for p in golden.points if p.type.endswith("DecoderLayer") or p.type == "GPT2Block"]
+    request = golden.requests[0]["name"]
+    first, second = layers[0].calls[request][0], layers[1].calls[request][0]
+    hidden_in = second.args[0] if second.args and second.args[0] else second.kwargs["hidden_states"]
+    assert first.outputs["0"] == hidden_in  # one key: stored once
+
+
+def test_bytes_on_disk_are_the_unique_tensor_bytes(golden: GoldenSet) -> None:
+    shards = sum(s["bytes"] for s in golden.manifest["shards"].values())
+    assert shards <= 1.05 * golden.unique_tensor_bytes()  # only safetensors headers on top
+
+
+def test_layer_replay_in_float32_reproduces_the_golden_outputs(golden: GoldenSet) -> None:
+    from numalign.golden.capture import load_model
+
+    model = load_model(golden.model_dir, "float32", attn_implementation=None, trust_remote_code=False)
+    point = next(p for p in golden.points if p.type.endswith(("DecoderLayer", "Block")))
+    call = next(iter(point.calls.values()))[0]
+    outputs = replay_call(model.get_submodule(point.name), golden, call, device="cpu", dtype=torch.float32)
+    expected = golden.tensor(call.outputs["0"])
+    # the same module, inputs and dtype: equal up to float32 kernel nondeterminism
+    torch.testing.assert_close(outputs["0"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_image_text_set_has_an_image_request_and_vision_points() -> None:
+    golden = GoldenSet.open(SETS / "tiny-qwen2-vl")
+    requests = {r["name"]: r for r in golden.requests}
+    assert {"text-leftpad", "text-rightpad", "image"} <= set(requests)
+    assert "pixel_values" in requests["image"]["inputs"]
+    names = [p.name for p in golden.points]
+    assert "model.visual.patch_embed" in names and "model.visual.merger" in names
+    assert any(".visual.blocks." in n for n in names)
