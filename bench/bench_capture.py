@@ -13,7 +13,6 @@ run:
 from __future__ import annotations
 
 import json
-import resource
 import shutil
 import subprocess
 import sys
