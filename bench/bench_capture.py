@@ -22,12 +22,13 @@ from pathlib import Path
 
 CHILD = r"""
 import json, resource, sys, time, torch, transformers
+from pathlib import Path
 from numalign.golden.capture import capture, load_model, text_requests
 torch.set_num_threads(1)
 folder, out = sys.argv[1], sys.argv[2]
 rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-model = load_model(__import__("pathlib").Path(folder), "float32", attn_implementation=None, trust_remote_code=False)
-req = text_requests(__import__("pathlib").Path(folder), model.config, [], False)[0]
+model = load_model(Path(folder), "float32", attn_implementation=None, trust_remote_code=False)
+req = text_requests(Path(folder), model.config, [], False)[0]
 with torch.no_grad():
     model(**req.inputs, use_cache=False)  # warm-up
     start = time.perf_counter()
