@@ -26,6 +26,8 @@ NORM_CASES = tier_cases(
     Case("offset-8x4096", {"tokens": 8, "hidden": 4096, "mean": 30.0}, tier="pr"),
     Case("many-4096x8192", {"tokens": 4096, "hidden": 8192}, tier="nightly"),
 )
+#: Model families whose RMSNorm weight is zero-centered (the norm multiplies by 1 + weight).
+ZERO_CENTERED_NORMS = ("Gemma", "Qwen3Next")
 #: Epsilon of Llama-family checkpoints; it dominates inputs with mean square near 1e-4 or less.
 EPS = 1e-5
 
@@ -51,8 +53,10 @@ def rms_norm_reference(
 
 def _rms_adapter(module: Any) -> dict[str, Any]:
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", EPS))
-    # Gemma's RMSNorm multiplies by (1 + weight); Llama's by weight.
-    offset = 1.0 if type(module).__name__.startswith("Gemma") else 0.0
+    # Gemma's and Qwen3-Next's RMSNorm multiply by (1 + weight); Llama's by weight. A swap
+    # checks the adapter against the module on a probe input, so a new family that does
+    # otherwise is an error, not a silent mismatch.
+    offset = 1.0 if type(module).__name__.startswith(ZERO_CENTERED_NORMS) else 0.0
     return {"weight": module.weight, "eps": float(eps), "offset": offset}
 
 

@@ -63,7 +63,6 @@ register_operator(
         cases=PATCH_CASES,
         reduction_length=lambda case: case["channels"] * case["frames"] * case["patch"] ** 2,
         hf_modules=("*PatchEmbed",),
-        adapter=lambda m: {"weight": m.proj.weight},
         description="vision patch embedding (Conv3d, kernel = stride)",
     )
 )

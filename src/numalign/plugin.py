@@ -128,6 +128,23 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
         "",
     ),
     (
+        "--swap",
+        "numalign_swap",
+        "OPERATOR=CANDIDATE: run models with every module the operator stands for replaced by "
+        "the candidate (repeatable; all=NAME takes a candidate set)",
+        {"action": "append"},
+        "linelist",
+        [],
+    ),
+    (
+        "--attn-implementation",
+        "numalign_attn_implementation",
+        "transformers attention implementation for model replay: eager, sdpa, flex_attention",
+        {},
+        "string",
+        "",
+    ),
+    (
         "--allow-tf32",
         "numalign_allow_tf32",
         "allow TF32 matmuls on CUDA (off by default)",
@@ -178,6 +195,12 @@ def settings_from_config(config: pytest.Config) -> Settings:
     if not factor > 1.0:
         raise pytest.UsageError("numalign: --regression-factor must be a number above 1")
     history = str(_value(config, "numalign_history") or "")
+    attn = str(_value(config, "numalign_attn_implementation") or "")
+    if attn and attn not in ("eager", "sdpa", "flex_attention"):
+        raise pytest.UsageError(
+            f"numalign: unknown --attn-implementation {attn!r}; "
+            "allowed: eager, sdpa, flex_attention"
+        )
     return Settings(
         device=device,
         device_plugins=tuple(_value(config, "numalign_device_plugins")),
@@ -190,6 +213,8 @@ def settings_from_config(config: pytest.Config) -> Settings:
         regression_factor=factor,
         fail_on_regression=bool(_value(config, "numalign_fail_on_regression")),
         history=Path(history) if history else None,
+        swaps=tuple(_value(config, "numalign_swap")),
+        attn_implementation=attn or None,
         allow_tf32=bool(_value(config, "numalign_allow_tf32")),
     )
 
@@ -219,6 +244,14 @@ def pytest_configure(config: pytest.Config) -> None:
         except DeviceUnavailableError as exc:
             raise pytest.UsageError(f"numalign: {exc}") from None
     _import_all(settings.candidate_modules, "--candidates")
+    if settings.swaps:
+        from numalign.registry import RegistryError
+        from numalign.replay.swap import SwapError, parse_swaps
+
+        try:
+            parse_swaps(settings.swaps)
+        except (SwapError, RegistryError) as exc:
+            raise pytest.UsageError(f"numalign: {exc}") from None
     if not hasattr(config, "workerinput"):  # the xdist controller, or a plain session
         from numalign.report import DriftCollector
 

@@ -30,6 +30,8 @@ class Settings:
     regression_factor: float = 2.0
     fail_on_regression: bool = False
     history: Path | None = None
+    swaps: tuple[str, ...] = ()
+    attn_implementation: str | None = None
     allow_tf32: bool = False
 
     def tier_rank(self) -> int:

@@ -1,7 +1,7 @@
 """The comparison core: metrics, tolerance tables, verdicts, CompareResult, assert_aligned."""
 
 from numalign.compare.core import assert_aligned, compare, dtype_name
-from numalign.compare.metrics import Metrics, compute_metrics
+from numalign.compare.metrics import ControlErrors, Metrics, compute_metrics
 from numalign.compare.result import RULES, CompareResult
 from numalign.compare.tolerances import (
     OP_CLASSES,
@@ -16,6 +16,7 @@ __all__ = [
     "RULES",
     "Budget",
     "CompareResult",
+    "ControlErrors",
     "Metrics",
     "Tolerance",
     "TolerancePolicy",

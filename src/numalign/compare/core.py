@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from numalign.compare.metrics import (
+    ControlErrors,
     Metrics,
     compute_metrics,
     count_rounding_zeros,
@@ -51,6 +52,7 @@ def compare(
     *,
     op_class: str = "elementwise",
     control: torch.Tensor | None = None,
+    control_errors: ControlErrors | None = None,
     reduction_length: int | None = None,
     ties: torch.Tensor | None = None,
     tolerance: Tolerance | None = None,
@@ -66,6 +68,8 @@ def compare(
         op_class: one of ``OP_CLASSES``; picks the table row when there is no control.
         control: the honest reference computed in ``actual``'s dtype; when given, the error
             budget is a multiple of the control's error against ``expected`` (rule 3).
+        control_errors: the control's errors when only they are known (a golden set's
+            calibration): used as ``control`` is.
         reduction_length: length of the reduction behind each output element; scales the
             table's atol by its square root (reduction classes only).
         ties: for index outputs (top-k, sort), the scores the indices select from along the
@@ -113,8 +117,13 @@ def compare(
 
     fmt = FLOAT_FORMATS[dtype]
     eps = 2.0 ** -fmt[0]
-    if control is not None:
-        control_metrics = compute_metrics(control, expected)
+    has_control = control is not None or control_errors is not None
+    if has_control:
+        if control is not None:
+            control_metrics = compute_metrics(control, expected)
+        else:
+            assert control_errors is not None
+            control_metrics = control_errors.as_metrics(expected)
         multipliers = policy.budget(name, dtype, budget)
         # Floors: one ulp of the output at its largest magnitude, and, for a reduction of
         # length K, sqrt(K) ulps of the accumulator (float32; float64 for float64): honest
@@ -158,7 +167,7 @@ def compare(
     if nonfinite:
         return result.fail("non-finite", *nonfinite)
 
-    if control is not None:
+    if has_control:
         if metrics.max_abs > result.budget["max_abs"]:
             times = _times_control(metrics.max_abs, result.budget)
             return result.fail(
@@ -185,7 +194,7 @@ def compare(
     distribution = _distribution(actual, expected, metrics, control_metrics, spread, dtype)
     if distribution:
         return result.fail("distribution", *distribution)
-    rule = "budget" if control is not None else "tolerance"
+    rule = "budget" if has_control else "tolerance"
     return result.ok(rule, f"within budget (worst use {_g(result.budget_used, 3)})")
 
 

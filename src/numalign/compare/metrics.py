@@ -84,6 +84,29 @@ class Metrics:
         return out
 
 
+@dataclass(frozen=True)
+class ControlErrors:
+    """A control's errors against the truth when the control itself is not at hand (a golden
+    set's calibration): what the budget and the distribution rule need of it."""
+
+    max_abs: float
+    rel_l2: float
+    cosine: float = 1.0
+    norm_ratio: float = 1.0
+    zero_fraction: float = 0.0
+
+    def as_metrics(self, expected: torch.Tensor) -> Metrics:
+        nan = math.nan
+        return Metrics(
+            numel=expected.numel(), max_abs=self.max_abs, max_rel=nan, mean_abs=nan, rmse=nan,
+            rel_l2=self.rel_l2, cosine=self.cosine, ulp_max=nan, ulp_p99=nan, mismatch_count=0,
+            tolerance_ratio=nan, nan_actual=0, nan_expected=0, inf_actual=0, inf_expected=0,
+            norm_ratio=self.norm_ratio, zero_fraction_actual=self.zero_fraction,
+            max_expected=_max_abs(expected) if expected.numel() else 0.0,
+            worst_index=None, worst_actual=None, worst_expected=None,
+        )  # fmt: skip
+
+
 def float_format(dtype: torch.dtype) -> tuple[int, int] | None:
     """(mantissa bits, log2 of the smallest subnormal) of a floating dtype; None otherwise."""
     return FLOAT_FORMATS.get(str(dtype).removeprefix("torch."))

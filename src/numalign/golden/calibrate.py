@@ -56,7 +56,7 @@ def calibrate(
     import torch
 
     from numalign.golden.capture import flatten, hooks, load_model
-    from numalign.replay.layer import replay_call
+    from numalign.replay.layer import kept_positions, replay_call, request_mask
 
     torch_dtype = getattr(torch, dtype)
     model = load_model(model_dir, dtype, attn_implementation=attn_implementation,
@@ -69,8 +69,12 @@ def calibrate(
         name = request["name"]
         inputs = {k: golden.tensor(v, device=device, dtype=torch_dtype) for k, v in request["inputs"].items()}
         seen: dict[str, int] = {}
+        mask = request_mask(golden, name)
 
-        def on_call(point: str, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
+        def on_call(
+            point: str, args: Any, kwargs: Any, output: Any, name: str = name,
+            seen: dict[str, int] = seen, mask: Any = mask,
+        ) -> None:  # fmt: skip
             number = seen.get(point, 0)
             seen[point] = number + 1
             calls = points[point].calls.get(name, [])
@@ -79,20 +83,24 @@ def calibrate(
             for path, tensor in flatten(output):
                 key = calls[number].outputs.get(path)
                 if key is not None and isinstance(tensor, torch.Tensor):
-                    stats = _stats(tensor, golden.tensor(key))
+                    expected = kept_positions(golden.tensor(key), mask)
+                    stats = _stats(kept_positions(tensor, mask), expected)
                     accumulated[(point, path)] = _worst(accumulated.get((point, path)), stats)
 
         with torch.no_grad(), hooks(model, list(points), on_call):
             model(**inputs, use_cache=False)
 
+    masks = {r["name"]: request_mask(golden, r["name"]) for r in golden.requests}
     for point in points.values():
         module = model.get_submodule(point.name)
-        for calls in point.calls.values():
+        for request_name, calls in point.calls.items():
+            mask = masks.get(request_name)
             for call in calls:
                 outputs = replay_call(module, golden, call, device=device, dtype=torch_dtype)
                 for path, key in call.outputs.items():
                     if path in outputs:
-                        stats = _stats(outputs[path], golden.tensor(key))
+                        expected = kept_positions(golden.tensor(key), mask)
+                        stats = _stats(kept_positions(outputs[path], mask), expected)
                         isolated[(point.name, path)] = _worst(isolated.get((point.name, path)), stats)
 
     result: dict[str, dict[str, dict[str, Any]]] = {}

@@ -6,7 +6,8 @@ would teach the wrong tolerances. The weights are therefore rescaled to the magn
 real checkpoints: projections keep activations of order one (std 1/sqrt(fan_in)), a few
 hidden channels of the embedding are 20x larger (the outlier channels real models carry
 through the residual stream), and the LM head gives logits with a standard deviation of
-about 4, so that they span tens.
+about 4, so that they span tens. Gemma 2 and GPT-2 tie their LM head to the embedding; here
+they do not, so that the embedding's outlier channels do not saturate the logits.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ ZOO: tuple[ZooModel, ...] = (
     ZooModel("tiny-gemma2", "Gemma2Config", _TEXT | {
         "num_hidden_layers": 2, "sliding_window": 8, "final_logit_softcapping": 30.0,
         "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 16,
+        "tie_word_embeddings": False,
     }, "sliding-window and global layers, logit soft-capping (Gemma 2)"),
     ZooModel("tiny-qwen3-moe", "Qwen3MoeConfig", _TEXT | {
         "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
@@ -76,7 +78,7 @@ ZOO: tuple[ZooModel, ...] = (
     }, "image-text (Qwen2-VL)"),
     ZooModel("tiny-gpt2", "GPT2Config", {
         "vocab_size": 512, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256,
-        "bos_token_id": 0, "eos_token_id": 0,
+        "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": False,
     }, "LayerNorm and GELU (GPT-2)"),
 )  # fmt: skip
 

@@ -36,6 +36,27 @@ def call_inputs(
     return args, kwargs
 
 
+def kept_positions(tensor: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The positions a request's attention mask keeps: what a model computes at padding is
+    not defined (the reference itself gives NaN there in bfloat16), so it is not compared.
+    Outputs laid out [batch, ..., seq, ...] keep the positions of the first dimension after
+    the batch that has the sequence's length ([batch, seq, hidden]; attention weights
+    [batch, heads, query, key]). Other layouts are returned whole."""
+    if mask is None or tensor.dim() < 2 or tensor.shape[0] != mask.shape[0]:
+        return tensor
+    seq_dims = [d for d in range(1, tensor.dim()) if tensor.shape[d] == mask.shape[1]]
+    if not seq_dims:
+        return tensor
+    return tensor.movedim(seq_dims[0], 1)[mask.to(tensor.device).bool()]
+
+
+def request_mask(golden: GoldenSet, request: str) -> torch.Tensor | None:
+    for r in golden.requests:
+        if r["name"] == request and "attention_mask" in r["inputs"]:
+            return golden.tensor(r["inputs"]["attention_mask"])
+    return None
+
+
 def replay_call(
     module: torch.nn.Module,
     golden: GoldenSet,

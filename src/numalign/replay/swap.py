@@ -1,0 +1,112 @@
+"""Kernel swap: every module an operator stands for, replaced in a loaded model by a module
+that calls a candidate through the operator's adapter (``--swap rms_norm=fused``)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from numalign.registry import OPERATORS, Candidate, Operator, candidates, load_catalogue
+
+
+class SwapError(ValueError):
+    """A swap that cannot be applied; the message says why and what to do."""
+
+
+class SwappedModule(torch.nn.Module):
+    """Calls ``candidate`` on the module's first input, with the arguments the operator's
+    adapter reads from the original module (weights, epsilon, ...)."""
+
+    def __init__(self, original: torch.nn.Module, operator: Operator, candidate: Candidate) -> None:
+        super().__init__()
+        self.original = original
+        self.operator = operator
+        self.candidate = candidate
+        self.input_name = next(iter(inspect.signature(operator.reference).parameters))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        x = args[0] if args else next(iter(kwargs.values()))
+        assert self.operator.adapter is not None
+        return self.candidate.fn(**{self.input_name: x}, **self.operator.adapter(self.original))
+
+    def extra_repr(self) -> str:
+        return f"{self.operator.name}={self.candidate.name}"
+
+
+def parse_swaps(specs: Sequence[str]) -> list[tuple[str, str]]:
+    """``["rms_norm=fused", "all=torch"]`` -> pairs; SwapError on a malformed or unknown one."""
+    load_catalogue()
+    pairs = []
+    for spec in specs:
+        op, sep, name = spec.partition("=")
+        if not sep or not op or not name:
+            raise SwapError(f"--swap {spec!r}: write OPERATOR=CANDIDATE, e.g. rms_norm=fused")
+        if op != "all":
+            candidates(op)[name]  # "Unknown operator/candidate ... Did you mean"
+        pairs.append((op, name))
+    return pairs
+
+
+def apply_swaps(model: torch.nn.Module, swaps: Sequence[tuple[str, str]]) -> list[str]:
+    """Replaces the mapped modules; returns their names. ``all=NAME`` swaps every operator
+    with an adapter that has a candidate NAME."""
+    load_catalogue()
+    swapped: list[str] = []
+    for op_name, cand_name in swaps:
+        ops = (
+            [op for op in OPERATORS.values() if op.adapter and cand_name in candidates(op.name)]
+            if op_name == "all"
+            else [OPERATORS[op_name]]
+        )
+        for op in ops:
+            if op.adapter is None:
+                raise SwapError(
+                    f"--swap {op.name}={cand_name}: operator {op.name} has no adapter from a "
+                    "Hugging Face module to its arguments, so it cannot be swapped into a model"
+                )
+            names = [n for n, m in model.named_modules() if n and op.stands_for(type(m).__name__)]
+            if not names and op_name != "all":
+                types = sorted({type(m).__name__ for m in model.modules()})
+                raise SwapError(
+                    f"--swap {op.name}={cand_name}: no module of this model is one that "
+                    f"{op.name} stands for ({', '.join(op.hf_modules)}); its module types: "
+                    f"{', '.join(types[:20])}"
+                )
+            cand = candidates(op.name)[cand_name]
+            for name in names:
+                original = model.get_submodule(name)
+                _check_adapter(name, original, op)
+                parent, _, leaf = name.rpartition(".")
+                holder = model.get_submodule(parent) if parent else model
+                setattr(holder, leaf, SwappedModule(original, op, cand))
+                swapped.append(name)
+    return swapped
+
+
+def _check_adapter(name: str, module: torch.nn.Module, op: Operator) -> None:
+    """The operator's reference, through the adapter, must reproduce the module on a probe
+    input: otherwise the swap would test the wrong thing."""
+    weight = next((p for p in module.parameters()), None)
+    if weight is None or op.name not in _PROBED:
+        return
+    probe = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0))
+    probe = probe.to(weight.device, weight.dtype)
+    assert op.adapter is not None
+    with torch.no_grad():
+        mine = op.reference(probe.float(), **op.adapter(module)).float()
+        theirs = module(probe).float()
+    # the module rounds to its dtype a few times more than the float32 reference: 4 eps
+    tol = 4 * torch.finfo(weight.dtype).eps
+    if not torch.allclose(mine, theirs, rtol=tol, atol=tol):
+        raise SwapError(
+            f"--swap {op.name}: the adapter does not reproduce {name} ({type(module).__name__}); "
+            f"max difference {float((mine - theirs).abs().max()):.3g}: teach the adapter of "
+            f"{op.name} this module type"
+        )
+
+
+#: Operators whose modules take one activation of the hidden size: probed before a swap.
+_PROBED = ("rms_norm", "layer_norm", "linear")

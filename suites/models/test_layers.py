@@ -1,0 +1,72 @@
+"""Layer replay: every capture point of every golden set, its module (from the model loaded
+with from_pretrained on the device in the target dtype) fed the golden inputs, its outputs
+against the golden ones within the set's isolated calibration for that dtype.
+
+Ids read ``test_layer[tiny-llama/model.layers.1.mlp-bfloat16]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import golden_sets, open_fresh
+
+from numalign.golden import GoldenSet
+from numalign.plugin import settings_key
+from numalign.record import NodeRecorder
+from numalign.replay.model import ModelCache, replay_layer, worst
+from numalign.replay.swap import parse_swaps
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "layer_case" not in metafunc.fixturenames:
+        return
+    settings = metafunc.config.stash[settings_key]
+    ids = []
+    for path in golden_sets(metafunc.config):
+        golden = GoldenSet.open(path)
+        for point in golden.points:
+            for dtype in settings.dtypes:
+                ids.append(f"{path}::{golden.name}/{point.name}-{dtype}")
+    metafunc.parametrize("layer_case", ids, ids=[i.split("::", 1)[1] for i in ids])
+
+
+@pytest.mark.layer
+@pytest.mark.model
+def test_layer(
+    layer_case: str,
+    numalign_device: torch.device,
+    numalign_settings: Any,
+    model_cache: ModelCache,
+    tolerance_policy: Any,
+    record_drift: NodeRecorder,
+) -> None:
+    __tracebackhide__ = True
+    path, _, rest = layer_case.partition("::")
+    point_name, _, dtype = rest.partition("/")[2].rpartition("-")
+    golden = open_fresh(path)
+    swaps = parse_swaps(numalign_settings.swaps)
+    model = model_cache.get(golden, numalign_device, dtype,
+                            attn_implementation=numalign_settings.attn_implementation, swaps=swaps)  # fmt: skip
+    point = golden.point(point_name)
+    results = replay_layer(golden, model, point, dtype, numalign_device, tolerance_policy)
+    swap = ",".join(numalign_settings.swaps) or None
+    for r in results:
+        record_drift(
+            r.result, suite="models", candidate="transformers", device=str(numalign_device),
+            case=r.request, golden_fingerprint=golden.manifest["model"]["fingerprint"],
+            swap=swap,
+        )["model"] = golden.name  # fmt: skip
+    for record in record_drift.user_properties[-len(results):]:
+        record[1].update(mode="isolated", point_index=point.order)  # type: ignore[union-attr]
+    failed = [r for r in results if not r.result.passed]
+    if failed:
+        w = worst(failed)
+        pytest.fail(
+            f"{golden.name}/{point.name} [{dtype}] replayed alone leaves the isolated "
+            f"calibration's budget in {len(failed)} of {len(results)} outputs; worst, request "
+            f"{w.request}:\n{w.result.message()}",
+            pytrace=False,
+        )

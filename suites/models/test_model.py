@@ -1,0 +1,79 @@
+"""Full-model replay: the whole model on the device in the target dtype from the golden
+inputs, every point against the accumulated calibration; logits (top-1 agreement, top-5
+overlap, KL divergence, max abs error); the greedy continuation; and the first divergence,
+local (the point alone fails too) or accumulated from upstream."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import golden_sets, open_fresh
+
+from numalign.plugin import settings_key
+from numalign.record import NodeRecorder
+from numalign.replay.model import ModelCache, first_divergence, replay_layer, replay_model
+from numalign.replay.swap import parse_swaps
+
+#: Top-5 overlap below this on average means the output distribution moved, not rounding:
+#: bfloat16 replays of the zoo overlap at 0.95 and more.
+MIN_TOP5_OVERLAP = 0.8
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "model_case" not in metafunc.fixturenames:
+        return
+    settings = metafunc.config.stash[settings_key]
+    ids = [f"{p}::{p.name}-{d}" for p in golden_sets(metafunc.config) for d in settings.dtypes]
+    metafunc.parametrize("model_case", ids, ids=[i.split("::", 1)[1] for i in ids])
+
+
+@pytest.mark.model
+def test_model(
+    model_case: str,
+    numalign_device: torch.device,
+    numalign_settings: Any,
+    model_cache: ModelCache,
+    tolerance_policy: Any,
+    record_drift: NodeRecorder,
+) -> None:
+    __tracebackhide__ = True
+    path, _, rest = model_case.partition("::")
+    dtype = rest.rpartition("-")[2]
+    golden = open_fresh(path)
+    swaps = parse_swaps(numalign_settings.swaps)
+    model = model_cache.get(golden, numalign_device, dtype,
+                            attn_implementation=numalign_settings.attn_implementation, swaps=swaps)  # fmt: skip
+    replay = replay_model(golden, model, dtype, numalign_device, tolerance_policy)
+    divergence = first_divergence(replay.points)
+    located = None
+    if divergence is not None:
+        alone = replay_layer(golden, model, golden.point(divergence.point), dtype, numalign_device, tolerance_policy)
+        kind = "local" if any(not r.result.passed for r in alone) else "accumulated"
+        located = {"point": divergence.point, "kind": kind, "request": divergence.request}
+    swap = ",".join(numalign_settings.swaps) or None
+    for r in replay.points:
+        record = record_drift(
+            r.result, suite="models", candidate="transformers", device=str(numalign_device),
+            case=r.request, golden_fingerprint=golden.manifest["model"]["fingerprint"], swap=swap,
+        )  # fmt: skip
+        record.update(model=golden.name, mode="accumulated", point_index=r.order)
+        if located and r is divergence:
+            record["first_divergence"] = located
+    problems = []
+    if located:
+        problems.append(
+            f"first divergence at {located['point']} ({located['kind']}: "
+            + ("the point alone fails too" if located["kind"] == "local"
+               else "the point alone is within budget; the error comes from upstream")  # fmt: skip
+            + f"), request {located['request']}:\n{divergence.result.message()}"  # type: ignore[union-attr]
+        )
+    for check in replay.logits:
+        if check["top1_unexplained"] or check["top5_overlap"] < MIN_TOP5_OVERLAP:
+            problems.append(f"logits of {check['request']}: {check}")
+    for check in replay.continuation:
+        if not check["ok"]:
+            problems.append(f"greedy continuation of {check['request']}: {check}")
+    if problems:
+        pytest.fail(f"{golden.name} [{dtype}]: " + "\n\n".join(problems), pytrace=False)
