@@ -143,7 +143,7 @@ register_operator(
             Output("experts", kind="ties", ties_from="choice"),
             Output("choice"),
         ),
-        hf_modules=("*TopkRouter", "*MoEGate", "*SparseMoeBlock"),
+        hf_modules=("*TopkRouter", "*TopKRouter", "*MoEGate", "*SparseMoeBlock"),
         description="router scoring, (grouped) top-k, renormalisation and scaling",
     )
 )

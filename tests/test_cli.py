@@ -70,3 +70,29 @@ def test_report_renders_and_merges(tmp_path) -> None:  # type: ignore[no-untyped
     assert len((tmp_path / "m" / "records.jsonl").read_text().splitlines()) == 2
     missing = run("report", str(tmp_path / "nowhere"))
     assert missing.returncode != 0 and "no records.jsonl" in missing.stderr
+
+
+def test_inventory_lists_operators_where_used_and_status() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = run("inventory", str(root / "golden" / "models" / "tiny-qwen3-next"))
+    assert out.returncode == 0, out.stderr
+    assert (
+        "| gated_delta_rule | model.layers.0.linear_attn, model.layers.2.linear_attn "
+        "| covered by candidates |" in out.stdout
+    )
+    assert "| (module Qwen3NextRMSNormGated) |" in out.stdout and "missing" in out.stdout
+    as_json = run(
+        "inventory", str(root / "golden" / "models" / "tiny-qwen2-vl"), "--format", "json"
+    )
+    import json
+
+    data = json.loads(as_json.stdout)
+    ops = {row["operator"]: row for row in data["operators"]}
+    assert ops["patch_embed"]["where"] == ["model.visual.patch_embed"]
+    assert "(module Conv3d)" not in ops  # inside the mapped patch embedding
+    assert data["module_types"]["Qwen2VLVisionBlock"] == [
+        "model.visual.blocks.0",
+        "model.visual.blocks.1",
+    ]

@@ -136,6 +136,14 @@ def _golden(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inventory(args: argparse.Namespace) -> int:
+    from numalign.inventory import inventory
+
+    result = inventory(args.model_dir, trust_remote_code=args.trust_remote_code)
+    print(result.to_json() if args.format == "json" else result.to_markdown(), end="")
+    return 0
+
+
 def _existing(paths: list[Path]) -> list[Path]:
     missing = [p for p in paths if not (p / "records.jsonl").is_file()]
     if missing:
@@ -194,6 +202,18 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--attn-implementation", choices=["eager", "sdpa", "flex_attention"])
     cap.add_argument("--trust-remote-code", action="store_true")
     cap.set_defaults(handler=_capture)
+
+    inv = commands.add_parser(
+        "inventory",
+        help="the catalogue operators a model needs, and which are covered (no weights read)",
+        description="Builds the model on the meta device from its config, lists its module "
+        "types and the aten operators a forward runs, and maps them to catalogue operators: "
+        "where each is used, and whether candidates cover it, only the reference, or nothing.",
+    )
+    inv.add_argument("model_dir", metavar="MODEL_DIR")
+    inv.add_argument("--format", choices=["md", "json"], default="md")
+    inv.add_argument("--trust-remote-code", action="store_true")
+    inv.set_defaults(handler=_inventory)
 
     zoo = commands.add_parser("zoo", help="the embedded tiny model zoo")
     zoo.add_argument("action", choices=["build"])

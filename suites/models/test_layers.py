@@ -7,25 +7,28 @@ Ids read ``test_layer[tiny-llama/model.layers.1.mlp-bfloat16]``.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import golden_sets, open_fresh
 
-from numalign.golden import GoldenSet
+from numalign.golden import GoldenSet, GoldenSetError
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
-from numalign.replay.model import ModelCache, replay_layer, worst
+from numalign.replay.model import ModelCache, open_fresh, replay_layer, suite_sets, worst
 from numalign.replay.swap import parse_swaps
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "layer_case" not in metafunc.fixturenames:
         return
     settings = metafunc.config.stash[settings_key]
+    sets = suite_sets(ROOT, settings.golden_dirs)
     ids = []
-    for path in golden_sets(metafunc.config):
+    for path in sets:
         golden = GoldenSet.open(path)
         for point in golden.points:
             for dtype in settings.dtypes:
@@ -46,10 +49,13 @@ def test_layer(
     __tracebackhide__ = True
     path, _, rest = layer_case.partition("::")
     point_name, _, dtype = rest.partition("/")[2].rpartition("-")
-    golden = open_fresh(path)
+    try:
+        golden = open_fresh(path)
+    except GoldenSetError as exc:  # a stale or broken set fails with its own message
+        pytest.fail(str(exc), pytrace=False)
     swaps = parse_swaps(numalign_settings.swaps)
-    model = model_cache.get(golden, numalign_device, dtype,
-                            attn_implementation=numalign_settings.attn_implementation, swaps=swaps)  # fmt: skip
+    attn = numalign_settings.attn_implementation
+    model = model_cache.get(golden, numalign_device, dtype, attn_implementation=attn, swaps=swaps)
     point = golden.point(point_name)
     results = replay_layer(golden, model, point, dtype, numalign_device, tolerance_policy)
     swap = ",".join(numalign_settings.swaps) or None
@@ -59,7 +65,7 @@ def test_layer(
             case=r.request, golden_fingerprint=golden.manifest["model"]["fingerprint"],
             swap=swap,
         )["model"] = golden.name  # fmt: skip
-    for record in record_drift.user_properties[-len(results):]:
+    for record in record_drift.user_properties[-len(results) :]:
         record[1].update(mode="isolated", point_index=point.order)  # type: ignore[union-attr]
     failed = [r for r in results if not r.result.passed]
     if failed:

@@ -5,16 +5,26 @@ local (the point alone fails too) or accumulated from upstream."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import golden_sets, open_fresh
 
+from numalign.golden import GoldenSetError
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
-from numalign.replay.model import ModelCache, first_divergence, replay_layer, replay_model
+from numalign.replay.model import (
+    ModelCache,
+    first_divergence,
+    open_fresh,
+    replay_layer,
+    replay_model,
+    suite_sets,
+)
 from numalign.replay.swap import parse_swaps
+
+ROOT = Path(__file__).resolve().parents[2]
 
 #: Top-5 overlap below this on average means the output distribution moved, not rounding:
 #: bfloat16 replays of the zoo overlap at 0.95 and more.
@@ -25,7 +35,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "model_case" not in metafunc.fixturenames:
         return
     settings = metafunc.config.stash[settings_key]
-    ids = [f"{p}::{p.name}-{d}" for p in golden_sets(metafunc.config) for d in settings.dtypes]
+    sets = suite_sets(ROOT, settings.golden_dirs)
+    ids = [f"{p}::{p.name}-{d}" for p in sets for d in settings.dtypes]
     metafunc.parametrize("model_case", ids, ids=[i.split("::", 1)[1] for i in ids])
 
 
@@ -41,15 +52,20 @@ def test_model(
     __tracebackhide__ = True
     path, _, rest = model_case.partition("::")
     dtype = rest.rpartition("-")[2]
-    golden = open_fresh(path)
+    try:
+        golden = open_fresh(path)
+    except GoldenSetError as exc:  # a stale or broken set fails with its own message
+        pytest.fail(str(exc), pytrace=False)
     swaps = parse_swaps(numalign_settings.swaps)
-    model = model_cache.get(golden, numalign_device, dtype,
-                            attn_implementation=numalign_settings.attn_implementation, swaps=swaps)  # fmt: skip
+    attn = numalign_settings.attn_implementation
+    model = model_cache.get(golden, numalign_device, dtype, attn_implementation=attn, swaps=swaps)
     replay = replay_model(golden, model, dtype, numalign_device, tolerance_policy)
     divergence = first_divergence(replay.points)
     located = None
     if divergence is not None:
-        alone = replay_layer(golden, model, golden.point(divergence.point), dtype, numalign_device, tolerance_policy)
+        alone = replay_layer(
+            golden, model, golden.point(divergence.point), dtype, numalign_device, tolerance_policy
+        )
         kind = "local" if any(not r.result.passed for r in alone) else "accumulated"
         located = {"point": divergence.point, "kind": kind, "request": divergence.request}
     swap = ",".join(numalign_settings.swaps) or None
@@ -62,12 +78,15 @@ def test_model(
         if located and r is divergence:
             record["first_divergence"] = located
     problems = []
-    if located:
+    if located and divergence is not None:
+        why = (
+            "the point alone fails too"
+            if located["kind"] == "local"
+            else "the point alone is within budget; the error comes from upstream"
+        )
         problems.append(
-            f"first divergence at {located['point']} ({located['kind']}: "
-            + ("the point alone fails too" if located["kind"] == "local"
-               else "the point alone is within budget; the error comes from upstream")  # fmt: skip
-            + f"), request {located['request']}:\n{divergence.result.message()}"  # type: ignore[union-attr]
+            f"first divergence at {located['point']} ({located['kind']}: {why}), request "
+            f"{located['request']}:\n{divergence.result.message()}"
         )
     for check in replay.logits:
         if check["top1_unexplained"] or check["top5_overlap"] < MIN_TOP5_OVERLAP:

@@ -34,6 +34,8 @@ class PointResult:
     request: str
     path: str
     result: CompareResult
+    #: when the point's call completed in the forward (children before their parents)
+    finished: int = 0
 
 
 def control_for(
@@ -194,7 +196,9 @@ def replay_model(
                 expected = kept_positions(golden.tensor(key), mask)
                 actual = kept_positions(tensor.detach(), mask)
                 result = _compare(actual, expected, label, control, reduction, policy)
-                results.append(PointResult(point, points[point].order, name, path, result))
+                results.append(
+                    PointResult(point, points[point].order, name, path, result, len(results))
+                )
 
         with torch.no_grad(), hooks(model, list(points), on_call):
             out = model(**inputs, use_cache=False)
@@ -286,9 +290,10 @@ def continuation_agreement(
 
 
 def first_divergence(results: list[PointResult]) -> PointResult | None:
-    """The earliest point (forward order) whose error leaves its budget."""
+    """The first point, in the order calls completed in the forward (a block's norm before
+    the block), whose error leaves its budget."""
     failing = [r for r in results if not r.result.passed]
-    return min(failing, key=lambda r: r.order) if failing else None
+    return min(failing, key=lambda r: r.finished) if failing else None
 
 
 def group_by_point(results: list[PointResult]) -> Iterator[tuple[str, list[PointResult]]]:
@@ -305,6 +310,20 @@ def worst(results: list[PointResult]) -> PointResult:
         return math.inf if not r.result.passed and not math.isfinite(u) else u
 
     return max(results, key=used)
+
+
+def suite_sets(root: Path, extra: Sequence[Path]) -> list[Path]:
+    """The golden sets the model suites replay: ``root``/golden/sets and each --golden."""
+    return discover_sets([root / "golden" / "sets", *extra])
+
+
+def open_fresh(path: str | Path) -> GoldenSet:
+    """Opens a set and checks its model did not change (StaleGoldenSetError otherwise)."""
+    from numalign.golden.store import GoldenSet
+
+    golden = GoldenSet.open(path)
+    golden.check_fresh()
+    return golden
 
 
 def discover_sets(folders: Sequence[Path]) -> list[Path]:

@@ -1,0 +1,169 @@
+"""Inventory: what a model needs from the catalogue, read without its weights.
+
+The model is built on the meta device from its config (no weight is read), its module types
+are listed, and one forward on meta tensors is traced with a dispatch mode to list the aten
+operators it runs. Both map to catalogue operators; the table says, per operator, where the
+model uses it and whether candidates cover it. What maps to nothing is missing: the list a
+bring-up starts from.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: aten operators (overload packet names) -> catalogue operators that stand for them.
+ATEN_TO_OPERATORS: dict[str, tuple[str, ...]] = {
+    "mm": ("linear", "matmul"), "addmm": ("linear",), "bmm": ("matmul",),
+    "linear": ("linear",), "matmul": ("matmul",), "baddbmm": ("matmul",),
+    "_softmax": ("softmax",), "softmax": ("softmax",),
+    "_scaled_dot_product_flash_attention_for_cpu": ("attention",),
+    "_scaled_dot_product_efficient_attention": ("attention",),
+    "_scaled_dot_product_flash_attention": ("attention",),
+    "scaled_dot_product_attention": ("attention",),
+    "native_layer_norm": ("layer_norm",), "rsqrt": ("rms_norm",),
+    "silu": ("silu",), "gelu": ("gelu_erf", "gelu_tanh"), "tanh": ("gelu_tanh",),
+    "embedding": ("embedding",), "cumsum": ("cumsum",), "topk": ("topk", "moe_routing"),
+    "sort": ("sort",), "convolution": ("causal_conv1d", "patch_embed"),
+    "index_add": ("moe_experts", "segment_sum"), "scatter_add": ("segment_sum",),
+    "sigmoid": ("moe_routing",), "cos": ("rope_neox",), "sin": ("rope_neox",),
+}  # fmt: skip
+#: aten operators that are data movement or elementwise glue: not listed as missing.
+GLUE = {
+    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "clone", "copy_",
+    "contiguous", "slice", "select", "unsqueeze", "squeeze", "cat", "stack", "split", "chunk",
+    "add", "sub", "mul", "div", "neg", "pow", "mean", "sum", "to", "_to_copy", "detach",
+    "arange", "zeros", "ones", "full", "empty", "new_zeros", "new_ones", "new_empty", "lift_fresh",
+    "masked_fill", "where", "eq", "ne", "lt", "le", "gt", "ge", "bitwise_and", "bitwise_or",
+    "logical_not", "index", "index_select", "gather", "scatter", "fill_", "zero_", "alias",
+    "unbind", "repeat", "repeat_interleave", "triu", "tril", "max", "min", "amax", "abs", "exp",
+    "log", "sqrt", "reciprocal", "clamp", "any", "all", "item", "_local_scalar_dense", "flatten",
+    "expand_as", "type_as", "float", "narrow", "_reshape_alias", "empty_like", "zeros_like",
+    "ones_like", "full_like", "bitwise_not", "scalar_tensor", "split_with_sizes", "argmax",
+    "floor_divide", "remainder", "sign", "diff", "_assert_async", "is_nonzero", "maximum",
+    "minimum", "rsub", "one_hot", "nonzero", "view_as", "sym_size", "sym_numel", "unfold",
+}  # fmt: skip
+
+
+#: Operators that stand for a whole module, children included (the Conv3d inside a patch
+#: embedding); other mapped modules leave their children to be mapped on their own.
+ABSORBS_CHILDREN = ("patch_embed",)
+
+
+@dataclass
+class Inventory:
+    model: str
+    architecture: str
+    module_types: dict[str, list[str]] = field(default_factory=dict)
+    aten_ops: dict[str, int] = field(default_factory=dict)
+    trace_error: str | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"model": self.model, "architecture": self.architecture, "operators": self.rows,
+             "module_types": self.module_types, "aten_ops": self.aten_ops,
+             "trace_error": self.trace_error}, indent=2)  # fmt: skip
+
+    def to_markdown(self) -> str:
+        lines = [
+            f"# {self.model} ({self.architecture})", "",
+            "| operator | where used | status |", "| --- | --- | --- |",
+        ]  # fmt: skip
+        for row in self.rows:
+            where = ", ".join(row["where"][:4]) + (
+                f" (+{len(row['where']) - 4})" if len(row["where"]) > 4 else ""
+            )
+            lines.append(f"| {row['operator']} | {where} | {row['status']} |")
+        if self.trace_error:
+            lines += [
+                "",
+                f"The aten trace stopped early ({self.trace_error}); module types are complete.",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inventory:
+    import torch
+    import transformers
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from numalign.registry import OPERATORS, candidates, load_catalogue
+
+    load_catalogue()
+    folder = Path(model_dir)
+    config = transformers.AutoConfig.from_pretrained(
+        folder, local_files_only=True, trust_remote_code=trust_remote_code
+    )
+    arch = (getattr(config, "architectures", None) or ["AutoModelForCausalLM"])[0]
+    cls = getattr(transformers, arch, transformers.AutoModelForCausalLM)
+    with torch.device("meta"):
+        model = (
+            cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
+        )
+    result = Inventory(model=folder.name, architecture=type(model).__name__)
+    types: dict[str, list[str]] = defaultdict(list)
+    for name, module in model.named_modules():
+        if name:
+            types[type(module).__name__].append(name)
+    result.module_types = dict(types)
+
+    counts: dict[str, int] = defaultdict(int)
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(
+            self, func: Any, _types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            counts[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.ones(1, 8, dtype=torch.long, device="meta")
+    try:
+        with torch.no_grad(), Recorder():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except Exception as exc:  # data-dependent ops cannot run on meta tensors
+        result.trace_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    result.aten_ops = dict(sorted(counts.items()))
+
+    where: dict[str, set[str]] = defaultdict(set)
+    for op in OPERATORS.values():
+        for kind, names in types.items():
+            if op.stands_for(kind):
+                where[op.name].update(names)
+    for aten, op_names in ATEN_TO_OPERATORS.items():
+        if aten in counts:
+            for op_name in op_names:
+                if op_name in OPERATORS and not any(op_covers(op_name, t) for t in types):
+                    where[op_name].add(f"aten.{aten}")
+    for name in sorted(where):
+        status = "covered by candidates" if len(candidates(name)) else "reference only"
+        result.rows.append({"operator": name, "where": sorted(where[name]), "status": status})
+    mapped = {n for names in where.values() for n in names}
+    absorbing = {n for op_name in ABSORBS_CHILDREN for n in where.get(op_name, ())}
+    for kind, names in sorted(types.items()):
+        uncovered = [
+            n
+            for n in names
+            if n not in mapped and not any(n.startswith(m + ".") for m in absorbing)
+        ]
+        module = model.get_submodule(names[0])
+        has_params = any(p.numel() for p in module.parameters(recurse=False))
+        if has_params and uncovered:
+            result.rows.append(
+                {"operator": f"(module {kind})", "where": uncovered, "status": "missing"}
+            )
+    for aten in sorted(counts):
+        if aten not in ATEN_TO_OPERATORS and aten not in GLUE:
+            result.rows.append(
+                {"operator": f"(aten.{aten})", "where": ["forward"], "status": "missing"}
+            )
+    return result
+
+
+def op_covers(op_name: str, module_type: str) -> bool:
+    from numalign.registry import OPERATORS
+
+    return OPERATORS[op_name].stands_for(module_type)

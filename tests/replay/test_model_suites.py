@@ -1,0 +1,108 @@
+"""The model suites run for real (pytester, in a subprocess): a swapped-in wrong RMSNorm
+fails exactly where it is mapped and is named the first divergence, local; a golden set whose
+model changed fails with the stale message."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SUITES = ROOT / "suites" / "models"
+
+BAD_NORMS = '''
+import torch
+import numalign
+from operators.norms import rms_norm_reference
+from operators._common import up
+
+@numalign.candidate("rms_norm", name="bad_eps")
+def bad_eps(x, weight, eps, offset=0.0):
+    """An epsilon of 1e-2 where the model says 1e-6: fine for large inputs, not here."""
+    return rms_norm_reference(x, weight, 1e-2, offset)
+
+@numalign.candidate("rms_norm", name="good_fused")
+def good_fused(x, weight, eps, offset=0.0):
+    xf = up(x)
+    inv = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (xf * inv * (offset + up(weight))).to(x.dtype)
+'''
+
+
+def run_suite(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    pytester.makepyfile(bad_norms=BAD_NORMS)
+    return pytester.runpytest_subprocess(
+        str(SUITES), "--rootdir", str(ROOT), "-p", "no:cacheprovider", "--candidates", "bad_norms",
+        "--report-dir", str(pytester.path / "reports"), "-q", "--tb=line", "-rf", *args,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def on_path(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", f"{pytester.path}:{ROOT}")
+
+
+def test_a_wrong_rms_norm_fails_at_the_mapped_modules_and_is_the_first_divergence(
+    pytester: pytest.Pytester, on_path: None
+) -> None:
+    result = run_suite(
+        pytester, "--swap", "rms_norm=bad_eps", "--dtype", "float32", "-k", "tiny-llama"
+    )
+    failed = set(
+        re.findall(r"FAILED \S+::test_layer\[tiny-llama/([\w.]+)-float32\]", result.stdout.str())
+    )
+    norms = {
+        f"model.layers.{i}.{norm}"
+        for i in (0, 1)
+        for norm in ("input_layernorm", "post_attention_layernorm")
+    } | {"model.norm"}
+    blocks = {"model.layers.0", "model.layers.1"}  # they contain the swapped norms
+    assert failed == norms | blocks, result.stdout.str()[-3000:]
+    from numalign.record import read_records
+
+    records = read_records(pytester.path / "reports" / "latest")
+    located = [r["first_divergence"] for r in records if r.get("first_divergence")]
+    assert located == [
+        {"point": "model.layers.0.input_layernorm", "kind": "local", "request": "text-leftpad"}
+    ]
+    assert all(r["swap"] == "rms_norm=bad_eps" for r in records if r["verdict"] != "skipped")
+
+
+def test_a_correct_swap_passes(pytester: pytest.Pytester, on_path: None) -> None:
+    result = run_suite(pytester, "--swap", "rms_norm=good_fused", "-k", "tiny-llama")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+
+
+def test_swapping_an_operator_without_an_adapter_is_a_clear_error(
+    pytester: pytest.Pytester, on_path: None
+) -> None:
+    result = run_suite(pytester, "--swap", "softmax=online", "-k", "tiny-llama and layers.0.mlp")
+    result.stdout.fnmatch_lines(["*operator softmax has no adapter*"])
+    assert result.ret != 0
+    unknown = run_suite(pytester, "--swap", "rms_norm=nope")
+    unknown.stderr.fnmatch_lines(["*Unknown candidate of rms_norm 'nope'*"])
+
+
+def test_a_changed_model_fails_with_the_stale_message(
+    pytester: pytest.Pytester, on_path: None
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    models, sets = pytester.path / "models", pytester.path / "sets"
+    shutil.copytree(ROOT / "golden" / "models" / "tiny-llama", models / "stale-llama")
+    shutil.copytree(ROOT / "golden" / "sets" / "tiny-llama", sets / "stale-llama")
+    manifest = sets / "stale-llama" / "manifest.json"
+    manifest.write_text(
+        manifest.read_text().replace('"../../models/tiny-llama"', '"../../models/stale-llama"')
+    )
+    weights = models / "stale-llama" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 1.5
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    result = run_suite(pytester, "--golden", str(sets), "-k", "stale-llama", "--dtype", "float32")
+    text = result.stdout.str()
+    assert "changed since the golden set" in text and "run numalign capture" in text
+    assert "is not aligned" not in text  # never numeric noise
