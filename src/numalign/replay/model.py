@@ -314,7 +314,10 @@ def worst(results: list[PointResult]) -> PointResult:
 
 def suite_sets(root: Path, extra: Sequence[Path]) -> list[Path]:
     """The golden sets the model suites replay: ``root``/golden/sets and each --golden."""
-    return discover_sets([root / "golden" / "sets", *extra])
+    unique: dict[Path, Path] = {}
+    for path in discover_sets([root / "golden" / "sets", *extra]):
+        unique.setdefault(path.resolve(), path)
+    return list(unique.values())
 
 
 def open_fresh(path: str | Path) -> GoldenSet:
