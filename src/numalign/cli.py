@@ -144,6 +144,24 @@ def _inventory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nightly(args: argparse.Namespace) -> int:
+    from numalign.nightly import nightly
+
+    return nightly(
+        Path(args.models), Path(args.sets), [Path(s) for s in args.suites], Path(args.report_dir),
+        tier=args.tier, device=args.device, dtypes=args.dtype, extra=args.pytest_args or [],
+    )  # fmt: skip
+
+
+def _run(args: argparse.Namespace) -> int:
+    from numalign.nightly import bring_up
+
+    return bring_up(
+        Path(args.model_dir), Path(args.sets), Path(args.suites), Path(args.report_dir),
+        device=args.device, dtypes=args.dtype, tier=args.tier,
+    )  # fmt: skip
+
+
 def _existing(paths: list[Path]) -> list[Path]:
     missing = [p for p in paths if not (p / "records.jsonl").is_file()]
     if missing:
@@ -214,6 +232,37 @@ def build_parser() -> argparse.ArgumentParser:
     inv.add_argument("--format", choices=["md", "json"], default="md")
     inv.add_argument("--trust-remote-code", action="store_true")
     inv.set_defaults(handler=_inventory)
+
+    night = commands.add_parser(
+        "nightly",
+        help="recapture sets of changed models, run the suites against the last nightly",
+        description="Recaptures the golden set of every model folder whose fingerprint no "
+        "longer matches (the previous version is kept under SETS/.versions/), runs the suites "
+        "against the previous nightly run as the baseline, and exits non-zero on a failure "
+        "or a regression. Models that did not change are not recaptured.",
+    )
+    night.add_argument("--models", default="golden/models")
+    night.add_argument("--sets", default="golden/sets")
+    night.add_argument("--suites", nargs="+", default=["suites"])
+    night.add_argument("--report-dir", default="reports/nightly")
+    night.add_argument("--tier", default="nightly", choices=["smoke", "pr", "nightly"])
+    night.add_argument("--device")
+    night.add_argument("--dtype")
+    night.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
+    night.set_defaults(handler=_nightly)
+
+    run = commands.add_parser(
+        "run",
+        help="bring up a model: inventory, capture if needed, the suites, the reports",
+    )
+    run.add_argument("model_dir", metavar="MODEL_DIR")
+    run.add_argument("--sets", default="golden/sets")
+    run.add_argument("--suites", default="suites")
+    run.add_argument("--report-dir", default="reports")
+    run.add_argument("--tier", default="pr", choices=["smoke", "pr", "nightly"])
+    run.add_argument("--device")
+    run.add_argument("--dtype")
+    run.set_defaults(handler=_run)
 
     zoo = commands.add_parser("zoo", help="the embedded tiny model zoo")
     zoo.add_argument("action", choices=["build"])

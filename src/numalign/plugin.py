@@ -14,7 +14,9 @@ from numalign.settings import (
     DEFAULT_TIER,
     TIERS,
     Settings,
+    in_shard,
     parse_dtypes,
+    parse_shard,
     parse_tier,
     validate_device,
 )
@@ -145,6 +147,15 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
         "",
     ),
     (
+        "--shard",
+        "numalign_shard",
+        "I/N: run only the I-th of N shards of the tests, split by a stable hash of test ids "
+        "(join the runs with numalign report merge)",
+        {},
+        "string",
+        "",
+    ),
+    (
         "--allow-tf32",
         "numalign_allow_tf32",
         "allow TF32 matmuls on CUDA (off by default)",
@@ -174,6 +185,7 @@ def settings_from_config(config: pytest.Config) -> Settings:
         device = validate_device(str(_value(config, "numalign_device")))
         dtypes = parse_dtypes(str(_value(config, "numalign_dtype")))
         tier = parse_tier(str(_value(config, "numalign_tier")))
+        shard = parse_shard(str(_value(config, "numalign_shard") or ""))
     except ValueError as exc:
         raise pytest.UsageError(f"numalign: {exc}") from None
     golden = tuple(Path(p) for p in _value(config, "numalign_golden"))
@@ -214,6 +226,7 @@ def settings_from_config(config: pytest.Config) -> Settings:
         fail_on_regression=bool(_value(config, "numalign_fail_on_regression")),
         history=Path(history) if history else None,
         swaps=tuple(_value(config, "numalign_swap")),
+        shard=shard,
         attn_implementation=attn or None,
         allow_tf32=bool(_value(config, "numalign_allow_tf32")),
     )
@@ -261,13 +274,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselects tests marked for a tier above the selected one."""
-    rank = config.stash[settings_key].tier_rank()
+    """Deselects tests marked for a tier above the selected one, and tests of other shards."""
+    settings = config.stash[settings_key]
+    rank = settings.tier_rank()
     keep: list[pytest.Item] = []
     drop: list[pytest.Item] = []
     for item in items:
         marked = [TIERS.index(t) for t in TIERS if item.get_closest_marker(t)]
-        (drop if marked and min(marked) > rank else keep).append(item)
+        above = bool(marked) and min(marked) > rank
+        (drop if above or not in_shard(item.nodeid, settings.shard) else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

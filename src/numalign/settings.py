@@ -31,6 +31,9 @@ class Settings:
     fail_on_regression: bool = False
     history: Path | None = None
     swaps: tuple[str, ...] = ()
+    #: (index, count), 1-based: this machine runs the tests whose stable hash falls in shard
+    #: index of count; None: all of them.
+    shard: tuple[int, int] | None = None
     attn_implementation: str | None = None
     allow_tf32: bool = False
 
@@ -55,6 +58,27 @@ def parse_tier(text: str) -> str:
     if tier not in TIERS:
         raise ValueError(f"unknown tier {text!r}; allowed: {', '.join(TIERS)}")
     return tier
+
+
+def parse_shard(text: str) -> tuple[int, int] | None:
+    """``"2/4"`` -> (2, 4); empty -> None; ValueError on anything else."""
+    if not text.strip():
+        return None
+    index, sep, count = text.strip().partition("/")
+    if not sep or not index.isdigit() or not count.isdigit() or not 1 <= int(index) <= int(count):
+        raise ValueError(f"--shard {text!r}: write I/N with 1 <= I <= N, e.g. 1/2")
+    return int(index), int(count)
+
+
+def in_shard(test_id: str, shard: tuple[int, int] | None) -> bool:
+    """Whether a test belongs to this shard: a stable hash of its id, so every machine
+    agrees and a test stays in its shard as others come and go."""
+    if shard is None:
+        return True
+    import hashlib
+
+    digest = int.from_bytes(hashlib.sha256(test_id.encode()).digest()[:8], "little")
+    return digest % shard[1] == shard[0] - 1
 
 
 def validate_device(text: str) -> str:

@@ -24,6 +24,9 @@ class BaselineDiff:
     regressed: list[dict[str, Any]] = field(default_factory=list)
     new: list[str] = field(default_factory=list)
     vanished: list[str] = field(default_factory=list)
+    #: golden sets (model names) recaptured since the baseline: their records compare a new
+    #: golden version, and what moved is the model, not the kernels
+    recaptured: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -32,6 +35,7 @@ class BaselineDiff:
             "regressed": self.regressed,
             "new": self.new,
             "vanished": self.vanished,
+            "recaptured": self.recaptured,
         }
 
 
@@ -59,6 +63,8 @@ def diff_runs(
             diff.new.append(key)
             continue
         diff.compared += 1
+        if record.get("golden_fingerprint") != old.get("golden_fingerprint"):
+            diff.recaptured.append(str(record.get("model") or record.get("golden_fingerprint")))
         used, old_used = _used(record), _used(old)
         newly_failing = old.get("verdict") == "passed" and record.get("verdict") != "passed"
         grew = (
@@ -82,5 +88,6 @@ def diff_runs(
                 }
             )
     diff.vanished = sorted(set(before) - set(now))
+    diff.recaptured = sorted(set(diff.recaptured))
     diff.regressed.sort(key=lambda r: -(r["growth"] or float("inf")))
     return diff

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The nightly regression, for any CI: recapture the golden sets of changed models (previous
+# versions kept), run every suite at tier nightly (this machine's shard with SHARD=i/n)
+# against the previous nightly run, carry the history, fail on a regression.
+#
+# Keep reports/nightly/ between runs (restore it from the previous run's artifacts first):
+# its latest/ run is the baseline and history.jsonl the trend.
+#
+#   SHARD=1/2 ci/nightly.sh [--device cuda] [-- extra pytest arguments]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+report_dir="${NUMALIGN_NIGHTLY_DIR:-reports/nightly}${SHARD:+/shard-${SHARD/\//-of-}}"
+extra=()
+[ -n "${SHARD:-}" ] && extra+=(--shard "$SHARD")
+exec numalign nightly --report-dir "$report_dir" --tier "${TIER:-nightly}" "$@" -- "${extra[@]}"

@@ -1,0 +1,186 @@
+"""The nightly flow and the one-command bring-up.
+
+``nightly``: every model folder whose fingerprint no longer matches its golden set gets a new
+version of the set (the previous one is kept under ``<sets>/.versions/``); then the suites
+run against the previous nightly run as the baseline, with the history carried, and the exit
+status is non-zero on a failure or a regression. A model that did not change is not
+recaptured.
+
+``run``: inventory, a capture when there is no fresh set, the suites, and the report paths.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from numalign.golden import GoldenSet, GoldenSetError
+from numalign.golden.capture import capture
+
+VERSIONS = ".versions"
+
+
+@dataclass
+class Refresh:
+    recaptured: list[str] = field(default_factory=list)
+    fresh: list[str] = field(default_factory=list)
+    archived: list[Path] = field(default_factory=list)
+
+
+def refresh_sets(
+    models: Path, sets: Path, *, calibrate: Sequence[str] = ("bfloat16", "float16")
+) -> Refresh:
+    """Recaptures the set of every model folder under ``models`` whose set under ``sets`` is
+    missing or stale; the previous version of a set is kept under ``sets/.versions/NAME/``."""
+    result = Refresh()
+    for model_dir in sorted(p for p in models.iterdir() if (p / "config.json").is_file()):
+        target = sets / model_dir.name
+        if (target / "manifest.json").is_file():
+            try:
+                golden = GoldenSet.open(target)
+                if golden.fingerprint_matches(model_dir):
+                    result.fresh.append(model_dir.name)
+                    continue
+                stamp = golden.manifest.get("created", "unknown").replace(":", "")
+            except GoldenSetError:
+                stamp = "unreadable"
+            keep = sets / VERSIONS / model_dir.name / stamp
+            if keep.exists():
+                shutil.rmtree(keep)
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(target, keep)
+            result.archived.append(keep)
+        capture(model_dir, target, calibrate=calibrate, progress=False)
+        result.recaptured.append(model_dir.name)
+    return result
+
+
+def run_suites(
+    suites: Sequence[Path],
+    report_dir: Path,
+    *,
+    tier: str,
+    device: str | None = None,
+    dtypes: str | None = None,
+    baseline: Path | None = None,
+    history: Path | None = None,
+    golden: Sequence[Path] = (),
+    extra: Sequence[str] = (),
+    workers: str = "auto",
+) -> tuple[int, Path | None]:
+    """``pytest -n auto`` over the suites; returns its exit status and the run folder."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-n",
+        workers,
+        *map(str, suites),
+        "--tier",
+        tier,
+        "--report-dir",
+        str(report_dir),
+        "-p",
+        "no:cacheprovider",
+        "-q",
+    ]
+    if device:
+        cmd += ["--device", device]
+    if dtypes:
+        cmd += ["--dtype", dtypes]
+    if history:
+        cmd += ["--history", str(history)]
+    if baseline:
+        cmd += ["--drift-baseline", str(baseline), "--fail-on-regression"]
+    for folder in golden:
+        cmd += ["--golden", str(folder)]
+    cmd += list(extra)
+    status = subprocess.call(cmd)
+    latest = report_dir / "latest"
+    return status, (latest.resolve() if latest.exists() else None)
+
+
+def nightly(
+    models: Path,
+    sets: Path,
+    suites: Sequence[Path],
+    report_dir: Path,
+    *,
+    tier: str = "nightly",
+    device: str | None = None,
+    dtypes: str | None = None,
+    extra: Sequence[str] = (),
+) -> int:
+    """The nightly flow; returns the exit status (non-zero on a failure or a regression)."""
+    latest = report_dir / "latest"
+    baseline = latest.resolve() if latest.exists() else None
+    refresh = refresh_sets(models, sets)
+    print(
+        f"numalign nightly: recaptured {', '.join(refresh.recaptured) or 'nothing'}; "
+        f"fresh: {', '.join(refresh.fresh) or 'none'}"
+    )
+    for kept in refresh.archived:
+        print(f"numalign nightly: previous version kept in {kept}")
+    status, run_dir = run_suites(
+        suites,
+        report_dir,
+        tier=tier,
+        device=device,
+        dtypes=dtypes,
+        baseline=baseline,
+        history=report_dir / "history.jsonl",
+        golden=[sets],
+        extra=extra,
+    )
+    if run_dir is not None:
+        print(
+            f"numalign nightly: report {run_dir / 'drift.html'}"
+            + (f" (baseline {baseline})" if baseline else " (first run: no baseline)")
+        )
+    return status
+
+
+def bring_up(
+    model_dir: Path,
+    sets: Path,
+    suites_root: Path,
+    report_dir: Path,
+    *,
+    device: str | None = None,
+    dtypes: str | None = None,
+    tier: str = "pr",
+) -> int:
+    """Inventory, a capture when there is no fresh set, the suites on this model and on the
+    operators it uses, and the report paths."""
+    from numalign.inventory import inventory
+
+    inv = inventory(model_dir)
+    print(inv.to_markdown())
+    target = sets / model_dir.name
+    fresh = False
+    if (target / "manifest.json").is_file():
+        try:
+            fresh = GoldenSet.open(target).fingerprint_matches(model_dir)
+        except GoldenSetError:
+            fresh = False
+    if not fresh:
+        print(f"numalign run: capturing {target}")
+        capture(model_dir, target, progress=sys.stderr.isatty())
+    operators = [row["operator"] for row in inv.rows if row["status"] == "covered by candidates"]
+    selection = " or ".join([model_dir.name, *(f"test_{op}" for op in operators)])
+    status, run_dir = run_suites(
+        [suites_root / "models", suites_root / "operators"],
+        report_dir,
+        tier=tier,
+        device=device,
+        dtypes=dtypes,
+        golden=[target],
+        extra=["-k", selection],
+    )
+    if run_dir is not None:
+        print(f"numalign run: report {run_dir / 'drift.html'}, records {run_dir / 'records.jsonl'}")
+    return status

@@ -1,0 +1,163 @@
+"""CI and nightly: shards that join into the unsharded run, the nightly flow on the zoo, and
+pipeline files that parse."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from numalign.record import read_records, record_key
+from numalign.settings import in_shard, parse_shard
+
+ROOT = Path(__file__).resolve().parents[2]
+OPERATORS = ROOT / "suites" / "operators" / "test_operators.py"
+
+
+def test_shards_partition_test_ids() -> None:
+    ids = [f"suite::test_{i}" for i in range(1000)]
+    shards = [[t for t in ids if in_shard(t, (i, 3))] for i in (1, 2, 3)]
+    assert sorted(t for shard in shards for t in shard) == sorted(ids)  # each in one shard
+    assert all(250 < len(s) < 420 for s in shards)  # a hash split: about a third each
+    assert parse_shard("2/3") == (2, 3)
+    for bad in ("0/3", "4/3", "x", "1-2"):
+        with pytest.raises(ValueError, match="write I/N"):
+            parse_shard(bad)
+
+
+def _suite(report: Path, *args: str) -> list[dict]:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(OPERATORS),
+            "--tier",
+            "smoke",
+            "-k",
+            "rms_norm or softmax",
+            "--report-dir",
+            str(report),
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            *args,
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    return read_records(report / "latest")
+
+
+def test_shards_merged_give_the_records_of_the_unsharded_run(tmp_path: Path) -> None:
+    whole = _suite(tmp_path / "whole")
+    one = _suite(tmp_path / "one", "--shard", "1/2")
+    two = _suite(tmp_path / "two", "--shard", "2/2")
+    assert one and two
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "numalign.cli",
+            "report",
+            "merge",
+            str((tmp_path / "one" / "latest").resolve()),
+            str((tmp_path / "two" / "latest").resolve()),
+            "--out",
+            str(tmp_path / "merged"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    merged = read_records(tmp_path / "merged")
+
+    def table(records: list[dict]) -> dict[str, tuple]:
+        return {
+            record_key(r): (r["verdict"], r["metrics"]["max_abs"], r["metrics"]["rel_l2"])
+            for r in records
+        }
+
+    # deterministic inputs: the same comparisons, the same numbers
+    assert table(merged) == table(whole)
+
+
+def test_nightly_recaptures_only_changed_models_and_compares_with_the_last_run(
+    tmp_path: Path,
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    models, sets, reports = tmp_path / "models", tmp_path / "sets", tmp_path / "reports"
+    for name in ("tiny-llama", "tiny-gpt2"):
+        shutil.copytree(ROOT / "golden" / "models" / name, models / f"nightly-{name}")
+    select = ["-k", "nightly-"]  # only the copies, not the repository's own sets
+
+    def nightly() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "numalign.cli",
+                "nightly",
+                "--models",
+                str(models),
+                "--sets",
+                str(sets),
+                "--suites",
+                str(ROOT / "suites" / "models"),
+                "--report-dir",
+                str(reports),
+                "--tier",
+                "smoke",
+                "--dtype",
+                "float32,bfloat16",
+                "--",
+                "-n",
+                "0",
+                *select,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+
+    first = nightly()
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "recaptured nightly-tiny-gpt2, nightly-tiny-llama" in first.stdout
+    assert "first run: no baseline" in first.stdout
+    second = nightly()
+    assert second.returncode == 0, second.stdout[-2000:]
+    assert "recaptured nothing" in second.stdout and "(baseline " in second.stdout
+
+    weights = models / "nightly-tiny-gpt2" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["transformer.ln_f.weight"] = tensors["transformer.ln_f.weight"] * 1.25
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    third = nightly()
+    assert "recaptured nightly-tiny-gpt2;" in third.stdout
+    assert "fresh: nightly-tiny-llama" in third.stdout
+    kept = list((sets / ".versions" / "nightly-tiny-gpt2").iterdir())
+    assert len(kept) == 1 and (kept[0] / "manifest.json").is_file()  # the previous version
+    regressions = (reports / "latest" / "regressions.json").read_text()
+    assert "nightly-tiny-gpt2" in regressions  # the report shows what moved: new fingerprints
+    html = (reports / "latest" / "drift.html").read_text()
+    assert "Regressions against the baseline" in html
+
+
+def test_workflows_parse_and_run_the_scripts() -> None:
+    for name in ("pr.yml", "nightly.yml"):
+        workflow = yaml.safe_load((ROOT / "ci" / "github" / name).read_text())
+        assert workflow["jobs"], name
+        steps = [s for job in workflow["jobs"].values() for s in job["steps"]]
+        assert all("uses" in s or "run" in s for s in steps)
+    pr = (ROOT / "ci" / "github" / "pr.yml").read_text()
+    assert "ci/pr-gate.sh" in pr and "upload-artifact" in pr
+    nightly = (ROOT / "ci" / "github" / "nightly.yml").read_text()
+    assert "ci/nightly.sh" in nightly and "numalign report merge" in nightly
+    for script in ("pr-gate.sh", "nightly.sh", "allure-report.sh"):
+        assert subprocess.run(["bash", "-n", str(ROOT / "ci" / script)]).returncode == 0
