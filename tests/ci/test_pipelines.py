@@ -161,3 +161,40 @@ def test_workflows_parse_and_run_the_scripts() -> None:
     assert "ci/nightly.sh" in nightly and "numalign report merge" in nightly
     for script in ("pr-gate.sh", "nightly.sh", "allure-report.sh"):
         assert subprocess.run(["bash", "-n", str(ROOT / "ci" / script)]).returncode == 0
+
+
+def test_run_brings_up_a_model_in_one_command(tmp_path: Path) -> None:
+    model = tmp_path / "models" / "bringup-gpt2"
+    shutil.copytree(ROOT / "golden" / "models" / "tiny-gpt2", model)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "numalign.cli",
+            "run",
+            str(model),
+            "--sets",
+            str(tmp_path / "sets"),
+            "--suites",
+            str(ROOT / "suites"),
+            "--report-dir",
+            str(tmp_path / "reports"),
+            "--tier",
+            "smoke",
+            "--dtype",
+            "float32",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "| layer_norm |" in out.stdout  # the inventory
+    assert (
+        "capturing" in out.stdout
+        and (tmp_path / "sets" / "bringup-gpt2" / "manifest.json").is_file()
+    )
+    assert "numalign run: report" in out.stdout
+    records = read_records(tmp_path / "reports" / "latest")
+    assert {r["suite"] for r in records} == {"models", "operators"}
+    assert any(r.get("model") == "bringup-gpt2" for r in records)
