@@ -211,3 +211,62 @@ def rope_neox_complex_angles(xf: torch.Tensor, angles: torch.Tensor) -> torch.Te
     half = xf.shape[-1] // 2
     rotated = _complex_rotate(torch.stack((xf[..., :half], xf[..., half:]), dim=-1), angles)
     return torch.cat((rotated[..., 0], rotated[..., 1]), dim=-1)
+
+
+# -- rotary from cos/sin tables: what transformers' apply_rotary_pos_emb does ------------------
+def rope_tables_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
+    """x [batch, heads, tokens, dim] and HF-style tables [batch, 1, tokens, dim] (each angle
+    twice: the two halves rotate together)."""
+    x = values((case["batch"], case["heads"], case["tokens"], case["dim"]), case.regime, gen)
+    angles = _angles(_positions(case), case["dim"], THETA, torch.float64)
+    emb = torch.cat((angles, angles), dim=-1)[None, None].expand(case["batch"], 1, -1, -1)
+    return {"x": x, "cos": emb.cos(), "sin": emb.sin()}
+
+
+def rope_tables_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1) over the two halves."""
+    xf, half = up(x), x.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * up(cos) + rotated * up(sin)).to(x.dtype)
+
+
+def _rope_function_adapter(candidate_fn: Any, original: Any) -> Any:
+    """A drop-in for transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``
+    that rotates q and k with the candidate."""
+    import inspect
+
+    signature = inspect.signature(original)
+
+    def apply_rotary_pos_emb(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        dim = a.get("unsqueeze_dim", 1)
+        cos, sin = a["cos"].unsqueeze(dim), a["sin"].unsqueeze(dim)
+        return candidate_fn(x=a["q"], cos=cos, sin=sin), candidate_fn(x=a["k"], cos=cos, sin=sin)
+
+    return apply_rotary_pos_emb
+
+
+register_operator(
+    Operator(
+        name="rope_tables",
+        op_class="elementwise",
+        reference=rope_tables_reference,
+        make_inputs=rope_tables_inputs,
+        cases=ROPE_CASES,
+        description="rotary from cos/sin tables (transformers' apply_rotary_pos_emb)",
+        hf_functions=("apply_rotary_pos_emb",),
+        function_adapter=_rope_function_adapter,
+    )
+)
+
+
+@candidate("rope_tables", name="complex")
+def rope_tables_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The halves as complex numbers times cos + i sin."""
+    xf, half = up(x), x.shape[-1] // 2
+    z = torch.complex(xf[..., :half], xf[..., half:])
+    w = torch.complex(up(cos)[..., :half], up(sin)[..., :half])
+    rotated = z * w
+    return torch.cat((rotated.real, rotated.imag), dim=-1).to(x.dtype)

@@ -147,6 +147,15 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
         "",
     ),
     (
+        "--experts-implementation",
+        "numalign_experts_implementation",
+        "transformers experts implementation of MoE models for model replay: eager, "
+        "batched_mm, grouped_mm",
+        {},
+        "string",
+        "",
+    ),
+    (
         "--shard",
         "numalign_shard",
         "I/N: run only the I-th of N shards of the tests, split by a stable hash of test ids "
@@ -228,6 +237,7 @@ def settings_from_config(config: pytest.Config) -> Settings:
         swaps=tuple(_value(config, "numalign_swap")),
         shard=shard,
         attn_implementation=attn or None,
+        experts_implementation=str(_value(config, "numalign_experts_implementation") or "") or None,
         allow_tf32=bool(_value(config, "numalign_allow_tf32")),
     )
 

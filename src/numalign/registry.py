@@ -121,6 +121,13 @@ class Operator:
     #: Control multipliers where honest alternatives round differently by design (with the
     #: reason beside the number); None: the built-in Budget().
     budget: Budget | None = None
+    #: Functions of transformers' modeling modules the operator stands for (rotary is applied
+    #: by a function, not a module), and ``function_adapter(candidate_fn, original)``, which
+    #: builds a drop-in for such a function from a candidate.
+    hf_functions: tuple[str, ...] = ()
+    function_adapter: (
+        Callable[[Callable[..., Any], Callable[..., Any]], Callable[..., Any]] | None
+    ) = None
 
     def __post_init__(self) -> None:
         if self.op_class not in OP_CLASSES:

@@ -35,6 +35,7 @@ class Settings:
     #: index of count; None: all of them.
     shard: tuple[int, int] | None = None
     attn_implementation: str | None = None
+    experts_implementation: str | None = None
     allow_tf32: bool = False
 
     def tier_rank(self) -> int:

@@ -16,7 +16,15 @@ import torch
 from numalign.golden import GoldenSet, GoldenSetError
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
-from numalign.replay.model import ModelCache, open_fresh, replay_layer, suite_sets, worst
+from numalign.replay.model import (
+    ModelCache,
+    ReplayUnsupported,
+    open_fresh,
+    replay_layer,
+    suite_sets,
+    variant_label,
+    worst,
+)
 from numalign.replay.swap import parse_swaps
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,10 +63,20 @@ def test_layer(
         pytest.fail(str(exc), pytrace=False)
     swaps = parse_swaps(numalign_settings.swaps)
     attn = numalign_settings.attn_implementation
-    model = model_cache.get(golden, numalign_device, dtype, attn_implementation=attn, swaps=swaps)
+    try:
+        model = model_cache.get(
+            golden,
+            numalign_device,
+            dtype,
+            attn_implementation=attn,
+            swaps=swaps,
+            experts_implementation=numalign_settings.experts_implementation,
+        )
+    except ReplayUnsupported as exc:
+        pytest.skip(str(exc))
     point = golden.point(point_name)
     results = replay_layer(golden, model, point, dtype, numalign_device, tolerance_policy)
-    swap = ",".join(numalign_settings.swaps) or None
+    swap = variant_label(numalign_settings.swaps, attn, numalign_settings.experts_implementation)
     for r in results:
         record_drift(
             r.result, suite="models", candidate="transformers", device=str(numalign_device),

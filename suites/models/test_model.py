@@ -16,11 +16,13 @@ from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.model import (
     ModelCache,
+    ReplayUnsupported,
     first_divergence,
     open_fresh,
     replay_layer,
     replay_model,
     suite_sets,
+    variant_label,
 )
 from numalign.replay.swap import parse_swaps
 
@@ -58,7 +60,17 @@ def test_model(
         pytest.fail(str(exc), pytrace=False)
     swaps = parse_swaps(numalign_settings.swaps)
     attn = numalign_settings.attn_implementation
-    model = model_cache.get(golden, numalign_device, dtype, attn_implementation=attn, swaps=swaps)
+    try:
+        model = model_cache.get(
+            golden,
+            numalign_device,
+            dtype,
+            attn_implementation=attn,
+            swaps=swaps,
+            experts_implementation=numalign_settings.experts_implementation,
+        )
+    except ReplayUnsupported as exc:
+        pytest.skip(str(exc))
     replay = replay_model(golden, model, dtype, numalign_device, tolerance_policy)
     divergence = first_divergence(replay.points)
     located = None
@@ -68,7 +80,7 @@ def test_model(
         )
         kind = "local" if any(not r.result.passed for r in alone) else "accumulated"
         located = {"point": divergence.point, "kind": kind, "request": divergence.request}
-    swap = ",".join(numalign_settings.swaps) or None
+    swap = variant_label(numalign_settings.swaps, attn, numalign_settings.experts_implementation)
     for r in replay.points:
         record = record_drift(
             r.result, suite="models", candidate="transformers", device=str(numalign_device),

@@ -24,6 +24,14 @@ def bad_eps(x, weight, eps, offset=0.0):
     """An epsilon of 1e-2 where the model says 1e-6: fine for large inputs, not here."""
     return rms_norm_reference(x, weight, 1e-2, offset)
 
+@numalign.candidate("rope_tables", name="bad_interleaved")
+def bad_interleaved(x, cos, sin):
+    """GPT-J's interleaved pairs where the model rotates halves."""
+    xf = up(x)
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    c, s = up(cos)[..., : x.shape[-1] // 2], up(sin)[..., : x.shape[-1] // 2]
+    return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)
+
 @numalign.candidate("rms_norm", name="good_fused")
 def good_fused(x, weight, eps, offset=0.0):
     xf = up(x)
@@ -71,8 +79,36 @@ def test_a_wrong_rms_norm_fails_at_the_mapped_modules_and_is_the_first_divergenc
     assert all(r["swap"] == "rms_norm=bad_eps" for r in records if r["verdict"] != "skipped")
 
 
+def test_a_wrong_rotary_fails_at_the_attention_modules_and_is_the_first_divergence(
+    pytester: pytest.Pytester, on_path: None
+) -> None:
+    result = run_suite(pytester, "--swap", "rope_tables=bad_interleaved", "-k", "tiny-llama")
+    failed = set(
+        re.findall(r"FAILED \S+::test_layer\[tiny-llama/([\w.]+)-\w+\]", result.stdout.str())
+    )
+    attention = {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+    assert failed == attention | {"model.layers.0", "model.layers.1"}, result.stdout.str()[-3000:]
+    from numalign.record import read_records
+
+    records = read_records(pytester.path / "reports" / "latest")
+    located = {
+        r["dtype"]: r["first_divergence"]["point"] for r in records if r.get("first_divergence")
+    }
+    assert located == dict.fromkeys(("float32", "bfloat16", "float16"), "model.layers.0.self_attn")
+    kinds = {r["first_divergence"]["kind"] for r in records if r.get("first_divergence")}
+    assert kinds == {"local"}
+
+
 def test_a_correct_swap_passes(pytester: pytest.Pytester, on_path: None) -> None:
-    result = run_suite(pytester, "--swap", "rms_norm=good_fused", "-k", "tiny-llama")
+    result = run_suite(
+        pytester,
+        "--swap",
+        "rms_norm=good_fused",
+        "--swap",
+        "rope_tables=complex",
+        "-k",
+        "tiny-llama",
+    )
     assert result.ret == 0, result.stdout.str()[-3000:]
 
 

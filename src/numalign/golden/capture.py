@@ -319,7 +319,12 @@ def hooks(
 
 # -- capture ------------------------------------------------------------------------------------
 def load_model(
-    model_dir: Path, dtype: str, *, attn_implementation: str | None, trust_remote_code: bool
+    model_dir: Path,
+    dtype: str,
+    *,
+    attn_implementation: str | None,
+    trust_remote_code: bool,
+    experts_implementation: str | None = None,
 ) -> Any:
     """A model from a local folder, offline, in ``dtype``, for inference."""
     import torch
@@ -337,6 +342,8 @@ def load_model(
                               "trust_remote_code": trust_remote_code}  # fmt: skip
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    if experts_implementation:
+        kwargs["experts_implementation"] = experts_implementation
     model = cls.from_pretrained(model_dir, **kwargs)
     model.eval()
     return model
@@ -374,6 +381,9 @@ def capture(
     if reference_dtype not in ("float32", "float64"):
         raise ValueError(f"--reference-dtype {reference_dtype!r}: float32 or float64")
     show = sys.stderr.isatty() if progress is None else progress
+    # eager attention by default: the reference implementation, whose explicit 4D masks every
+    # other attention implementation accepts when a point is replayed alone
+    attn_implementation = attn_implementation or "eager"
     torch.manual_seed(0)
     model = load_model(model_dir, reference_dtype, attn_implementation=attn_implementation,
                        trust_remote_code=trust_remote_code)  # fmt: skip

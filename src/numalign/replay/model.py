@@ -42,21 +42,37 @@ def control_for(
     golden: GoldenSet, dtype: str, point: str, path: str, mode: str, hidden: int, depth: int
 ) -> tuple[ControlErrors, int]:
     """The control errors of a point's output in ``dtype`` (the set's calibration), and the
-    reduction length behind it. float32 has no calibration: its control error is zero and the
-    floors (one ulp, sqrt(K) accumulator ulps) make the budget, with K the hidden size for an
-    isolated point and the hidden size times the depth for an accumulated one."""
-    stats = golden.calibration(dtype).get(point, {}).get(path, {}).get(mode)
+    reduction length behind it (the hidden size; times the depth for accumulated points).
+
+    A dtype without calibration (float32, float64) borrows the closest calibrated one
+    (float16, else bfloat16) scaled by the ratio of their unit roundoffs: the reference
+    model amplifies rounding errors the same way in every dtype (linear error propagation),
+    so its float32 error is its float16 error times 2**-13."""
+    from numalign.compare.tolerances import FLOAT_FORMATS
+
     reduction = hidden * (depth if mode == "accumulated" else 1)
-    if not stats or stats.get("max_abs") is None:
+    stats, scale = _calibration(golden, dtype, point, path, mode), 1.0
+    if stats is None:
+        for source in ("float16", "bfloat16"):
+            stats = _calibration(golden, source, point, path, mode)
+            if stats is not None and dtype in FLOAT_FORMATS:
+                scale = 2.0 ** (FLOAT_FORMATS[source][0] - FLOAT_FORMATS[dtype][0])
+                break
+    if stats is None:
         return ControlErrors(max_abs=0.0, rel_l2=0.0), reduction
     return (
         ControlErrors(
-            max_abs=float(stats["max_abs"]),
-            rel_l2=float(stats["rel_l2"] or 0.0),
-            cosine=float(stats.get("cosine") or 1.0),
+            max_abs=float(stats["max_abs"]) * scale,
+            rel_l2=float(stats["rel_l2"] or 0.0) * scale,
+            cosine=1.0 - (1.0 - float(stats.get("cosine") or 1.0)) * scale**2,
         ),
         reduction,
     )
+
+
+def _calibration(golden: GoldenSet, dtype: str, point: str, path: str, mode: str) -> Any:
+    stats = golden.calibration(dtype).get(point, {}).get(path, {}).get(mode)
+    return stats if stats and stats.get("max_abs") is not None else None
 
 
 def _hidden_and_depth(model: Any) -> tuple[int, int]:
@@ -82,6 +98,11 @@ def _compare(
                    op_class="matmul", name=name, policy=policy)  # fmt: skip
 
 
+class ReplayUnsupported(RuntimeError):
+    """transformers cannot load this model with the asked-for implementation (Gemma 2 has
+    no SDPA path, say): the replay is skipped with transformers' reason."""
+
+
 @dataclass
 class ModelCache:
     """Models loaded once per worker per (set, device, dtype, attention, swaps)."""
@@ -96,14 +117,33 @@ class ModelCache:
         *,
         attn_implementation: str | None = None,
         swaps: Sequence[tuple[str, str]] = (),
+        experts_implementation: str | None = None,
     ) -> Any:
-        key = (str(golden.path), str(device), dtype, attn_implementation, tuple(swaps))
+        # by default, the attention implementation the set was captured with
+        attn_implementation = attn_implementation or golden.manifest["reference"].get(
+            "attn_implementation"
+        )
+        key = (
+            str(golden.path),
+            str(device),
+            dtype,
+            attn_implementation,
+            experts_implementation,
+            tuple(swaps),
+        )
         if key not in self.models:
             from numalign.replay.swap import apply_swaps
 
-            model = load_model(golden.model_dir, dtype, attn_implementation=attn_implementation,
-                               trust_remote_code=False).to(device)  # fmt: skip
-            apply_swaps(model, swaps)
+            try:
+                model = load_model(golden.model_dir, dtype, attn_implementation=attn_implementation,
+                                   trust_remote_code=False,
+                    experts_implementation=experts_implementation,
+                ).to(device)  # fmt: skip
+                apply_swaps(model, swaps)
+            except ValueError as exc:
+                if "implementation" not in str(exc):
+                    raise
+                raise ReplayUnsupported(str(exc).split(". ")[0]) from None
             self.models[key] = model
         return self.models[key]
 
@@ -134,8 +174,8 @@ def replay_layer(
                 )
                 name = point.name if path == "0" else f"{point.name}.{path}"
                 actual = outputs.get(path)
-                if actual is None:
-                    raise AssertionError(f"{point.name}: the replay returned no output {path!r}")
+                if actual is None:  # e.g. attention weights, which only eager returns
+                    continue
                 actual = kept_positions(actual.detach(), mask)
                 result = _compare(actual, expected, name, control, reduction, policy)
                 results.append(PointResult(point.name, point.order, request, path, result))
@@ -310,6 +350,16 @@ def worst(results: list[PointResult]) -> PointResult:
         return math.inf if not r.result.passed and not math.isfinite(u) else u
 
     return max(results, key=used)
+
+
+def variant_label(swaps: Sequence[str], attention: str | None, experts: str | None) -> str | None:
+    """What a replay ran instead of the model's defaults, as records name it (``swap``)."""
+    parts = [*swaps]
+    if attention:
+        parts.append(f"attention={attention}")
+    if experts:
+        parts.append(f"experts={experts}")
+    return ",".join(parts) or None
 
 
 def suite_sets(root: Path, extra: Sequence[Path]) -> list[Path]:

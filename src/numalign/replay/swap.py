@@ -4,6 +4,7 @@ that calls a candidate through the operator's adapter (``--swap rms_norm=fused``
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,11 +58,24 @@ def apply_swaps(model: torch.nn.Module, swaps: Sequence[tuple[str, str]]) -> lis
     swapped: list[str] = []
     for op_name, cand_name in swaps:
         ops = (
-            [op for op in OPERATORS.values() if op.adapter and cand_name in candidates(op.name)]
+            [
+                op
+                for op in OPERATORS.values()
+                if (op.adapter or op.function_adapter) and cand_name in candidates(op.name)
+            ]
             if op_name == "all"
             else [OPERATORS[op_name]]
         )
         for op in ops:
+            if op.adapter is None and op.function_adapter is not None:
+                names = _swap_function(model, op, candidates(op.name)[cand_name])
+                if not names and op_name != "all":
+                    raise SwapError(
+                        f"--swap {op.name}={cand_name}: no module of this model calls "
+                        f"{', '.join(op.hf_functions)}; {op.name} cannot be swapped into it"
+                    )
+                swapped += names
+                continue
             if op.adapter is None:
                 raise SwapError(
                     f"--swap {op.name}={cand_name}: operator {op.name} has no adapter from a "
@@ -84,6 +98,39 @@ def apply_swaps(model: torch.nn.Module, swaps: Sequence[tuple[str, str]]) -> lis
                 setattr(holder, leaf, SwappedModule(original, op, cand))
                 swapped.append(name)
     return swapped
+
+
+def _swap_function(model: torch.nn.Module, op: Operator, cand: Candidate) -> list[str]:
+    """Rotary and the like are functions of the modeling module, called from attention
+    modules: each such module gets the candidate's drop-in for the duration of its forward
+    (a pre-hook installs it, a hook that always runs restores the original), so other models
+    in the process keep the original."""
+    assert op.function_adapter is not None
+    patched = []
+    for name, module in model.named_modules():
+        source_module = sys.modules.get(type(module).__module__)
+        if source_module is None or not type(module).__name__.endswith("Attention"):
+            continue
+        for function in op.hf_functions:
+            original = getattr(source_module, function, None)
+            if original is None or function not in inspect.getsource(type(module).forward):
+                continue
+            replacement = op.function_adapter(cand.fn, original)
+
+            def install(
+                *_: Any, where: Any = source_module, f: str = function, r: Any = replacement
+            ) -> None:
+                setattr(where, f, r)
+
+            def restore(
+                *_: Any, where: Any = source_module, f: str = function, o: Any = original
+            ) -> None:
+                setattr(where, f, o)
+
+            module.register_forward_pre_hook(install)
+            module.register_forward_hook(restore, always_call=True)
+            patched.append(name)
+    return patched
 
 
 def _check_adapter(name: str, module: torch.nn.Module, op: Operator) -> None:
