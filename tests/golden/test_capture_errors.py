@@ -151,3 +151,22 @@ def test_no_pickle_in_the_package_or_the_catalogue() -> None:
         if pattern.search(line)
     ]
     assert offenders == []
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma2", "tiny-qwen3-moe", "tiny-deepseek-v3",
+                                  "tiny-qwen3-next", "tiny-qwen2-vl", "tiny-gpt2"])  # fmt: skip
+def test_capture_then_reload_every_zoo_family(tmp_path: Path, name: str) -> None:
+    model = ROOT / "golden" / "models" / name
+    golden = capture(model, tmp_path / name, calibrate=("bfloat16",), continuation=2, progress=False)
+    reopened = GoldenSet.open(tmp_path / name)
+    reopened.verify()
+    committed = GoldenSet.open(ROOT / "golden" / "sets" / name)
+    assert [p.name for p in reopened.points] == [p.name for p in committed.points]
+    point = reopened.points[1]
+    call = next(iter(point.calls.values()))[0]
+    fresh = reopened.tensor(call.outputs["0"], dtype=torch.float16)
+    assert fresh.dtype == torch.float16 and fresh.isfinite().all()
+    # the same model, inputs and code: the same golden values as the committed set
+    same = committed.tensor(next(iter(committed.point(point.name).calls.values()))[0].outputs["0"])
+    torch.testing.assert_close(reopened.tensor(call.outputs["0"]), same, rtol=1e-5, atol=1e-5)
+    assert golden.calibration("bfloat16")[point.name]["0"]["isolated"]["max_abs"] is not None
