@@ -19,13 +19,11 @@ from numalign.record import NodeRecorder
 from numalign.replay.model import (
     ModelCache,
     ReplayUnsupported,
-    open_fresh,
     replay_layer,
     suite_sets,
     variant_label,
     worst,
 )
-from numalign.replay.swap import parse_swaps
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,25 +56,14 @@ def test_layer(
     path, _, rest = layer_case.partition("::")
     point_name, _, dtype = rest.partition("/")[2].rpartition("-")
     try:
-        golden = open_fresh(path)
+        golden, model = model_cache.load(path, numalign_settings, numalign_device, dtype)
     except GoldenSetError as exc:  # a stale or broken set fails with its own message
         pytest.fail(str(exc), pytrace=False)
-    swaps = parse_swaps(numalign_settings.swaps)
-    attn = numalign_settings.attn_implementation
-    try:
-        model = model_cache.get(
-            golden,
-            numalign_device,
-            dtype,
-            attn_implementation=attn,
-            swaps=swaps,
-            experts_implementation=numalign_settings.experts_implementation,
-        )
-    except ReplayUnsupported as exc:
+    except ReplayUnsupported as exc:  # an implementation transformers lacks for this model
         pytest.skip(str(exc))
     point = golden.point(point_name)
     results = replay_layer(golden, model, point, dtype, numalign_device, tolerance_policy)
-    swap = variant_label(numalign_settings.swaps, attn, numalign_settings.experts_implementation)
+    swap = variant_label(numalign_settings)
     for r in results:
         record_drift(
             r.result, suite="models", candidate="transformers", device=str(numalign_device),

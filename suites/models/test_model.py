@@ -18,13 +18,11 @@ from numalign.replay.model import (
     ModelCache,
     ReplayUnsupported,
     first_divergence,
-    open_fresh,
     replay_layer,
     replay_model,
     suite_sets,
     variant_label,
 )
-from numalign.replay.swap import parse_swaps
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,21 +53,10 @@ def test_model(
     path, _, rest = model_case.partition("::")
     dtype = rest.rpartition("-")[2]
     try:
-        golden = open_fresh(path)
+        golden, model = model_cache.load(path, numalign_settings, numalign_device, dtype)
     except GoldenSetError as exc:  # a stale or broken set fails with its own message
         pytest.fail(str(exc), pytrace=False)
-    swaps = parse_swaps(numalign_settings.swaps)
-    attn = numalign_settings.attn_implementation
-    try:
-        model = model_cache.get(
-            golden,
-            numalign_device,
-            dtype,
-            attn_implementation=attn,
-            swaps=swaps,
-            experts_implementation=numalign_settings.experts_implementation,
-        )
-    except ReplayUnsupported as exc:
+    except ReplayUnsupported as exc:  # an implementation transformers lacks for this model
         pytest.skip(str(exc))
     replay = replay_model(golden, model, dtype, numalign_device, tolerance_policy)
     divergence = first_divergence(replay.points)
@@ -80,7 +67,7 @@ def test_model(
         )
         kind = "local" if any(not r.result.passed for r in alone) else "accumulated"
         located = {"point": divergence.point, "kind": kind, "request": divergence.request}
-    swap = variant_label(numalign_settings.swaps, attn, numalign_settings.experts_implementation)
+    swap = variant_label(numalign_settings)
     for r in replay.points:
         record = record_drift(
             r.result, suite="models", candidate="transformers", device=str(numalign_device),

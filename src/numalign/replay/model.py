@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from numalign.golden.store import GoldenSet, Point
+    from numalign.settings import Settings
 
 #: Logits: the candidate's top-1 token must be among the golden top-5 ...
 TOP_N = 5
@@ -146,6 +147,24 @@ class ModelCache:
                 raise ReplayUnsupported(str(exc).split(". ")[0]) from None
             self.models[key] = model
         return self.models[key]
+
+    def load(
+        self, path: str | Path, settings: Settings, device: torch.device, dtype: str
+    ) -> tuple[GoldenSet, Any]:
+        """The set, checked fresh (StaleGoldenSetError otherwise), and its model as the
+        session's settings ask (swaps, attention and experts implementations)."""
+        from numalign.replay.swap import parse_swaps
+
+        golden = open_fresh(path)
+        model = self.get(
+            golden,
+            device,
+            dtype,
+            attn_implementation=settings.attn_implementation,
+            swaps=parse_swaps(settings.swaps),
+            experts_implementation=settings.experts_implementation,
+        )
+        return golden, model
 
 
 def replay_layer(
@@ -352,13 +371,13 @@ def worst(results: list[PointResult]) -> PointResult:
     return max(results, key=used)
 
 
-def variant_label(swaps: Sequence[str], attention: str | None, experts: str | None) -> str | None:
+def variant_label(settings: Settings) -> str | None:
     """What a replay ran instead of the model's defaults, as records name it (``swap``)."""
-    parts = [*swaps]
-    if attention:
-        parts.append(f"attention={attention}")
-    if experts:
-        parts.append(f"experts={experts}")
+    parts = [*settings.swaps]
+    if settings.attn_implementation:
+        parts.append(f"attention={settings.attn_implementation}")
+    if settings.experts_implementation:
+        parts.append(f"experts={settings.experts_implementation}")
     return ",".join(parts) or None
 
 
