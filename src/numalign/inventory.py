@@ -2,7 +2,9 @@
 
 The model is built on the meta device from its config (no weight is read), its module types
 are listed, and one forward on meta tensors is traced with a dispatch mode to list the aten
-operators it runs. Both map to catalogue operators; the table says, per operator, where the
+operators it runs; data-dependent operators (``.item()``, ``nonzero``) get stand-in values so
+the trace goes on (a data-dependent branch may then take the other way: the list of operators
+is what is sought, not the values). Both map to catalogue operators; the table says, per operator, where the
 model uses it and whether candidates cover it. What maps to nothing is missing: the list a
 bring-up starts from.
 """
@@ -19,7 +21,7 @@ from typing import Any
 ATEN_TO_OPERATORS: dict[str, tuple[str, ...]] = {
     "mm": ("linear", "matmul"), "addmm": ("linear",), "bmm": ("matmul",),
     "linear": ("linear",), "matmul": ("matmul",), "baddbmm": ("matmul",),
-    "_softmax": ("softmax",), "softmax": ("softmax",),
+    "_softmax": ("softmax",), "softmax": ("softmax",), "_safe_softmax": ("softmax",),
     "_scaled_dot_product_flash_attention_for_cpu": ("attention",),
     "_scaled_dot_product_efficient_attention": ("attention",),
     "_scaled_dot_product_flash_attention": ("attention",),
@@ -27,9 +29,9 @@ ATEN_TO_OPERATORS: dict[str, tuple[str, ...]] = {
     "native_layer_norm": ("layer_norm",), "rsqrt": ("rms_norm",),
     "silu": ("silu",), "gelu": ("gelu_erf", "gelu_tanh"), "tanh": ("gelu_tanh",),
     "embedding": ("embedding",), "cumsum": ("cumsum",), "topk": ("topk", "moe_routing"),
-    "sort": ("sort",), "convolution": ("causal_conv1d", "patch_embed"),
+    "sort": ("sort",), "convolution": ("causal_conv1d",),
     "index_add": ("moe_experts", "segment_sum"), "scatter_add": ("segment_sum",),
-    "sigmoid": ("moe_routing",), "cos": ("rope_neox",), "sin": ("rope_neox",),
+    "sigmoid": ("moe_routing",), "linalg_solve_triangular": ("gated_delta_rule",), "cos": ("rope_neox",), "sin": ("rope_neox",),
 }  # fmt: skip
 #: aten operators that are data movement or elementwise glue: not listed as missing.
 GLUE = {
@@ -40,7 +42,8 @@ GLUE = {
     "masked_fill", "where", "eq", "ne", "lt", "le", "gt", "ge", "bitwise_and", "bitwise_or",
     "logical_not", "index", "index_select", "gather", "scatter", "fill_", "zero_", "alias",
     "unbind", "repeat", "repeat_interleave", "triu", "tril", "max", "min", "amax", "abs", "exp",
-    "log", "sqrt", "reciprocal", "clamp", "any", "all", "item", "_local_scalar_dense", "flatten",
+    "log", "sqrt", "reciprocal", "bernoulli_", "div_", "clamp", "any", "all", "item",
+    "_local_scalar_dense", "flatten", "constant_pad_nd", "scatter_", "index_put_", "copy",
     "expand_as", "type_as", "float", "narrow", "_reshape_alias", "empty_like", "zeros_like",
     "ones_like", "full_like", "bitwise_not", "scalar_tensor", "split_with_sizes", "argmax",
     "floor_divide", "remainder", "sign", "diff", "_assert_async", "is_nonzero", "maximum",
@@ -100,10 +103,13 @@ def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inve
     )
     arch = (getattr(config, "architectures", None) or ["AutoModelForCausalLM"])[0]
     cls = getattr(transformers, arch, transformers.AutoModelForCausalLM)
+    if hasattr(config, "_experts_implementation"):
+        config._experts_implementation = "eager"  # grouped kernels check dtypes meta cannot
     with torch.device("meta"):
         model = (
             cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
         )
+    model.eval()
     result = Inventory(model=folder.name, architecture=type(model).__name__)
     types: dict[str, list[str]] = defaultdict(list)
     for name, module in model.named_modules():
@@ -117,7 +123,14 @@ def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inve
         def __torch_dispatch__(
             self, func: Any, _types: Any, args: Any = (), kwargs: Any = None
         ) -> Any:
-            counts[func.overloadpacket.__name__] += 1
+            name = func.overloadpacket.__name__
+            counts[name] += 1
+            if name == "_local_scalar_dense":
+                # .item() of a meta tensor has no value: a stand-in keeps the trace going
+                # (a data-dependent branch may go the other way; the ops are what we list)
+                return 1.0 if args[0].is_floating_point() else 1
+            if name == "nonzero":  # a data-dependent shape: stand in one hit
+                return torch.zeros((1, args[0].dim()), dtype=torch.long, device="meta")
             return func(*args, **(kwargs or {}))
 
     ids = torch.ones(1, 8, dtype=torch.long, device="meta")
