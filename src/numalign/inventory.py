@@ -4,8 +4,8 @@ The model is built on the meta device from its config (no weight is read), its m
 are listed, and one forward on meta tensors is traced with a dispatch mode to list the aten
 operators it runs; data-dependent operators (``.item()``, ``nonzero``) get stand-in values so
 the trace goes on (a data-dependent branch may then take the other way: the list of operators
-is what is sought, not the values). Both map to catalogue operators; the table says, per operator, where the
-model uses it and whether candidates cover it. What maps to nothing is missing: the list a
+is what is sought, not the values). Both map to catalogue operators; the table says, per
+operator, where the model uses it and whether candidates cover it. What maps to nothing is missing: the list a
 bring-up starts from.
 """
 
@@ -31,7 +31,8 @@ ATEN_TO_OPERATORS: dict[str, tuple[str, ...]] = {
     "embedding": ("embedding",), "cumsum": ("cumsum",), "topk": ("topk", "moe_routing"),
     "sort": ("sort",), "convolution": ("causal_conv1d",),
     "index_add": ("moe_experts", "segment_sum"), "scatter_add": ("segment_sum",),
-    "sigmoid": ("moe_routing",), "linalg_solve_triangular": ("gated_delta_rule",), "cos": ("rope_neox",), "sin": ("rope_neox",),
+    "sigmoid": ("moe_routing",), "linalg_solve_triangular": ("gated_delta_rule",),
+    "cos": ("rope_neox",), "sin": ("rope_neox",),
 }  # fmt: skip
 #: aten operators that are data movement or elementwise glue: not listed as missing.
 GLUE = {
