@@ -5,8 +5,8 @@ are listed, and one forward on meta tensors is traced with a dispatch mode to li
 operators it runs; data-dependent operators (``.item()``, ``nonzero``) get stand-in values so
 the trace goes on (a data-dependent branch may then take the other way: the list of operators
 is what is sought, not the values). Both map to catalogue operators; the table says, per
-operator, where the model uses it and whether candidates cover it. What maps to nothing is missing: the list a
-bring-up starts from.
+operator, where the model uses it and whether candidates cover it. What maps to nothing is
+missing: the list a bring-up starts from.
 """
 
 from __future__ import annotations
