@@ -4,7 +4,6 @@ interrupted captures, bad manifests; and no pickle anywhere."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -32,7 +31,9 @@ def model_copy(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def small_set(tmp_path: Path, model_copy: Path) -> GoldenSet:
-    return capture(model_copy, tmp_path / "sets" / "llama", calibrate=(), continuation=2, progress=False)
+    return capture(
+        model_copy, tmp_path / "sets" / "llama", calibrate=(), continuation=2, progress=False
+    )
 
 
 def test_one_flipped_byte_fails_the_checksum(small_set: GoldenSet) -> None:
@@ -63,7 +64,10 @@ def test_a_changed_model_makes_the_set_stale(small_set: GoldenSet, model_copy: P
     name = next(iter(tensors))
     tensors[name] = tensors[name] * 1.01
     save_file(tensors, str(weights), metadata={"format": "pt"})
-    with pytest.raises(StaleGoldenSetError, match=r"the model in .* changed since the golden set .* was captured: run numalign capture"):
+    with pytest.raises(
+        StaleGoldenSetError,
+        match=r"the model in .* changed since the golden set .* was captured: run numalign capture",
+    ):
         small_set.check_fresh()
 
 
@@ -72,7 +76,9 @@ def test_manifest_errors_name_the_file_and_the_remedy(small_set: GoldenSet, tmp_
     data = json.loads(manifest.read_text())
     data["format"] = "numalign.golden/99"
     manifest.write_text(json.dumps(data))
-    with pytest.raises(GoldenSetError, match=r"format 'numalign.golden/99' is not 'numalign.golden/1'"):
+    with pytest.raises(
+        GoldenSetError, match=r"format 'numalign.golden/99' is not 'numalign.golden/1'"
+    ):
         GoldenSet.open(small_set.path)
     with pytest.raises(GoldenSetError, match=r"no manifest; .* numalign capture MODEL_DIR --out"):
         GoldenSet.open(tmp_path / "nowhere")
@@ -100,10 +106,14 @@ def test_a_capture_killed_half_way_leaves_the_previous_set_intact(
     small_set: GoldenSet, model_copy: Path
 ) -> None:
     before = (small_set.path / "manifest.json").read_bytes()
-    proc = subprocess.Popen([sys.executable, "-c", CAPTURE_SLOWLY, str(model_copy), str(small_set.path)])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CAPTURE_SLOWLY, str(model_copy), str(small_set.path)]
+    )
     parent = small_set.path.parent
     deadline = time.time() + 60
-    while time.time() < deadline and not any(parent.glob(".llama.capture-*/tensors-00002.safetensors")):
+    while time.time() < deadline and not any(
+        parent.glob(".llama.capture-*/tensors-00002.safetensors")
+    ):
         time.sleep(0.05)
     assert any(parent.glob(".llama.capture-*")), "the capture never started writing"
     proc.send_signal(signal.SIGKILL)
@@ -126,12 +136,27 @@ def test_an_exception_during_capture_leaves_no_folder(tmp_path: Path, model_copy
 
 
 def test_points_patterns_select_modules(tmp_path: Path, model_copy: Path) -> None:
-    golden = capture(model_copy, tmp_path / "s", points=["model.layers.*.mlp"], calibrate=(), continuation=0, progress=False)
+    golden = capture(
+        model_copy,
+        tmp_path / "s",
+        points=["model.layers.*.mlp"],
+        calibrate=(),
+        continuation=0,
+        progress=False,
+    )
     assert [p.name for p in golden.points] == ["model.layers.0.mlp", "model.layers.1.mlp"]
 
 
 def test_float64_reference_and_prompts(tmp_path: Path, model_copy: Path) -> None:
-    golden = capture(model_copy, tmp_path / "s", prompts=["the dog", "a fox jumps over it ."], reference_dtype="float64", calibrate=(), continuation=1, progress=False)
+    golden = capture(
+        model_copy,
+        tmp_path / "s",
+        prompts=["the dog", "a fox jumps over it ."],
+        reference_dtype="float64",
+        calibrate=(),
+        continuation=1,
+        progress=False,
+    )
     assert golden.manifest["reference"]["dtype"] == "float64"
     logits = golden.tensor(golden.manifest["logits"]["text-rightpad"])
     assert logits.dtype == torch.float64
@@ -157,7 +182,9 @@ def test_no_pickle_in_the_package_or_the_catalogue() -> None:
                                   "tiny-qwen3-next", "tiny-qwen2-vl", "tiny-gpt2"])  # fmt: skip
 def test_capture_then_reload_every_zoo_family(tmp_path: Path, name: str) -> None:
     model = ROOT / "golden" / "models" / name
-    golden = capture(model, tmp_path / name, calibrate=("bfloat16",), continuation=2, progress=False)
+    golden = capture(
+        model, tmp_path / name, calibrate=("bfloat16",), continuation=2, progress=False
+    )
     reopened = GoldenSet.open(tmp_path / name)
     reopened.verify()
     committed = GoldenSet.open(ROOT / "golden" / "sets" / name)

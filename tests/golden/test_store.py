@@ -76,10 +76,14 @@ def test_bytes_on_disk_are_the_unique_tensor_bytes(golden: GoldenSet) -> None:
 def test_layer_replay_in_float32_reproduces_the_golden_outputs(golden: GoldenSet) -> None:
     from numalign.golden.capture import load_model
 
-    model = load_model(golden.model_dir, "float32", attn_implementation=None, trust_remote_code=False)
+    model = load_model(
+        golden.model_dir, "float32", attn_implementation=None, trust_remote_code=False
+    )
     point = next(p for p in golden.points if p.type.endswith(("DecoderLayer", "Block")))
     call = next(iter(point.calls.values()))[0]
-    outputs = replay_call(model.get_submodule(point.name), golden, call, device="cpu", dtype=torch.float32)
+    outputs = replay_call(
+        model.get_submodule(point.name), golden, call, device="cpu", dtype=torch.float32
+    )
     expected = golden.tensor(call.outputs["0"])
     # the same module, inputs and dtype: equal up to float32 kernel nondeterminism
     torch.testing.assert_close(outputs["0"], expected, rtol=1e-5, atol=1e-5)

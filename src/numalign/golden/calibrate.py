@@ -67,7 +67,10 @@ def calibrate(
 
     for request in golden.requests:
         name = request["name"]
-        inputs = {k: golden.tensor(v, device=device, dtype=torch_dtype) for k, v in request["inputs"].items()}
+        inputs = {
+            k: golden.tensor(v, device=device, dtype=torch_dtype)
+            for k, v in request["inputs"].items()
+        }
         seen: dict[str, int] = {}
         mask = request_mask(golden, name)
 
@@ -101,7 +104,9 @@ def calibrate(
                     if path in outputs:
                         expected = kept_positions(golden.tensor(key), mask)
                         stats = _stats(kept_positions(outputs[path], mask), expected)
-                        isolated[(point.name, path)] = _worst(isolated.get((point.name, path)), stats)
+                        isolated[(point.name, path)] = _worst(
+                            isolated.get((point.name, path)), stats
+                        )
 
     result: dict[str, dict[str, dict[str, Any]]] = {}
     for mode, table in (("isolated", isolated), ("accumulated", accumulated)):

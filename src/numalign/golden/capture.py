@@ -42,7 +42,9 @@ DEFAULT_PROMPTS = (
 SEEDED_LENGTHS = (16, 9)
 DEFAULT_CONTINUATION = 8
 #: Module class names that are capture points inside a block.
-_BLOCK_PARTS = re.compile(r"(Attention|Attn|MLP|Mlp|MoE|Moe|MoeBlock|Experts|GatedDeltaNet|Norm|LayerNorm)$")
+_BLOCK_PARTS = re.compile(
+    r"(Attention|Attn|MLP|Mlp|MoE|Moe|MoeBlock|Experts|GatedDeltaNet|Norm|LayerNorm)$"
+)
 _SKIP_TYPES = re.compile(r"(RotaryEmbedding|Dropout|Activation|ModuleList|ModuleDict|Identity)$")
 
 
@@ -65,9 +67,13 @@ class _Sink:
         stored; returns the key that holds it."""
         t = tensor.detach()
         identity = (
-            t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-            str(t.dtype), str(t.device),
-        )  # fmt: skip
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            tuple(t.stride()),
+            str(t.dtype),
+            str(t.device),
+        )
         known = self._by_identity.get(identity)
         # Same storage, still alive (a dead tensor's address may be reused by another).
         if known is not None and known[1]() is not None:
@@ -130,38 +136,47 @@ def default_points(model: torch.nn.Module) -> list[str]:
     the final norm, the LM head, and the vision patch embedding and merger."""
     import torch
 
-    names: list[str] = []
-    blocks: set[str] = set()
-    for name, module in model.named_modules():
-        parent, _, leaf = name.rpartition(".")
-        if leaf.isdigit() and isinstance(model.get_submodule(parent), torch.nn.ModuleList):
-            if not _SKIP_TYPES.search(type(module).__name__):
-                blocks.add(name)
-    for name, module in model.named_modules():
+    blocks = {
+        name
+        for name, module in model.named_modules()
+        if name.rpartition(".")[2].isdigit()
+        and isinstance(model.get_submodule(name.rpartition(".")[0]), torch.nn.ModuleList)
+        and not _SKIP_TYPES.search(type(module).__name__)
+    }
+
+    def in_block(name: str) -> bool:
+        return any(name.startswith(b + ".") for b in blocks)
+
+    def wanted(name: str, module: torch.nn.Module) -> bool:
         kind = type(module).__name__
-        parent = name.rpartition(".")[0]
         if not name or _SKIP_TYPES.search(kind):
-            continue
-        if name in blocks:
-            names.append(name)
-        elif parent in blocks and _BLOCK_PARTS.search(kind):
-            names.append(name)
-        elif isinstance(module, torch.nn.Embedding) and not any(name.startswith(b + ".") for b in blocks):
-            names.append(name)
-        elif name == "lm_head" or name.endswith((".merger", ".patch_embed")):
-            names.append(name)
-        elif _BLOCK_PARTS.search(kind) and kind.endswith("Norm") and not any(
-            name.startswith(b + ".") for b in blocks
-        ) and ".visual" not in name and "merger" not in name:  # the final norm
-            names.append(name)
-    return names
+            return False
+        if name in blocks or name == "lm_head" or name.endswith((".merger", ".patch_embed")):
+            return True
+        if name.rpartition(".")[0] in blocks:  # a block's attention, MLP, MoE or norm
+            return bool(_BLOCK_PARTS.search(kind))
+        if isinstance(module, torch.nn.Embedding):
+            return not in_block(name)
+        # the final norm: outside every block and outside the vision tower
+        return (
+            kind.endswith("Norm")
+            and not in_block(name)
+            and ".visual" not in name
+            and "merger" not in name
+        )
+
+    return [name for name, module in model.named_modules() if wanted(name, module)]
 
 
 def select_points(model: torch.nn.Module, patterns: Sequence[str] | None) -> list[str]:
     """The default points, or the modules whose names match any of ``patterns`` (fnmatch)."""
     if not patterns:
         return default_points(model)
-    names = [n for n, _ in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    names = [
+        n
+        for n, _ in model.named_modules()
+        if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)
+    ]
     if not names:
         raise ValueError(
             f"--points {list(patterns)} match no module; module names look like "
@@ -177,8 +192,8 @@ def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
     if isinstance(value, torch.Tensor) or value is None:
         yield prefix or "0", value
-    elif isinstance(value, dict) or hasattr(value, "to_tuple") and hasattr(value, "keys"):
-        for k in value.keys():
+    elif isinstance(value, dict) or (hasattr(value, "to_tuple") and hasattr(value, "keys")):
+        for k in value:  # dicts and ModelOutputs iterate their keys
             yield from flatten(value[k], f"{prefix}.{k}" if prefix else str(k))
     elif isinstance(value, (tuple, list)):
         for i, item in enumerate(value):
@@ -193,7 +208,9 @@ def jsonable(value: Any) -> Any:
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else repr(value)
-    if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
+    if isinstance(value, (list, tuple)) and all(
+        v is None or isinstance(v, (bool, int, float, str)) for v in value
+    ):
         return list(value)
     return {"__repr__": type(value).__name__}
 
@@ -211,10 +228,14 @@ def _tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(
+        model_dir, local_files_only=True, trust_remote_code=trust_remote_code
+    )
 
 
-def text_requests(model_dir: Path, config: Any, prompts: Sequence[str], trust_remote_code: bool) -> list[Request]:
+def text_requests(
+    model_dir: Path, config: Any, prompts: Sequence[str], trust_remote_code: bool
+) -> list[Request]:
     """Two requests of the same prompts: left-padded (as generation batches) and
     right-padded (as training batches), so attention masks are exercised both ways."""
     import torch
@@ -262,7 +283,11 @@ def image_request(model_dir: Path, config: Any, image_path: str | None) -> Reque
 
     vision_start = getattr(config, "vision_start_token_id", None)
     image_token = getattr(config, "image_token_id", None)
-    if getattr(config, "vision_config", None) is None or vision_start is None or image_token is None:
+    if (
+        getattr(config, "vision_config", None) is None
+        or vision_start is None
+        or image_token is None
+    ):
         return None
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -274,7 +299,9 @@ def image_request(model_dir: Path, config: Any, image_path: str | None) -> Reque
     merge = int(getattr(config.vision_config, "spatial_merge_size", 2))
     count = int(pixels["image_grid_thw"].prod()) // (merge * merge)
     text = [5, 17, 33]
-    ids = torch.tensor([text + [vision_start, *[image_token] * count, config.vision_end_token_id] + text])
+    ids = torch.tensor(
+        [[*text, vision_start, *[image_token] * count, config.vision_end_token_id, *text]]
+    )
     return Request(
         "image",
         {
@@ -304,7 +331,9 @@ def hooks(
         def pre(mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str = name) -> None:
             pending.setdefault(name, []).append((args, dict(kwargs)))
 
-        def post(mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, name: str = name) -> None:
+        def post(
+            mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, name: str = name
+        ) -> None:
             saved_args, saved_kwargs = pending[name].pop()
             on_call(name, saved_args, saved_kwargs, output)
 
@@ -338,8 +367,11 @@ def load_model(
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:
         cls = transformers.AutoModelForCausalLM
-    kwargs: dict[str, Any] = {"local_files_only": True, "dtype": getattr(torch, dtype),
-                              "trust_remote_code": trust_remote_code}  # fmt: skip
+    kwargs: dict[str, Any] = {
+        "local_files_only": True,
+        "dtype": getattr(torch, dtype),
+        "trust_remote_code": trust_remote_code,
+    }
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if experts_implementation:
@@ -385,8 +417,12 @@ def capture(
     # other attention implementation accepts when a point is replayed alone
     attn_implementation = attn_implementation or "eager"
     torch.manual_seed(0)
-    model = load_model(model_dir, reference_dtype, attn_implementation=attn_implementation,
-                       trust_remote_code=trust_remote_code)  # fmt: skip
+    model = load_model(
+        model_dir,
+        reference_dtype,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )
     config = model.config
     requests = text_requests(model_dir, config, prompts or DEFAULT_PROMPTS, trust_remote_code)
     extra = image_request(model_dir, config, image)
@@ -407,11 +443,20 @@ def capture(
         types = {n: type(model.get_submodule(n)).__name__ for n in point_names}
         manifest_requests, logits, continuations = [], {}, {}
         for r_index, request in enumerate(requests):
-            _progress(show, f"capture {out.name}: request {request.name} ({r_index + 1}/{len(requests)})")
-            inputs = {k: sink.put(f"{request.name}/inputs/{k}", v) for k, v in request.inputs.items()}
+            _progress(
+                show, f"capture {out.name}: request {request.name} ({r_index + 1}/{len(requests)})"
+            )
+            inputs = {
+                k: sink.put(f"{request.name}/inputs/{k}", v) for k, v in request.inputs.items()
+            }
 
-            def on_call(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
-                        request: Request = request) -> None:  # fmt: skip
+            def on_call(
+                name: str,
+                args: tuple[Any, ...],
+                kwargs: dict[str, Any],
+                output: Any,
+                request: Request = request,
+            ) -> None:
                 number = len(calls[name].setdefault(request.name, []))
                 base = f"{request.name}/{name}/{number}"
                 arg_keys: list[str | None] = []
@@ -438,8 +483,13 @@ def capture(
                     if isinstance(t, torch.Tensor)
                 }
                 calls[name][request.name].append(
-                    {"args": arg_keys, "args_json": arg_json, "kwargs": kw_keys, "kwargs_json": kw_json,
-                     "outputs": outputs}  # fmt: skip
+                    {
+                        "args": arg_keys,
+                        "args_json": arg_json,
+                        "kwargs": kw_keys,
+                        "kwargs_json": kw_json,
+                        "outputs": outputs,
+                    }
                 )
 
             with torch.no_grad(), hooks(model, point_names, on_call):
@@ -461,10 +511,13 @@ def capture(
                 "fingerprint": fingerprint(model_dir),
             },
             "reference": {
-                "device": "cpu", "dtype": reference_dtype,
+                "device": "cpu",
+                "dtype": reference_dtype,
                 "attn_implementation": getattr(config, "_attn_implementation", None),
-                "torch": torch.__version__, "transformers": transformers.__version__, "seed": 0,
-            },  # fmt: skip
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "seed": 0,
+            },
             "requests": manifest_requests,
             "points": [
                 {"name": n, "type": types[n], "order": order[n], "calls": calls[n]}
@@ -481,8 +534,16 @@ def capture(
         golden = GoldenSet.open(tmp)
         for dtype in calibrate:
             _progress(show, f"capture {out.name}: calibrating {dtype}")
-            manifest["calibration"][dtype] = run_calibration(golden, model_dir, dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=False), encoding="utf-8")
+            manifest["calibration"][dtype] = run_calibration(
+                golden,
+                model_dir,
+                dtype,
+                attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
+            )
+        (tmp / MANIFEST).write_text(
+            json.dumps(manifest, indent=1, allow_nan=False), encoding="utf-8"
+        )
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -506,9 +567,13 @@ def _greedy(model: Any, request: Request, steps: int, sink: _Sink) -> dict[str, 
             tokens.append(nxt)
             step_logits.append(logits)
             inputs["input_ids"] = torch.cat([inputs["input_ids"], nxt], dim=1)
-            inputs["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(nxt)], dim=1)
+            inputs["attention_mask"] = torch.cat(
+                [inputs["attention_mask"], torch.ones_like(nxt)], dim=1
+            )
             if "mm_token_type_ids" in inputs:
-                inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(nxt)], dim=1)
+                inputs["mm_token_type_ids"] = torch.cat(
+                    [inputs["mm_token_type_ids"], torch.zeros_like(nxt)], dim=1
+                )
     return {
         "tokens": sink.put(f"{request.name}/continuation/tokens", torch.cat(tokens, dim=1)),
         "logits": sink.put(f"{request.name}/continuation/logits", torch.stack(step_logits, dim=1)),

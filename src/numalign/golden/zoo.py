@@ -83,7 +83,7 @@ ZOO: tuple[ZooModel, ...] = (
 )  # fmt: skip
 
 #: Words of the tiny tokenizer (with the built-in prompts' words).
-_WORDS = (
+_WORDS = (  # noqa: SIM905 - a sentence reads better than a list of fifty strings
     "the quick brown fox jumps over lazy dog while accelerator checks its numerics alignment "
     "means every layer agrees a an and of to in is it that on for with as was at by be this "
     "model kernel tensor float bfloat half drift budget error report token attention expert"
@@ -107,7 +107,9 @@ def _rescale(model: Any, gemma_norms: bool) -> None:
             torch.nn.init.normal_(module.weight, std=EMBED_STD)
             with torch.no_grad():
                 module.weight[:, ::OUTLIER_STRIDE] *= OUTLIER_SCALE
-        elif "norm" in type(module).__name__.lower() and getattr(module, "weight", None) is not None:
+        elif (
+            "norm" in type(module).__name__.lower() and getattr(module, "weight", None) is not None
+        ):
             weight = module.weight
             if weight.dim() == 1:
                 with torch.no_grad():
@@ -126,7 +128,11 @@ def _save_tokenizer(folder: Path) -> None:
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>", eos_token="</s>"
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        bos_token="<s>",
+        eos_token="</s>",
     )
     fast.save_pretrained(folder)
 
