@@ -381,10 +381,21 @@ def load_model(
     return model
 
 
-def _progress(enabled: bool, text: str) -> None:
-    if enabled:
-        sys.stderr.write(f"\r\x1b[2K{text}")
-        sys.stderr.flush()
+class _Progress:
+    """A progress bar on a terminal (tqdm, which transformers brings): one step per request
+    forward and per calibrated dtype; silent elsewhere."""
+
+    def __init__(self, enabled: bool, total: int, name: str) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=f"capture {name}", unit="step", disable=not enabled)
+
+    def step(self, text: str) -> None:
+        self.bar.set_postfix_str(text)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def capture(
@@ -437,15 +448,14 @@ def capture(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    bar = _Progress(show, len(requests) + len(calibrate), out.name)
     try:
         sink = _Sink(tmp, max_shard_bytes)
         calls: dict[str, dict[str, list[dict[str, Any]]]] = {n: {} for n in point_names}
         types = {n: type(model.get_submodule(n)).__name__ for n in point_names}
         manifest_requests, logits, continuations = [], {}, {}
-        for r_index, request in enumerate(requests):
-            _progress(
-                show, f"capture {out.name}: request {request.name} ({r_index + 1}/{len(requests)})"
-            )
+        for request in requests:
+            bar.step(f"request {request.name}")
             inputs = {
                 k: sink.put(f"{request.name}/inputs/{k}", v) for k, v in request.inputs.items()
             }
@@ -533,7 +543,7 @@ def capture(
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         golden = GoldenSet.open(tmp)
         for dtype in calibrate:
-            _progress(show, f"capture {out.name}: calibrating {dtype}")
+            bar.step(f"calibrating {dtype}")
             manifest["calibration"][dtype] = run_calibration(
                 golden,
                 model_dir,
@@ -549,7 +559,7 @@ def capture(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        _progress(show, "")
+        bar.close()
     return GoldenSet.open(out)
 
 
