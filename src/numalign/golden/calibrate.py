@@ -55,8 +55,8 @@ def calibrate(
     """{point: {output path: {"isolated": stats, "accumulated": stats}}} for ``dtype``."""
     import torch
 
-    from numalign.golden.capture import flatten, hooks, load_model
-    from numalign.replay.layer import kept_positions, replay_call, request_mask
+    from numalign.golden.capture import load_model
+    from numalign.replay.layer import golden_outputs, kept_positions, replay_call, request_mask
 
     torch_dtype = getattr(torch, dtype)
     model = load_model(model_dir, dtype, attn_implementation=attn_implementation,
@@ -71,26 +71,12 @@ def calibrate(
             k: golden.tensor(v, device=device, dtype=torch_dtype)
             for k, v in request["inputs"].items()
         }
-        seen: dict[str, int] = {}
-        mask = request_mask(golden, name)
 
-        def on_call(
-            point: str, args: Any, kwargs: Any, output: Any, name: str = name,
-            seen: dict[str, int] = seen, mask: Any = mask,
-        ) -> None:  # fmt: skip
-            number = seen.get(point, 0)
-            seen[point] = number + 1
-            calls = points[point].calls.get(name, [])
-            if number >= len(calls):
-                return
-            for path, tensor in flatten(output):
-                key = calls[number].outputs.get(path)
-                if key is not None and isinstance(tensor, torch.Tensor):
-                    expected = kept_positions(golden.tensor(key), mask)
-                    stats = _stats(kept_positions(tensor, mask), expected)
-                    accumulated[(point, path)] = _worst(accumulated.get((point, path)), stats)
+        def on_output(point: str, path: str, actual: Any, expected: Any) -> None:
+            stats = _stats(actual, expected)
+            accumulated[(point, path)] = _worst(accumulated.get((point, path)), stats)
 
-        with torch.no_grad(), hooks(model, list(points), on_call):
+        with torch.no_grad(), golden_outputs(model, golden, name, on_output):
             model(**inputs, use_cache=False)
 
     masks = {r["name"]: request_mask(golden, r["name"]) for r in golden.requests}

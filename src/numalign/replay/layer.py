@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from numalign.golden.capture import flatten
@@ -55,6 +57,41 @@ def request_mask(golden: GoldenSet, request: str) -> torch.Tensor | None:
         if r["name"] == request and "attention_mask" in r["inputs"]:
             return golden.tensor(r["inputs"]["attention_mask"])
     return None
+
+
+@contextmanager
+def golden_outputs(
+    model: torch.nn.Module,
+    golden: GoldenSet,
+    request: str,
+    on_output: Callable[[str, str, torch.Tensor, torch.Tensor], None],
+) -> Iterator[None]:
+    """While the model runs ``request``, calls ``on_output(point, path, actual, expected)``
+    for every tensor output of every capture point that matches a recorded call (the
+    n-th call of a point in this forward against its n-th recorded call), both restricted to
+    the positions the request's mask keeps."""
+    import torch
+
+    from numalign.golden.capture import hooks
+
+    points = {p.name: p for p in golden.points}
+    mask = request_mask(golden, request)
+    seen: dict[str, int] = {}
+
+    def on_call(point: str, args: Any, kwargs: Any, output: Any) -> None:
+        number = seen.get(point, 0)
+        seen[point] = number + 1
+        calls = points[point].calls.get(request, [])
+        if number >= len(calls):
+            return
+        for path, tensor in flatten(output):
+            key = calls[number].outputs.get(path)
+            if key is not None and isinstance(tensor, torch.Tensor):
+                expected = kept_positions(golden.tensor(key), mask)
+                on_output(point, path, kept_positions(tensor.detach(), mask), expected)
+
+    with hooks(model, list(points), on_call):
+        yield
 
 
 def replay_call(

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare import CompareResult, ControlErrors, compare
-from numalign.golden.capture import flatten, hooks, load_model
-from numalign.replay.layer import kept_positions, replay_call, request_mask
+from numalign.golden.capture import load_model
+from numalign.replay.layer import golden_outputs, kept_positions, replay_call, request_mask
 
 if TYPE_CHECKING:
     import torch
@@ -227,39 +227,18 @@ def replay_model(
             k: golden.tensor(v, device=device, dtype=torch_dtype)
             for k, v in request["inputs"].items()
         }
-        seen: dict[str, int] = {}
-        mask = request_mask(golden, name)
 
-        def on_call(
-            point: str,
-            args: Any,
-            kwargs: Any,
-            output: Any,
-            name: str = name,
-            seen: dict[str, int] = seen,
-            mask: Any = mask,
-        ) -> None:
-            number = seen.get(point, 0)
-            seen[point] = number + 1
-            calls = points[point].calls.get(name, [])
-            if number >= len(calls):
-                return
-            for path, tensor in flatten(output):
-                key = calls[number].outputs.get(path)
-                if key is None or not isinstance(tensor, torch.Tensor):
-                    continue
-                control, reduction = control_for(
-                    golden, dtype, point, path, "accumulated", hidden, depth
-                )
-                label = point if path == "0" else f"{point}.{path}"
-                expected = kept_positions(golden.tensor(key), mask)
-                actual = kept_positions(tensor.detach(), mask)
-                result = _compare(actual, expected, label, control, reduction, policy)
-                results.append(
-                    PointResult(point, points[point].order, name, path, result, len(results))
-                )
+        def on_output(point: str, path: str, actual: Any, expected: Any, name: str = name) -> None:
+            control, reduction = control_for(
+                golden, dtype, point, path, "accumulated", hidden, depth
+            )
+            label = point if path == "0" else f"{point}.{path}"
+            result = _compare(actual, expected, label, control, reduction, policy)
+            results.append(
+                PointResult(point, points[point].order, name, path, result, len(results))
+            )
 
-        with torch.no_grad(), hooks(model, list(points), on_call):
+        with torch.no_grad(), golden_outputs(model, golden, name, on_output):
             out = model(**inputs, use_cache=False)
         golden_logits = golden.tensor(golden.manifest["logits"][name])
         mask = inputs.get("attention_mask")
