@@ -249,7 +249,10 @@ class _Builder:
         return self._build(False, rule, reason, hint)
 
     def failed_shape(self, expected_shape: tuple[int, ...], whose: str) -> CompareResult:
-        self.metrics = _empty_metrics(math.prod(self.shape))
+        self.metrics = Metrics.blank(
+            math.prod(self.shape), error=math.nan, agreement=math.nan,
+            mismatch_count=math.prod(self.shape),
+        )  # fmt: skip
         self.budget_used = math.inf
         return self._build(
             False,
@@ -258,33 +261,6 @@ class _Builder:
             "check the output layout (transposes, head and sequence order) and dropped or "
             "padded tails",
         )
-
-
-def _empty_metrics(numel: int) -> Metrics:
-    nan = math.nan
-    return Metrics(
-        numel=numel,
-        max_abs=nan,
-        max_rel=nan,
-        mean_abs=nan,
-        rmse=nan,
-        rel_l2=nan,
-        cosine=nan,
-        ulp_max=nan,
-        ulp_p99=nan,
-        mismatch_count=numel,
-        tolerance_ratio=nan,
-        nan_actual=0,
-        nan_expected=0,
-        inf_actual=0,
-        inf_expected=0,
-        norm_ratio=nan,
-        zero_fraction_actual=nan,
-        max_expected=nan,
-        worst_index=None,
-        worst_actual=None,
-        worst_expected=None,
-    )
 
 
 def _ulp(magnitude: float, fmt: tuple[int, int]) -> float:

@@ -78,6 +78,18 @@ class Metrics:
     def mismatch_fraction(self) -> float:
         return self.mismatch_count / self.numel if self.numel else 0.0
 
+    @classmethod
+    def blank(cls, numel: int, *, error: float, agreement: float, **fields: Any) -> Metrics:
+        """Metrics not measured element by element: every error metric ``error``, cosine and
+        norm ratio ``agreement``, counts 0, no worst index; ``fields`` set the rest."""
+        errors = ("max_abs", "max_rel", "mean_abs", "rmse", "rel_l2", "ulp_max", "ulp_p99",
+                  "tolerance_ratio", "zero_fraction_actual", "max_expected")  # fmt: skip
+        values: dict[str, Any] = dict.fromkeys(errors, error)
+        values |= {"cosine": agreement, "norm_ratio": agreement, "mismatch_count": 0}
+        values |= dict.fromkeys(("nan_actual", "nan_expected", "inf_actual", "inf_expected"), 0)
+        values |= {"worst_index": None, "worst_actual": None, "worst_expected": None}
+        return cls(numel=numel, **(values | fields))
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["mismatch_fraction"] = self.mismatch_fraction
@@ -96,14 +108,11 @@ class ControlErrors:
     zero_fraction: float = 0.0
 
     def as_metrics(self, expected: torch.Tensor) -> Metrics:
-        nan = math.nan
-        return Metrics(
-            numel=expected.numel(), max_abs=self.max_abs, max_rel=nan, mean_abs=nan, rmse=nan,
-            rel_l2=self.rel_l2, cosine=self.cosine, ulp_max=nan, ulp_p99=nan, mismatch_count=0,
-            tolerance_ratio=nan, nan_actual=0, nan_expected=0, inf_actual=0, inf_expected=0,
+        return Metrics.blank(
+            expected.numel(), error=math.nan, agreement=math.nan,
+            max_abs=self.max_abs, rel_l2=self.rel_l2, cosine=self.cosine,
             norm_ratio=self.norm_ratio, zero_fraction_actual=self.zero_fraction,
             max_expected=_max_abs(expected) if expected.numel() else 0.0,
-            worst_index=None, worst_actual=None, worst_expected=None,
         )  # fmt: skip
 
 
@@ -190,30 +199,10 @@ def compute_metrics(
     nonfinite_index = unravel(first_bad, shape) if first_bad is not None else None
     n = a.numel()
     if n == 0:
-        return Metrics(
-            numel=numel,
-            max_abs=0.0,
-            max_rel=0.0,
-            mean_abs=0.0,
-            rmse=0.0,
-            rel_l2=0.0,
-            cosine=1.0,
-            ulp_max=0.0,
-            ulp_p99=0.0,
-            mismatch_count=nonfinite_mismatches,
-            tolerance_ratio=0.0,
-            norm_ratio=1.0,
-            zero_fraction_actual=0.0,
-            max_expected=0.0,
-            worst_index=None,
-            worst_actual=None,
-            worst_expected=None,
-            nonfinite_index=nonfinite_index,
-            nan_actual=counts["nan_actual"],
-            nan_expected=counts["nan_expected"],
-            inf_actual=counts["inf_actual"],
-            inf_expected=counts["inf_expected"],
-        )
+        return Metrics.blank(
+            numel, error=0.0, agreement=1.0, mismatch_count=nonfinite_mismatches,
+            nonfinite_index=nonfinite_index, **counts,
+        )  # fmt: skip
 
     f64 = torch.float64
     max_expected = _max_abs(e)
