@@ -5,6 +5,7 @@ kernel multiplies by 1 / scale instead of dividing: ``atol = 1``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,12 +69,20 @@ def quantize_int8_reciprocal(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q, (1.0 / inv).to(x.dtype)
 
 
-def dequant_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
-    q, scale = quantize_int8_reference(quant_inputs(case, gen)["x"])
-    return {"q": q, "scale": scale}
+def dequant_inputs(
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> Callable[[Case, torch.Generator], dict[str, Any]]:
+    """Inputs of a dequantizer: the case's values quantized by the reference quantizer."""
+
+    def make(case: Case, gen: torch.Generator) -> dict[str, Any]:
+        q, scale = quantize(quant_inputs(case, gen)["x"])
+        return {"q": q, "scale": scale}
+
+    return make
 
 
-def dequantize_int8_reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequantize_reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Quantized values (int8 or float8) times their scale, in float32."""
     return (q.to(up(scale).dtype) * up(scale)).to(scale.dtype)
 
 
@@ -81,8 +90,8 @@ register_operator(
     Operator(
         name="dequantize_int8",
         op_class="quantization",
-        reference=dequantize_int8_reference,
-        make_inputs=dequant_inputs,
+        reference=dequantize_reference,
+        make_inputs=dequant_inputs(quantize_int8_reference),
         cases=QUANT_CASES,
         description="int8 values times their row scale",
     )
@@ -127,21 +136,12 @@ def quantize_fp8_reciprocal(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, scale.to(x.dtype)
 
 
-def fp8_dequant_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
-    q, scale = quantize_fp8_reference(quant_inputs(case, gen)["x"])
-    return {"q": q, "scale": scale}
-
-
-def dequantize_fp8_reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (q.to(up(scale).dtype) * up(scale)).to(scale.dtype)
-
-
 register_operator(
     Operator(
         name="dequantize_fp8",
         op_class="quantization",
-        reference=dequantize_fp8_reference,
-        make_inputs=fp8_dequant_inputs,
+        reference=dequantize_reference,
+        make_inputs=dequant_inputs(quantize_fp8_reference),
         cases=QUANT_CASES,
         description="float8 E4M3 values times the tensor scale",
     )
