@@ -576,14 +576,7 @@ def _greedy(model: Any, request: Request, steps: int, sink: _Sink) -> dict[str, 
             nxt = logits.argmax(-1, keepdim=True)
             tokens.append(nxt)
             step_logits.append(logits)
-            inputs["input_ids"] = torch.cat([inputs["input_ids"], nxt], dim=1)
-            inputs["attention_mask"] = torch.cat(
-                [inputs["attention_mask"], torch.ones_like(nxt)], dim=1
-            )
-            if "mm_token_type_ids" in inputs:
-                inputs["mm_token_type_ids"] = torch.cat(
-                    [inputs["mm_token_type_ids"], torch.zeros_like(nxt)], dim=1
-                )
+            inputs = append_token(inputs, nxt)
     return {
         "tokens": sink.put(f"{request.name}/continuation/tokens", torch.cat(tokens, dim=1)),
         "logits": sink.put(f"{request.name}/continuation/logits", torch.stack(step_logits, dim=1)),
@@ -606,6 +599,21 @@ def remove_abandoned(folder: Path) -> list[Path]:
         except PermissionError:  # alive, another user's
             pass
     return removed
+
+
+def append_token(inputs: dict[str, Any], token: torch.Tensor) -> dict[str, Any]:
+    """The model inputs one greedy step later: ``token`` [batch, 1] appended to the ids, the
+    mask extended, and (image-text models) the new position marked as text."""
+    import torch
+
+    out = dict(inputs)
+    out["input_ids"] = torch.cat([inputs["input_ids"], token], dim=1)
+    out["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(token)], dim=1)
+    if "mm_token_type_ids" in inputs:
+        out["mm_token_type_ids"] = torch.cat(
+            [inputs["mm_token_type_ids"], torch.zeros_like(token)], dim=1
+        )
+    return out
 
 
 def _replace(tmp: Path, out: Path) -> None:

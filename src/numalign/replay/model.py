@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare import CompareResult, ControlErrors, compare
-from numalign.golden.capture import load_model
+from numalign.golden.capture import append_token, load_model
 from numalign.replay.layer import golden_outputs, kept_positions, replay_call, request_mask
 
 if TYPE_CHECKING:
@@ -313,17 +313,8 @@ def continuation_agreement(
                     (mine[:, None] == their_top).any(-1).all()
                     and (tokens[:, step, None] == my_top).any(-1).all()
                 )
-            nxt = tokens[:, step : step + 1].to(
-                state["input_ids"].device
-            )  # teacher-force the golden token
-            state["input_ids"] = torch.cat([state["input_ids"], nxt], dim=1)
-            state["attention_mask"] = torch.cat(
-                [state["attention_mask"], torch.ones_like(nxt)], dim=1
-            )
-            if "mm_token_type_ids" in state:
-                state["mm_token_type_ids"] = torch.cat(
-                    [state["mm_token_type_ids"], torch.zeros_like(nxt)], dim=1
-                )
+            # teacher-force the golden token, so later steps compare like with like
+            state = append_token(state, tokens[:, step : step + 1].to(state["input_ids"].device))
     return {"steps": steps, "first_divergence": first, "ok": ok}
 
 
