@@ -9,7 +9,6 @@ entry-point group.
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -19,6 +18,7 @@ from typing import Any, TypeVar
 
 from numalign.cases import Case
 from numalign.compare import OP_CLASSES, Budget
+from numalign.names import did_you_mean
 
 #: The built-in catalogue: one module per operator family.
 CATALOGUE: tuple[str, ...] = (
@@ -62,8 +62,7 @@ class Registry(Mapping[str, T]):
         try:
             return self._entries[name]
         except KeyError:
-            close = difflib.get_close_matches(name, list(self._entries), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(name, self._entries)
             known = ", ".join(sorted(self._entries)) or "none"
             raise RegistryError(f"Unknown {self.kind} {name!r}.{hint} Known: {known}.") from None
 

@@ -7,7 +7,6 @@ class) table without one; the distribution of values.
 
 from __future__ import annotations
 
-import difflib
 import math
 from typing import TYPE_CHECKING
 
@@ -31,6 +30,7 @@ from numalign.compare.tolerances import (
     Tolerance,
     TolerancePolicy,
 )
+from numalign.names import did_you_mean
 
 if TYPE_CHECKING:
     import torch
@@ -39,11 +39,6 @@ if TYPE_CHECKING:
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
-
-
-def _did_you_mean(word: str, choices: tuple[str, ...] | list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1)
-    return f" Did you mean {close[0]!r}?" if close else ""
 
 
 def compare(
@@ -85,7 +80,7 @@ def compare(
     if op_class not in OP_CLASSES:
         raise ValueError(
             f"Unknown operator class {op_class!r}; allowed: {', '.join(OP_CLASSES)}."
-            + _did_you_mean(op_class, OP_CLASSES)
+            + did_you_mean(op_class, OP_CLASSES)
         )
     policy = policy or DEFAULT_POLICY
     shape = tuple(actual.shape)

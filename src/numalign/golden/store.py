@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.golden.fingerprint import fingerprint
+from numalign.names import did_you_mean
 
 if TYPE_CHECKING:
     import torch
@@ -176,10 +177,7 @@ class GoldenSet:
         try:
             return self._points[name]
         except KeyError:
-            import difflib
-
-            close = difflib.get_close_matches(name, list(self._points), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(name, self._points)
             raise GoldenSetError(f"{self.path}: no capture point {name!r}.{hint}") from None
 
     @property
