@@ -58,10 +58,13 @@ def make_record(
     duration_s: float | None = None,
     golden_fingerprint: str | None = None,
     swap: str | None = None,
+    **suite_fields: Any,
 ) -> dict[str, Any]:
-    """The drift record of one comparison (JSON-ready: non-finite numbers are null)."""
+    """The drift record of one comparison (JSON-ready: non-finite numbers are null).
+    ``suite_fields`` are a suite's own (model suites: model, mode, point_index,
+    first_divergence)."""
     data = result.to_dict()
-    return {
+    record = {
         "schema": SCHEMA_VERSION,
         "test_id": test_id,
         "suite": suite,
@@ -82,6 +85,7 @@ def make_record(
         "budget": data["budget"],
         "message": None if result.passed else result.message(),
     }
+    return record | suite_fields
 
 
 def crashed_record(test_id: str, message: str) -> dict[str, Any]:

@@ -68,10 +68,8 @@ def test_layer(
         record_drift(
             r.result, suite="models", candidate="transformers", device=str(numalign_device),
             case=r.request, golden_fingerprint=golden.manifest["model"]["fingerprint"],
-            swap=swap,
-        )["model"] = golden.name  # fmt: skip
-    for record in record_drift.user_properties[-len(results) :]:
-        record[1].update(mode="isolated", point_index=point.order)  # type: ignore[union-attr]
+            swap=swap, model=golden.name, mode="isolated", point_index=point.order,
+        )  # fmt: skip
     failed = [r for r in results if not r.result.passed]
     if failed:
         w = worst(failed)

@@ -69,13 +69,12 @@ def test_model(
         located = {"point": divergence.point, "kind": kind, "request": divergence.request}
     swap = variant_label(numalign_settings)
     for r in replay.points:
-        record = record_drift(
+        extra = {"first_divergence": located} if located and r is divergence else {}
+        record_drift(
             r.result, suite="models", candidate="transformers", device=str(numalign_device),
             case=r.request, golden_fingerprint=golden.manifest["model"]["fingerprint"], swap=swap,
+            model=golden.name, mode="accumulated", point_index=r.order, **extra,
         )  # fmt: skip
-        record.update(model=golden.name, mode="accumulated", point_index=r.order)
-        if located and r is divergence:
-            record["first_divergence"] = located
     problems = []
     if located and divergence is not None:
         why = (
