@@ -304,6 +304,27 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("numalign_dtype", dtypes, ids=list(dtypes), indirect=True)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A numalign test that raised (setup or call) gets a drift record with verdict
+    ``error``: a candidate, a model or a replay that broke is in the report, never missing."""
+    report = yield
+    if report.failed and report.when in ("setup", "call") and _records_drift(item):
+        from numalign.record import error_record_for
+
+        record = error_record_for(
+            item.nodeid, call.excinfo, report.user_properties,
+            device=item.config.stash[settings_key].device,
+        )  # fmt: skip
+        if record is not None:
+            report.user_properties.append(record)
+    return report
+
+
+def _records_drift(item: pytest.Item) -> bool:
+    return "record_drift" in getattr(item, "fixturenames", ())
+
+
 @pytest.fixture(scope="session")
 def numalign_settings(pytestconfig: pytest.Config) -> Settings:
     """The validated numalign settings of this session."""

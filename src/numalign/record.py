@@ -1,10 +1,14 @@
-"""Drift records: one per comparison, collected on the xdist controller.
+"""Drift records: one typed record per comparison, collected on the xdist controller.
 
-Tests hand records to pytest as user properties (key ``numalign.drift``), so they travel to
-the controller with each test report. The controller appends them to
+Tests hand records to pytest as user properties (key ``numalign.drift``, the record's JSON
+dict), so they travel to the controller with each test report. The controller appends them to
 ``<report-dir>/<run-id>/records.jsonl`` as reports arrive, flushed, so a crashed worker or a
 killed session still leaves every record received so far. A test whose worker crashed gets a
-record with verdict "crashed".
+record with verdict "crashed"; a test that raised gets one with verdict "error". Both keep what
+the test id tells of the test (suite, operator or point, candidate, dtype, case).
+
+Every reader (tables, baseline diff, merge, history, Allure, drift.html) takes
+:class:`DriftRecord`; :func:`read_records` reads schema versions 1 and 2.
 """
 
 from __future__ import annotations
@@ -13,96 +17,180 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import IO, Any
 
 from numalign.compare import CompareResult
 
 #: Version of the record schema; bump it when a field changes meaning or goes away.
-SCHEMA_VERSION = 1
+#: 2: request, output, step and error fields; the key holds request, output and step;
+#: verdict "error".
+SCHEMA_VERSION = 2
 USER_PROPERTY = "numalign.drift"
-
-#: Fields of a record, in the order the tables show them.
-FIELDS: tuple[str, ...] = (
-    "schema",
-    "test_id",
-    "suite",
-    "point",
-    "candidate",
-    "device",
-    "dtype",
-    "case",
-    "shape",
-    "verdict",
-    "rule",
-    "reason",
-    "budget_used",
-    "duration_s",
-    "golden_fingerprint",
-    "swap",
-    "metrics",
-    "budget",
-    "message",
-)
+#: Lines of the traceback an error record keeps (where the exception came from).
+TRACEBACK_LINES = 20
+#: Verdicts, from best to worst (a test's outcome is its worst record's).
+VERDICTS: tuple[str, ...] = ("skipped", "passed", "crashed", "error", "failed")
+#: Model-suite modes that judge the model's end result rather than a capture point.
+END_MODES = ("logits", "continuation", "output")
+#: The dtype names a test id may carry (its parameters are split at the first of them).
+_DTYPE_WORDS = (
+    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+)  # fmt: skip
 
 
-def make_record(
-    result: CompareResult,
-    *,
-    test_id: str,
-    suite: str,
-    candidate: str,
-    device: str,
-    case: str,
-    duration_s: float | None = None,
-    golden_fingerprint: str | None = None,
-    swap: str | None = None,
-    **suite_fields: Any,
-) -> dict[str, Any]:
-    """The drift record of one comparison (JSON-ready: non-finite numbers are null).
-    ``suite_fields`` are a suite's own (model suites: model, mode, point_index,
-    first_divergence)."""
-    data = result.to_dict()
-    record = {
-        "schema": SCHEMA_VERSION,
-        "test_id": test_id,
-        "suite": suite,
-        "point": result.name,
-        "candidate": candidate,
-        "device": device,
-        "dtype": result.dtype,
-        "case": case,
-        "shape": data["shape"],
-        "verdict": "passed" if result.passed else "failed",
-        "rule": result.rule,
-        "reason": result.reason,
-        "budget_used": data["budget_used"],
-        "duration_s": duration_s,
-        "golden_fingerprint": golden_fingerprint,
-        "swap": swap,
-        "metrics": data["metrics"],
-        "budget": data["budget"],
-        "message": None if result.passed else result.message(),
-    }
-    return record | suite_fields
+@dataclass
+class DriftRecord:
+    """One comparison of one test: what was compared, where, in what, and the verdict.
+
+    ``point`` is the operator (or operator output) or the capture point (with its output path);
+    ``case`` the operator case or, in the model suites, the golden request; ``swap`` names the
+    execution variant (swapped kernels, attention or experts implementation). Model suites fill
+    ``model``, ``mode`` (isolated, accumulated, logits, continuation, output), ``request``,
+    ``output`` and ``step``.
+    """
+
+    test_id: str
+    suite: str | None = None
+    point: str | None = None
+    candidate: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    case: str | None = None
+    shape: list[int] | None = None
+    verdict: str = "passed"
+    rule: str | None = None
+    reason: str | None = None
+    budget_used: float | None = None
+    duration_s: float | None = None
+    golden_fingerprint: str | None = None
+    swap: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    budget: dict[str, Any] = field(default_factory=dict)
+    message: str | None = None
+    model: str | None = None
+    mode: str | None = None
+    request: str | None = None
+    output: str | None = None
+    step: int | None = None
+    point_index: int | None = None
+    first_divergence: dict[str, Any] | None = None
+    error: str | None = None
+    schema: int = SCHEMA_VERSION
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_result(cls, result: CompareResult, *, test_id: str, **context: Any) -> DriftRecord:
+        """The record of one comparison (JSON-ready: non-finite numbers become null)."""
+        data = result.to_dict()
+        return cls(
+            test_id=test_id,
+            point=result.name,
+            dtype=result.dtype,
+            shape=data["shape"],
+            verdict="passed" if result.passed else "failed",
+            rule=result.rule,
+            reason=result.reason,
+            budget_used=data["budget_used"],
+            metrics=data["metrics"],
+            budget=data["budget"],
+            message=None if result.passed else result.message(),
+            **context,
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DriftRecord:
+        """A record read back from JSON, schema 1 or 2. Schema 1 records named the golden
+        request only in ``case``; it becomes ``request`` for model records."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["metrics"] = values.get("metrics") or {}
+        values["budget"] = values.get("budget") or {}
+        if int(data.get("schema") or 1) < 2 and data.get("suite") == "models":
+            values.setdefault("request", data.get("case"))
+        values.setdefault("test_id", "")
+        return cls(**values)
+
+    @classmethod
+    def for_test(cls, test_id: str, verdict: str, **context: Any) -> DriftRecord:
+        """A record with no comparison behind it (skipped, error, crashed), holding what the
+        test id tells of the test."""
+        return cls(test_id=test_id, verdict=verdict, **(context_from_test_id(test_id) | context))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_fields(self, **changes: Any) -> DriftRecord:
+        return replace(self, **changes)
+
+    # -- identity -----------------------------------------------------------------------------
+    @property
+    def key(self) -> str:
+        """Everything that tells two records of one test apart: test id, point, request,
+        output path and decode step. Unique within a run; matches records across runs."""
+        parts = [self.test_id, self.point or "", self.request or "", self.output or ""]
+        if self.step is not None:
+            parts.append(f"step{self.step}")
+        return "::".join(parts)
+
+    @property
+    def used(self) -> float | None:
+        """The use of budget, where the record has one."""
+        value = self.budget_used
+        return float(value) if isinstance(value, (int, float)) else None
+
+    @property
+    def group(self) -> str:
+        """What a trend line follows: the operator; for model suites the model set, with its
+        logits, continuation and final outputs followed apart from its points."""
+        if self.model:
+            return f"{self.model} {self.mode}" if self.mode in END_MODES else self.model
+        return (self.point or "?").split(".")[0]
 
 
-def crashed_record(test_id: str, message: str) -> dict[str, Any]:
-    """The record of a test whose worker died while running it."""
-    return {field: None for field in FIELDS} | {
-        "schema": SCHEMA_VERSION,
-        "test_id": test_id,
-        "verdict": "crashed",
-        "rule": "crashed",
-        "reason": "the worker process died while running this test",
-        "message": message,
-    }
+def context_from_test_id(test_id: str) -> dict[str, Any]:
+    """What a numalign suite's test id says of its test, for records written without a
+    comparison (a test that raised, a worker that crashed):
+
+    - ``suites/operators/...::test_OP[CANDIDATE-DTYPE-CASE]``
+    - ``suites/models/...::test_layer[SET/POINT-DTYPE]``, ``...::test_model[SET-DTYPE]``
+
+    Other ids give what they can (nothing, for a test outside the suites)."""
+    path, _, name = test_id.partition("::")
+    suite = None
+    parts = path.replace("\\", "/").split("/")
+    if "suites" in parts and parts.index("suites") + 1 < len(parts) - 1:
+        suite = parts[parts.index("suites") + 1]
+    function, _, params = name.partition("[")
+    params = params.removesuffix("]")
+    words = params.split("-")
+    at = next((i for i, w in enumerate(words) if w in _DTYPE_WORDS), None)
+    context: dict[str, Any] = {"suite": suite}
+    if at is None:
+        return context
+    before, dtype, after = "-".join(words[:at]), words[at], "-".join(words[at + 1 :])
+    context["dtype"] = dtype
+    if suite == "models":
+        model, _, point = before.partition("/")
+        context |= {"model": model, "candidate": "transformers"}
+        context["point"] = point or None
+        context["mode"] = {"test_layer": "isolated", "test_model": "accumulated"}.get(function)
+    else:
+        context |= {"candidate": before or None, "case": after or None}
+        context["point"] = function.removeprefix("test_") or None
+    return context
 
 
-def record_key(record: dict[str, Any]) -> str:
-    """A stable key to match records across runs: test id and compared point."""
-    return f"{record['test_id']}::{record.get('point') or ''}"
+def outcome_of(records: Iterable[DriftRecord]) -> dict[str, str]:
+    """Per test id, its worst record's verdict (failed over error over crashed over passed
+    over skipped)."""
+    rank = {v: i for i, v in enumerate(VERDICTS)}
+    out: dict[str, str] = {}
+    for r in records:
+        if rank.get(r.verdict, 0) >= rank.get(out.get(r.test_id, "skipped"), 0):
+            out[r.test_id] = r.verdict
+    return out
 
 
 @dataclass
@@ -119,11 +207,11 @@ class RecordWriter:
         self._fh = self.path.open("a", encoding="utf-8")
         return self
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: DriftRecord) -> None:
         if self._fh is None:
             self.open()
         assert self._fh is not None
-        self._fh.write(json.dumps(record, allow_nan=False, sort_keys=False) + "\n")
+        self._fh.write(json.dumps(record.to_dict(), allow_nan=False) + "\n")
         self._fh.flush()
         self.count += 1
 
@@ -135,9 +223,19 @@ class RecordWriter:
             self._fh = None
 
 
-def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a run folder or a records.jsonl file. A last line cut by a crash is
-    skipped; any other unreadable line is an error naming the file and line."""
+def write_records(path: Path, records: Iterable[DriftRecord]) -> Path:
+    """Writes a whole records.jsonl atomically (a partial file never replaces a whole one)."""
+    tmp = path.with_suffix(".jsonl.tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        for record in records:
+            fh.write(json.dumps(record.to_dict(), allow_nan=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_records(path: str | Path) -> list[DriftRecord]:
+    """Records of a run folder or a records.jsonl file (schema 1 or 2). A last line cut by a
+    crash is skipped; any other unreadable line is an error naming the file and line."""
     file = Path(path)
     if file.is_dir():
         file = file / "records.jsonl"
@@ -148,16 +246,22 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     return list(_parse(file, file.read_text(encoding="utf-8").splitlines()))
 
 
-def _parse(file: Path, lines: list[str]) -> Iterator[dict[str, Any]]:
+def _parse(file: Path, lines: list[str]) -> Iterator[DriftRecord]:
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            yield json.loads(line)
+            data = json.loads(line)
         except json.JSONDecodeError as exc:
             if number == len(lines):  # the line being written when the session died
                 return
             raise ValueError(f"{file}:{number}: not a JSON record ({exc})") from None
+        if not isinstance(data, dict) or int(data.get("schema") or 1) > SCHEMA_VERSION:
+            raise ValueError(
+                f"{file}:{number}: not a drift record of schema 1 to {SCHEMA_VERSION}; a newer "
+                "numalign wrote it: upgrade numalign to read it"
+            )
+        yield DriftRecord.from_dict(data)
 
 
 def new_run_id(now: float | None = None) -> str:
@@ -166,41 +270,99 @@ def new_run_id(now: float | None = None) -> str:
     return f"{stamp}-{os.getpid()}"
 
 
-def merge_records(runs: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def merge_records(runs: Iterable[list[DriftRecord]]) -> list[DriftRecord]:
     """Records of several runs; a key seen twice keeps the later run's record."""
-    merged: dict[str, dict[str, Any]] = {}
+    merged: dict[str, DriftRecord] = {}
     for records in runs:
         for record in records:
-            merged[record_key(record)] = record
+            merged[record.key] = record
     return list(merged.values())
 
 
 class NodeRecorder:
     """Hands records of one test to pytest as user properties (the ``record_drift``
-    fixture): ``record_drift(result, suite=..., candidate=..., device=..., case=...)``."""
+    fixture): ``record_drift(result, suite=..., candidate=..., device=..., case=...)``, or
+    ``record_drift.add(record)`` for a record built by the library (logits, continuation)."""
 
     def __init__(
         self,
         nodeid: str,
         user_properties: list[tuple[str, object]],
-        on_record: Callable[[dict[str, Any]], None] | None = None,
+        on_record: Callable[[DriftRecord], None] | None = None,
     ) -> None:
         self.nodeid = nodeid
         self.user_properties = user_properties
         self.on_record = on_record
 
-    def __call__(self, result: CompareResult, **context: Any) -> dict[str, Any]:
-        return self._add(make_record(result, test_id=self.nodeid, **context))
+    def __call__(self, result: CompareResult, **context: Any) -> DriftRecord:
+        return self.add(DriftRecord.from_result(result, test_id=self.nodeid, **context))
 
-    def _add(self, record: dict[str, Any]) -> dict[str, Any]:
-        self.user_properties.append((USER_PROPERTY, record))
+    def add(self, record: DriftRecord) -> DriftRecord:
+        self.user_properties.append((USER_PROPERTY, record.to_dict()))
         if self.on_record is not None:
             self.on_record(record)
         return record
 
-    def skipped(self, reason: str, **context: Any) -> dict[str, Any]:
+    def error(self, exc: BaseException, **context: Any) -> DriftRecord:
+        """Records an exception that ends the test before (or instead of) its comparisons."""
+        return self.add(error_record(self.nodeid, type(exc).__name__, str(exc), **context))
+
+    def skipped(self, reason: str, **context: Any) -> DriftRecord:
         """Records a comparison that cannot run here (so summaries count it per dtype)."""
-        record = {field: None for field in FIELDS} | context
-        record |= {"schema": SCHEMA_VERSION, "test_id": self.nodeid, "verdict": "skipped",
-                   "rule": "skipped", "reason": reason}  # fmt: skip
-        return self._add(record)
+        record = DriftRecord.for_test(
+            self.nodeid, "skipped", rule="skipped", reason=reason, **context
+        )
+        return self.add(record)
+
+
+def records_of(user_properties: Iterable[tuple[str, object]]) -> list[DriftRecord]:
+    """The drift records among a test report's user properties."""
+    return [
+        DriftRecord.from_dict(value)
+        for name, value in user_properties
+        if name == USER_PROPERTY and isinstance(value, dict)
+    ]
+
+
+def error_record(test_id: str, exc_type: str, message: str, **context: Any) -> DriftRecord:
+    """The record of a test that raised (a candidate, a model or a replay that broke):
+    verdict ``error``, the exception's type and message."""
+    return DriftRecord.for_test(
+        test_id, "error", rule="error", error=exc_type,
+        reason=f"{exc_type}: {message.splitlines()[0] if message else ''}"[:500],
+        message=message, **context,
+    )  # fmt: skip
+
+
+def crashed_record(test_id: str, message: str) -> DriftRecord:
+    """The record of a test whose worker died while running it."""
+    return DriftRecord.for_test(
+        test_id, "crashed", rule="crashed",
+        reason="the worker process died while running this test", message=message,
+    )  # fmt: skip
+
+
+def error_record_for(
+    test_id: str,
+    excinfo: Any,
+    user_properties: list[tuple[str, object]],
+    **context: Any,
+) -> tuple[str, dict[str, Any]] | None:
+    """The user property that records a failed test's error, or None where its records
+    already tell the failure: a test that failed its comparisons (``pytest.fail`` or an
+    assertion after recording) has its records; an exception of any other type, or a failure
+    that left no record, becomes an ``error`` record."""
+    recorded = records_of(user_properties)
+    if excinfo is None:
+        return None
+    exc = excinfo.value
+    kind = type(exc).__name__
+    judged = kind in ("Failed", "AssertionError")  # the test's own verdict on its records
+    if judged and recorded:
+        return None
+    message = str(exc) if judged else f"{kind}: {exc}"
+    if not judged:  # where it raised: the last lines of the short traceback
+        lines = str(excinfo.getrepr(style="short")).splitlines()
+        message += "\n\n" + "\n".join(lines[-TRACEBACK_LINES:])
+    record = error_record(test_id, kind, message, **context)
+    return (USER_PROPERTY, record.to_dict())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from numalign.record import read_records, record_key
+from numalign.record import DriftRecord, read_records
 from numalign.settings import in_shard, parse_shard
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,9 +77,9 @@ def test_shards_merged_give_the_records_of_the_unsharded_run(tmp_path: Path) -> 
     assert out.returncode == 0, out.stderr
     merged = read_records(tmp_path / "merged")
 
-    def table(records: list[dict]) -> dict[str, tuple]:
+    def table(records: list[DriftRecord]) -> dict[str, tuple]:
         return {
-            record_key(r): (r["verdict"], r["metrics"]["max_abs"], r["metrics"]["rel_l2"])
+            r.key: (r.verdict, r.metrics["max_abs"], r.metrics["rel_l2"])
             for r in records
         }
 
@@ -196,5 +196,5 @@ def test_run_brings_up_a_model_in_one_command(tmp_path: Path) -> None:
     )
     assert "numalign run: report" in out.stdout
     records = read_records(tmp_path / "reports" / "latest")
-    assert {r["suite"] for r in records} == {"models", "operators"}
-    assert any(r.get("model") == "bringup-gpt2" for r in records)
+    assert {r.suite for r in records} == {"models", "operators"}
+    assert any(r.model == "bringup-gpt2" for r in records)

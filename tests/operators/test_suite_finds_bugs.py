@@ -69,8 +69,8 @@ def test_each_wrong_kernel_fails_on_a_case_that_exposes_it(
     failed = re.findall(rf"FAILED \S+::test_{operator}\[{name}-(\w+)-([^\]]+)\]", output)
     assert failed, f"{name} never failed:\n{output[-3000:]}"
     assert case in {c for _, c in failed}, f"{name} did not fail on {case}: {sorted(set(failed))}"
-    mine = [r for r in records if r["candidate"] == name]
-    assert any(r["verdict"] == "failed" and r["case"] == case for r in mine)
+    mine = [r for r in records if r.candidate == name]
+    assert any(r.verdict == "failed" and r.case == case for r in mine)
 
 
 @pytest.mark.parametrize("name", RIGHT)
@@ -79,9 +79,9 @@ def test_each_correct_but_different_kernel_passes_in_every_dtype(
 ) -> None:
     output, records = suite_run
     assert not re.findall(rf"FAILED \S+\[{name}-", output), output[-3000:]
-    mine = [r for r in records if r["candidate"] == name]
-    assert {r["dtype"] for r in mine} == {"float32", "bfloat16", "float16"}
-    assert all(r["verdict"] == "passed" for r in mine)
+    mine = [r for r in records if r.candidate == name]
+    assert {r.dtype for r in mine} == {"float32", "bfloat16", "float16"}
+    assert all(r.verdict == "passed" for r in mine)
 
 
 def test_failure_messages_name_the_operator_the_kernel_and_the_case(
@@ -89,8 +89,8 @@ def test_failure_messages_name_the_operator_the_kernel_and_the_case(
 ) -> None:
     _, records = suite_run
     failing = next(
-        r for r in records if r["candidate"] == "wrong_eps" and r["case"] == "small-16x4096"
+        r for r in records if r.candidate == "wrong_eps" and r.case == "small-16x4096"
     )
-    assert failing["verdict"] == "failed"
+    assert failing.verdict == "failed"
     assert failing["message"].startswith("rms_norm [")
     assert "small-16x4096" in failing["test_id"]

@@ -5,62 +5,102 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from numalign.record import DriftRecord, read_records, write_records
 from numalign.report import diff_runs, merge_runs, render_run
 from numalign.report.history import read_history
 
 
-def write_run(folder: Path, records: list[dict[str, Any]]) -> Path:
+def write_run(folder: Path, records: list[DriftRecord]) -> Path:
     folder.mkdir(parents=True)
-    with (folder / "records.jsonl").open("w") as fh:
-        for r in records:
-            fh.write(json.dumps(r) + "\n")
+    write_records(folder / "records.jsonl", records)
     return folder
 
 
-def test_growth_beyond_the_factor_regresses_even_while_passing(run_records: list[dict]) -> None:
+def test_growth_beyond_the_factor_regresses_even_while_passing(
+    run_records: list[DriftRecord],
+) -> None:
     current = copy.deepcopy(run_records)
     grown = current[1]
-    assert grown["verdict"] == "passed"
-    before = grown["budget_used"]
+    assert grown.verdict == "passed"
+    before = grown.budget_used or 0.0
     baseline = copy.deepcopy(run_records)
-    grown["budget_used"] = min(0.9, before * 3 + 0.1)  # still passing, 3x worse
+    grown.budget_used = min(0.9, before * 3 + 0.1)  # still passing, 3x worse
     diff = diff_runs(current, baseline)
-    assert [r["test_id"] for r in diff.regressed] == [grown["test_id"]]
+    assert [r["test_id"] for r in diff.regressed] == [grown.test_id]
     assert diff.regressed[0]["verdict"] == "passed"
-    assert diff.compared == len(run_records)
+    assert diff.compared == len([r for r in run_records if r.verdict != "skipped"])
 
 
 def test_noise_below_the_floor_and_within_the_factor_is_not_a_regression(
-    run_records: list[dict],
+    run_records: list[DriftRecord],
 ) -> None:
     current = copy.deepcopy(run_records)
-    current[0]["budget_used"] = 0.01  # from ~0: big ratio, but far below the noise floor
-    current[1]["budget_used"] = current[1]["budget_used"] * 1.5  # within the factor 2
+    current[0].budget_used = 0.01  # from ~0: big ratio, but far below the noise floor
+    current[1].budget_used = (current[1].budget_used or 0.0) * 1.5  # within the factor 2
     assert diff_runs(current, run_records).regressed == []
 
 
-def test_newly_failing_new_and_vanished_records(run_records: list[dict]) -> None:
+def test_newly_failing_new_and_vanished_records(run_records: list[DriftRecord]) -> None:
     current = copy.deepcopy(run_records)
-    current[2]["verdict"] = "failed"
+    current[2].verdict = "failed"
     vanished = current.pop(3)
-    current.append({**current[0], "test_id": "brand-new"})
+    current.append(current[0].with_fields(test_id="brand-new"))
     diff = diff_runs(current, run_records)
-    assert [r["test_id"] for r in diff.regressed] == [current[2]["test_id"]]
-    assert diff.new == ["brand-new::" + current[0]["point"]]
-    assert diff.vanished == [f"{vanished['test_id']}::{vanished['point']}"]
+    assert [r["test_id"] for r in diff.regressed] == [current[2].test_id]
+    assert diff.new == [f"brand-new::{current[0].point}::::"]
+    assert diff.vanished == [vanished.key]
 
 
-def test_the_factor_must_exceed_one(run_records: list[dict]) -> None:
+def test_every_request_has_its_own_key_so_a_regression_in_any_is_seen(
+    run_records: list[DriftRecord], tmp_path: Path
+) -> None:
+    models = [r for r in run_records if r.suite == "models"]
+    assert len({r.key for r in run_records}) == len(run_records)
+    # merging a run with itself keeps every record
+    run = write_run(tmp_path / "run", run_records)
+    merged = read_records(merge_runs([run, run], tmp_path / "merged"))
+    assert len(merged) == len(run_records)
+    # a regression in the second request of a point, the first unchanged
+    current = copy.deepcopy(run_records)
+    second = next(r for r in current if r.suite == "models" and r.request == "text-rightpad"
+                  and r.mode == "accumulated")  # fmt: skip
+    twin = next(r for r in models if r.point == second.point and r.mode == second.mode
+                and r.request == "text-leftpad")  # fmt: skip
+    second.verdict, second.budget_used = "failed", 1.5
+    diff = diff_runs(current, run_records)
+    assert [r["request"] for r in diff.regressed] == ["text-rightpad"]
+    assert twin.verdict == "passed"
+
+
+def test_schema_1_records_still_read(tmp_path: Path) -> None:
+    old = {
+        "schema": 1,
+        "test_id": "suites/models/test_model.py::test_model[m-bfloat16]",
+        "suite": "models",
+        "point": "model.norm",
+        "case": "text-leftpad",
+        "verdict": "passed",
+        "metrics": {"max_abs": 0.1},
+        "budget": None,
+        "model": "m",
+        "mode": "accumulated",
+    }
+    (tmp_path / "records.jsonl").write_text(json.dumps(old) + "\n")
+    (record,) = read_records(tmp_path)
+    assert record.request == "text-leftpad" and record.budget == {}
+    assert record.key.endswith("::model.norm::text-leftpad::")
+
+
+def test_the_factor_must_exceed_one(run_records: list[DriftRecord]) -> None:
     with pytest.raises(ValueError, match="above 1"):
         diff_runs(run_records, run_records, factor=1.0)
 
 
 def test_render_run_writes_everything_and_appends_history(
-    tmp_path: Path, run_records: list[dict]
+    tmp_path: Path, run_records: list[DriftRecord]
 ) -> None:
     history = tmp_path / "history.jsonl"
     first = write_run(tmp_path / "run1", run_records)
@@ -75,13 +115,13 @@ def test_render_run_writes_everything_and_appends_history(
     assert "worst use of budget per run" in (second / "drift.html").read_text()
 
 
-def test_merge_joins_shards(tmp_path: Path, run_records: list[dict]) -> None:
+def test_merge_joins_shards(tmp_path: Path, run_records: list[DriftRecord]) -> None:
     half = len(run_records) // 2
     a = write_run(tmp_path / "shard1", run_records[:half])
     b = write_run(tmp_path / "shard2", run_records[half:])
     merged = merge_runs([a, b], tmp_path / "merged")
     lines = (merged / "records.jsonl").read_text().splitlines()
-    assert sorted(lines) == sorted(json.dumps(r) for r in run_records)
+    assert sorted(lines) == sorted(json.dumps(r.to_dict()) for r in run_records)
 
 
 def test_fail_on_regression_fails_the_session(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import re
 
-from numalign.report.html import render_html
+from numalign.record import DriftRecord
+from numalign.report.html import point_place, render_html
 
 HEADER = {
     "run_id": "r1",
@@ -16,9 +17,8 @@ HEADER = {
 }
 
 
-def test_strings_from_tests_are_escaped(run_records: list[dict]) -> None:
-    evil = dict(run_records[0])
-    evil.update(
+def test_strings_from_tests_are_escaped(run_records: list[DriftRecord]) -> None:
+    evil = run_records[0].with_fields(
         test_id='t[<script>alert("id")</script>]',
         point="<img src=x onerror=alert(1)>",
         verdict="failed",
@@ -35,19 +35,52 @@ def test_strings_from_tests_are_escaped(run_records: list[dict]) -> None:
     assert any(r["point"] == "<img src=x onerror=alert(1)>" for r in rows)
 
 
-def test_the_page_fetches_nothing(run_records: list[dict]) -> None:
+def test_the_page_fetches_nothing(run_records: list[DriftRecord]) -> None:
     html = render_html(run_records, HEADER)
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", html)
     assert "default-src 'none'" in html  # the CSP forbids any fetch
 
 
-def test_sections_show_what_the_records_hold(run_records: list[dict]) -> None:
+def test_sections_show_what_the_records_hold(run_records: list[DriftRecord]) -> None:
     html = render_html(run_records, HEADER, history=[
         {"run_id": "a", "worst_budget_used": {"operators": {"gelu": 0.5}}},
         {"run_id": "b", "worst_budget_used": {"operators": {"gelu": 2.0}}},
     ])  # fmt: skip
-    assert html.count('class="chart-box"') == 3  # one model x dtype, three metrics
+    assert html.count('class="chart-box"') == 2  # one model x dtype x stack, two modes
     assert "First divergence</b> of tiny-llama [bfloat16]: model.layers.5 (accumulated)" in html
+    assert html.count('id="logits"') == 1 and "every greedy token agrees" not in html
     assert '<td class="cell" style="background:' in html  # the heatmap
     assert "worst use of budget per run" in html  # the trend
     assert html.count('<details id="msg-') == 1  # the one failing record's message
+
+
+def test_points_are_placed_by_stack_layer_and_kind() -> None:
+    assert point_place("model.layers.3") == ("model.layers", 3, "block")
+    assert point_place("model.layers.3.0") == ("model.layers", 3, "block")  # the block's tuple
+    assert point_place("model.layers.3.self_attn.0") == ("model.layers", 3, "attention")
+    assert point_place("model.layers.12.post_attention_layernorm") == ("model.layers", 12, "norm")
+    assert point_place("model.layers.0.mlp") == ("model.layers", 0, "mlp")
+    assert point_place("model.visual.blocks.1.attn") == ("model.visual.blocks", 1, "attention")
+    assert point_place("encoder.layer.1.intermediate") == ("encoder.layer", 1, "mlp")
+    assert point_place("model.norm") == (None, None, "other")
+    assert point_place("lm_head") == (None, None, "other")
+
+
+def test_a_deep_model_has_one_series_per_kind_and_messages_once_per_test(
+    deep_records: list[DriftRecord],
+) -> None:
+    html = render_html(deep_records, HEADER)
+    # one chart per mode, each with the budget line; the divergence marked once
+    assert html.count('class="chart-box"') == 2
+    assert html.count('class="threshold"') == 2
+    assert html.count('class="marker"') == 1
+    for kind in ("block", "attention", "mlp", "norm"):
+        assert f"{kind} @ 31:" in html  # a series point per kind at the last layer
+    # failure messages: one per failing test, however many requests and points failed
+    failing_tests = {r.test_id for r in deep_records if r.verdict == "failed"}
+    assert html.count('<details id="msg-') == len(failing_tests) == 1
+    assert "failing records)" in html and "and " in html
+    # the logits and continuation section
+    section = html[html.index('<section id="logits">') : html.index('<section id="regressions">')]
+    assert section.count("<tr><td>deep-llama</td>") == 2  # one row per request
+    assert "differs at step" not in section and "8 tokens agree" in section

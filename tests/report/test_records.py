@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from numalign.record import read_records
+from numalign.record import DriftRecord, read_records
 
 COMPARISONS = """
 import os
@@ -25,7 +25,7 @@ def test_compare(i, record_drift):
 """
 
 
-def _run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, list[dict]]:
+def _run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, list[DriftRecord]]:
     pytester.makepyfile(COMPARISONS.format(kill=77))
     result = pytester.runpytest_subprocess(
         "-n", "2", "--report-dir", "out", "-p", "no:cacheprovider", *args
@@ -37,7 +37,7 @@ def test_two_hundred_comparisons_give_two_hundred_records(pytester: pytest.Pytes
     result, records = _run(pytester)
     result.assert_outcomes(passed=200)
     assert len(records) == 200
-    assert sorted(int(r["case"]) for r in records) == list(range(200))
+    assert sorted(int(r.case) for r in records) == list(range(200))
     summary = json.loads((pytester.path / "out" / "latest" / "summary.json").read_text())
     assert summary["records"] == 200
 
@@ -47,12 +47,12 @@ def test_a_killed_worker_loses_no_other_record(
 ) -> None:
     monkeypatch.setenv("KILL_ONE", "1")
     _, records = _run(pytester)
-    crashed = [r for r in records if r["verdict"] == "crashed"]
-    assert [r["test_id"] for r in crashed] == [
+    crashed = [r for r in records if r.verdict == "crashed"]
+    assert [r.test_id for r in crashed] == [
         "test_a_killed_worker_loses_no_other_record.py::test_compare[77]"
     ]
-    assert "crashed" in crashed[0]["message"]
-    others = [r for r in records if r["verdict"] == "passed"]
+    assert "crashed" in str(crashed[0].message)
+    others = [r for r in records if r.verdict == "passed"]
     assert len(others) == 199  # every record but the killed test's
     html = (pytester.path / "out" / "latest" / "drift.html").read_text()
     assert "crashed" in html
@@ -73,3 +73,66 @@ def test_a_session_without_comparisons_writes_no_report(pytester: pytest.Pyteste
     pytester.makepyfile("def test_plain(): pass")
     pytester.runpytest("--report-dir", "out").assert_outcomes(passed=1)
     assert not (pytester.path / "out").exists()
+
+
+RAISING = """
+import pytest
+import torch
+from numalign.compare import compare
+
+@pytest.mark.parametrize("case", ["ok", "raises", "fails"])
+def test_rms_norm(case, record_drift):
+    t = torch.linspace(1, 2, 8, dtype=torch.float64)
+    if case == "raises":
+        raise RuntimeError("kernel launch failed: <unsupported shape 0x4097>")
+    result = compare((t * 1.1 if case == "fails" else t).float(), t, name="rms_norm")
+    record_drift(result, suite="operators", candidate="c", device="cpu", case=case)
+    assert result.passed, result.message()
+
+@pytest.fixture
+def broken_model():
+    raise OSError("model folder unreadable")
+
+def test_setup(broken_model, record_drift):
+    pass
+"""
+
+
+def test_an_exception_becomes_an_error_record_with_its_type_and_message(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(RAISING)
+    pytester.runpytest_subprocess("-n", "2", "--report-dir", "out", "-p", "no:cacheprovider")
+    records = {
+        r.test_id.rpartition("::")[2]: r for r in read_records(pytester.path / "out" / "latest")
+    }
+    assert len(records) == 4  # every test that ran has a record
+    raised = records["test_rms_norm[raises]"]
+    assert (raised.verdict, raised.rule, raised.error) == ("error", "error", "RuntimeError")
+    assert "kernel launch failed" in str(raised.reason) and "RuntimeError" in str(raised.message)
+    assert records["test_rms_norm[fails]"].verdict == "failed"  # its comparison says why
+    assert records["test_rms_norm[fails]"].error is None
+    assert (records["test_setup"].verdict, records["test_setup"].error) == ("error", "OSError")
+    summary = json.loads((pytester.path / "out" / "latest" / "summary.json").read_text())
+    assert summary["tests"] == {"passed": 1, "failed": 1, "error": 2}
+    html = (pytester.path / "out" / "latest" / "drift.html").read_text()
+    assert "&lt;unsupported shape 0x4097&gt;" in html and "<unsupported shape" not in html
+
+
+def test_records_without_a_comparison_keep_what_the_test_id_tells() -> None:
+    from numalign.record import context_from_test_id, crashed_record
+
+    op = crashed_record(
+        "suites/operators/test_operators.py::test_rms_norm[my-fused-bfloat16-unaligned-33x4097]",
+        "worker 'gw1' crashed",
+    )
+    assert (op.suite, op.point, op.candidate, op.dtype, op.case) == (
+        "operators", "rms_norm", "my-fused", "bfloat16", "unaligned-33x4097",
+    )  # fmt: skip
+    layer = context_from_test_id(
+        "suites/models/test_layers.py::test_layer[tiny-llama/model.layers.1.mlp-float16]"
+    )
+    assert layer == {"suite": "models", "dtype": "float16", "model": "tiny-llama",
+                     "candidate": "transformers", "point": "model.layers.1.mlp",
+                     "mode": "isolated"}  # fmt: skip
+    assert context_from_test_id("tests/test_x.py::test_plain") == {"suite": None}

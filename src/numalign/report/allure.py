@@ -9,31 +9,33 @@ import io
 import json
 from typing import Any
 
-from numalign.report.history import group_of
+from numalign.record import DriftRecord
 
 #: Histogram image size in pixels.
 _WIDTH, _HEIGHT = 560, 240
 
 
-def annotate(record: dict[str, Any]) -> None:
+def annotate(record: DriftRecord) -> None:
     """Adds the record's labels, and for a failure its attachments, to the running test."""
     import allure
 
-    allure.dynamic.epic(str(record.get("suite")))
-    allure.dynamic.feature(group_of(record))
-    allure.dynamic.story(str(record.get("dtype")))
-    for name in ("candidate", "case", "device", "swap"):
-        if record.get(name):
-            allure.dynamic.parameter(name, str(record[name]))
-    if record.get("verdict") in ("failed", "crashed"):
-        point = record.get("point") or "output"
+    allure.dynamic.epic(str(record.suite))
+    allure.dynamic.feature(record.group)
+    allure.dynamic.story(str(record.dtype))
+    for name in ("candidate", "case", "request", "device", "swap"):
+        value = getattr(record, name)
+        if value:
+            allure.dynamic.parameter(name, str(value))
+    if record.verdict in ("failed", "crashed", "error"):
+        point = record.point or "output"
+        data = record.to_dict()
         allure.attach(
-            json.dumps({k: record.get(k) for k in ("point", "rule", "reason", "budget_used",
-                                                   "budget", "metrics")}, indent=2),
+            json.dumps({k: data[k] for k in ("point", "request", "rule", "reason", "budget_used",
+                                             "budget", "metrics")}, indent=2),
             name=f"{point} metrics",
             attachment_type=allure.attachment_type.JSON,
         )  # fmt: skip
-        octaves = (record.get("metrics") or {}).get("ulp_octaves") or []
+        octaves = record.metrics.get("ulp_octaves") or []
         if octaves:
             allure.attach(
                 histogram_png(octaves, title=f"{point}: error in ulps"),

@@ -1,11 +1,12 @@
-"""Regressions against a baseline run: records matched by a stable key (test id and point)."""
+"""Regressions against a baseline run: records matched by their key (test id, point, request,
+output path and step)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from numalign.record import record_key
+from numalign.record import DriftRecord
 
 #: A record regresses when its budget use grows beyond this factor of the baseline's: twice
 #: the error is beyond run-to-run noise of deterministic inputs, well before a failure.
@@ -39,14 +40,9 @@ class BaselineDiff:
         }
 
 
-def _used(record: dict[str, Any]) -> float | None:
-    value = record.get("budget_used")
-    return float(value) if isinstance(value, (int, float)) else None
-
-
 def diff_runs(
-    current: list[dict[str, Any]],
-    baseline: list[dict[str, Any]],
+    current: list[DriftRecord],
+    baseline: list[DriftRecord],
     factor: float = DEFAULT_REGRESSION_FACTOR,
 ) -> BaselineDiff:
     """Flags records whose budget use grew beyond ``factor`` times the baseline's (above
@@ -54,8 +50,8 @@ def diff_runs(
     others still pass. Lists keys new in this run and keys that vanished from it."""
     if factor <= 1.0:
         raise ValueError(f"the regression factor must be above 1, got {factor}")
-    before = {record_key(r): r for r in baseline if r.get("verdict") != "skipped"}
-    now = {record_key(r): r for r in current if r.get("verdict") != "skipped"}
+    before = {r.key: r for r in baseline if r.verdict != "skipped"}
+    now = {r.key: r for r in current if r.verdict != "skipped"}
     diff = BaselineDiff(factor=factor)
     for key, record in now.items():
         old = before.get(key)
@@ -63,10 +59,10 @@ def diff_runs(
             diff.new.append(key)
             continue
         diff.compared += 1
-        if record.get("golden_fingerprint") != old.get("golden_fingerprint"):
-            diff.recaptured.append(str(record.get("model") or record.get("golden_fingerprint")))
-        used, old_used = _used(record), _used(old)
-        newly_failing = old.get("verdict") == "passed" and record.get("verdict") != "passed"
+        if record.golden_fingerprint != old.golden_fingerprint:
+            diff.recaptured.append(str(record.model or record.golden_fingerprint))
+        used, old_used = record.used, old.used
+        newly_failing = old.verdict == "passed" and record.verdict != "passed"
         grew = (
             used is not None
             and old_used is not None
@@ -77,14 +73,15 @@ def diff_runs(
             diff.regressed.append(
                 {
                     "key": key,
-                    "test_id": record.get("test_id"),
-                    "point": record.get("point"),
-                    "dtype": record.get("dtype"),
+                    "test_id": record.test_id,
+                    "point": record.point,
+                    "request": record.request,
+                    "dtype": record.dtype,
                     "baseline_budget_used": old_used,
                     "budget_used": used,
                     "growth": (used / old_used) if used is not None and old_used else None,
-                    "baseline_verdict": old.get("verdict"),
-                    "verdict": record.get("verdict"),
+                    "baseline_verdict": old.verdict,
+                    "verdict": record.verdict,
                 }
             )
     diff.vanished = sorted(set(before) - set(now))

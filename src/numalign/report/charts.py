@@ -31,11 +31,17 @@ def line_chart(
     y_label: str,
     width: int = 880,
     height: int = 280,
+    threshold: tuple[float, str] | None = None,
+    marker: tuple[int, str] | None = None,
 ) -> str:
-    """A line chart with a log10 y axis; values <= 0 or None are gaps."""
+    """A line chart with a log10 y axis; values <= 0 or None are gaps. ``threshold`` (value,
+    label) draws a dashed horizontal line (the budget); ``marker`` (x index, label) a vertical
+    one (the first divergence)."""
     left, right, top, bottom = 70, 240, 28, 70
     plot_w, plot_h = width - left - right, height - top - bottom
     positive = [v for s in series for v in s.values if v is not None and v > 0 and math.isfinite(v)]
+    if threshold is not None:
+        positive.append(threshold[0])
     if not positive or not x_labels:
         return f'<p class="empty">{escape(title)}: no positive values to draw.</p>'
     lo = math.floor(math.log10(min(positive)))
@@ -74,6 +80,26 @@ def line_chart(
         f'<text transform="translate(14,{top + plot_h / 2:.0f}) rotate(-90)" class="axis" '
         f'text-anchor="middle">{escape(y_label)} (log)</text>'
     )
+    if threshold is not None:
+        ty = y(threshold[0])
+        parts.append(
+            f'<line x1="{left}" x2="{left + plot_w}" y1="{ty:.1f}" y2="{ty:.1f}" '
+            'class="threshold" stroke="#111" stroke-width="1.5" stroke-dasharray="8 4"/>'
+        )
+        parts.append(
+            f'<text x="{left + plot_w - 4}" y="{ty - 5:.1f}" class="tick" text-anchor="end">'
+            f"{escape(threshold[1])}</text>"
+        )
+    if marker is not None and 0 <= marker[0] < n:
+        mx = x(marker[0])
+        parts.append(
+            f'<line x1="{mx:.1f}" x2="{mx:.1f}" y1="{top}" y2="{top + plot_h}" class="marker" '
+            'stroke="#c62828" stroke-width="2"/>'
+        )
+        parts.append(
+            f'<text x="{mx + 4:.1f}" y="{top + 12}" class="marker-label" fill="#c62828">'
+            f"{escape(marker[1])}</text>"
+        )
     for k, s in enumerate(series):
         points = [
             (x(i), y(v), v, i)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from numalign.record import USER_PROPERTY, RecordWriter, crashed_record, new_run_id
+from numalign.record import DriftRecord, RecordWriter, crashed_record, new_run_id, records_of
 from numalign.report.baseline import BaselineDiff
 from numalign.report.history import HISTORY_FILE
 from numalign.report.run import render_run
@@ -30,7 +30,7 @@ class DriftCollector:
         self.writer = RecordWriter(self.run_dir / "records.jsonl")
         self.outcomes: dict[str, str] = {}
         self.written: list[Path] = []
-        self.records: list[dict[str, Any]] = []
+        self.records: list[DriftRecord] = []
         self.diff: BaselineDiff | None = None
 
     # -- pytest hooks -------------------------------------------------------------------------
@@ -39,10 +39,11 @@ class DriftCollector:
             self.writer.write(crashed_record(report.nodeid, str(report.longrepr)))
             self.outcomes[report.nodeid] = "crashed"
             return
-        if report.when == "call":  # every phase's report carries the same user properties
-            for name, value in report.user_properties:
-                if name == USER_PROPERTY and isinstance(value, dict):
-                    self.writer.write(value)
+        # every phase's report carries the test's user properties so far: records are read
+        # from the call, or from a setup that failed (there is no call then)
+        if report.when == "call" or (report.when == "setup" and report.failed):
+            for record in records_of(report.user_properties):
+                self.writer.write(record)
         if report.when == "call" or (report.when == "setup" and not report.passed):
             self.outcomes[report.nodeid] = report.outcome
 
@@ -73,14 +74,10 @@ class DriftCollector:
         tr = terminalreporter
         tr.write_sep("-", "numalign drift")
         worst = sorted(
-            (r for r in self.records if isinstance(r.get("budget_used"), (int, float))),
-            key=lambda r: -float(r["budget_used"]),
+            (r for r in self.records if r.used is not None), key=lambda r: -(r.used or 0.0)
         )[:WORST_SHOWN]
         for record in worst:
-            tr.write_line(
-                f"{float(record['budget_used']):8.3g} of budget  {record['verdict']:<7} "
-                f"{record['test_id']}"
-            )
+            tr.write_line(f"{record.used:8.3g} of budget  {record.verdict:<7} {record.test_id}")
         if self.diff is not None:
             tr.write_line(
                 f"numalign: {len(self.diff.regressed)} regression(s) against "

@@ -7,26 +7,19 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from numalign.record import DriftRecord
+
 #: The history file's name inside the report folder when --history does not name one.
 HISTORY_FILE = "history.jsonl"
 
 
-def group_of(record: dict[str, Any]) -> str:
-    """What a trend line follows: the model set for model suites, the operator otherwise."""
-    model = record.get("model")
-    if model:
-        return str(model)
-    return str(record.get("point") or "?").split(".")[0]
-
-
-def history_entry(records: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, Any]:
+def history_entry(records: list[DriftRecord], summary: dict[str, Any]) -> dict[str, Any]:
     """The run's line: its header and counts, and the worst budget use per suite and group."""
     worst: dict[str, dict[str, float]] = defaultdict(dict)
     for record in records:
-        used = record.get("budget_used")
-        if isinstance(used, (int, float)):
-            suite, group = str(record.get("suite")), group_of(record)
-            worst[suite][group] = max(worst[suite].get(group, 0.0), float(used))
+        if record.used is not None:
+            suite, group = str(record.suite), record.group
+            worst[suite][group] = max(worst[suite].get(group, 0.0), record.used)
     keep = ("run_id", "device", "dtypes", "tier", "versions", "tests", "records")
     return {**{k: summary.get(k) for k in keep}, "worst_budget_used": worst}
 

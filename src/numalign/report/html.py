@@ -9,18 +9,28 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from numalign.record import END_MODES, VERDICTS, DriftRecord
 from numalign.report.charts import PALETTE, Series, budget_color, line_chart
-from numalign.report.history import group_of
 
 #: Rows of the worst-offenders table embedded in the page (the full set is in drift.csv).
 TABLE_ROWS = 1000
-#: Failure messages embedded (the rest are in records.jsonl).
+#: Tests whose failure messages are embedded (the rest are in records.jsonl).
 MESSAGES = 300
-#: Metrics the drift curves can show.
-CURVE_METRICS: tuple[tuple[str, str], ...] = (
-    ("max_abs", "max abs error"),
-    ("rel_l2", "relative L2 error"),
-    ("budget_used", "use of budget"),
+#: Other failing records listed under a test's message.
+MESSAGE_OTHERS = 20
+#: Kinds of capture point a layer chart draws, one series each, in this order.
+POINT_KINDS: tuple[str, ...] = ("block", "attention", "mlp", "norm", "other")
+#: Words in a block's child name that say its kind, the first match wins (norms first:
+#: ``post_attention_layernorm`` is a norm).
+_KIND_WORDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("norm", ("norm", "ln_")),
+    ("attention", ("attn", "attention", "mixer")),
+    ("mlp", ("mlp", "moe", "expert", "feed_forward", "ffn", "intermediate", "output")),
+)
+#: Model-suite modes drawn along the layers, and how the picker names them.
+CURVE_MODES: tuple[tuple[str, str], ...] = (
+    ("accumulated", "whole model (accumulated)"),
+    ("isolated", "each point alone (isolated)"),
 )
 
 
@@ -28,30 +38,27 @@ def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-def _summary_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _summary_rows(records: list[DriftRecord]) -> list[dict[str, Any]]:
     counts: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for record in records:
-        counts[(str(record.get("suite")), str(record.get("dtype")))][
-            str(record.get("verdict"))
-        ] += 1
+        counts[(str(record.suite), str(record.dtype))][record.verdict] += 1
     return [
-        {"suite": suite, "dtype": dtype, **{v: counts[(suite, dtype)].get(v, 0)
-                                            for v in ("passed", "failed", "skipped", "crashed")}}
+        {"suite": suite, "dtype": dtype, **{v: counts[(suite, dtype)].get(v, 0) for v in VERDICTS}}
         for suite, dtype in sorted(counts)
-    ]  # fmt: skip
+    ]
 
 
-def _heatmap(records: list[dict[str, Any]]) -> dict[str, Any]:
+def _heatmap(records: list[DriftRecord]) -> dict[str, Any]:
     worst: dict[tuple[str, str], float] = {}
     for record in records:
-        if record.get("suite") != "operators":
+        if record.suite != "operators":
             continue
-        used = _num(record.get("budget_used"))
-        if used is None and record.get("verdict") in ("failed", "crashed"):
+        used = _num(record.budget_used)
+        if used is None and record.verdict in ("failed", "crashed", "error"):
             used = math.inf
         if used is None:
             continue
-        key = (group_of(record), str(record.get("dtype")))
+        key = (record.group, str(record.dtype))
         worst[key] = max(worst.get(key, 0.0), used)
     operators = sorted({k[0] for k in worst})
     dtypes = sorted({k[1] for k in worst})
@@ -66,52 +73,115 @@ def _heatmap(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"dtypes": dtypes, "rows": rows}
 
 
-def _curves(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per model set and dtype, the drift along the capture points, one SVG per metric."""
-    by_model: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+def point_place(point: str) -> tuple[str | None, int | None, str]:
+    """Where a capture point sits: (stack, layer index, kind). ``model.layers.3.self_attn``
+    is in stack ``model.layers``, layer 3, kind attention; ``model.layers.3`` is the block
+    itself; points outside any stack (embeddings, final norm, head) have no layer."""
+    parts = point.split(".")
+    at = next((i for i, p in enumerate(parts) if p.isdigit() and i > 0), None)
+    if at is None:
+        return None, None, "other"
+    stack, layer, rest = ".".join(parts[:at]), int(parts[at]), parts[at + 1 :]
+    if not rest or rest[0].isdigit():  # the block, or an output of the block's tuple
+        return stack, layer, "block"
+    child = rest[0].lower()
+    for kind, words in _KIND_WORDS:
+        if any(w in child for w in words):
+            return stack, layer, kind
+    return stack, layer, "other"
+
+
+def _curves(records: list[DriftRecord]) -> list[dict[str, Any]]:
+    """Per model set, dtype and stack of layers: the use of budget along the layers, one
+    series per kind of point (the worst over requests and outputs), the budget's 1.0 line and
+    the first divergence marked; one chart per mode (accumulated, isolated)."""
+    by_model: dict[tuple[str, str], list[DriftRecord]] = defaultdict(list)
     for record in records:
-        if record.get("suite") == "models" and record.get("mode") and record.get("model"):
-            by_model[(str(record["model"]), str(record.get("dtype")))].append(record)
+        if record.suite == "models" and record.model and record.mode in dict(CURVE_MODES):
+            by_model[(record.model, str(record.dtype))].append(record)
     out = []
     for (model, dtype), items in sorted(by_model.items()):
-        order = sorted({(r.get("point_index", 0), r.get("point") or "") for r in items})
-        points = [p for _, p in order]
-        index = {p: i for i, p in enumerate(points)}
+        stacks: dict[str, int] = defaultdict(int)
+        for r in items:
+            stack, layer, _ = point_place(r.point or "")
+            if stack is not None and layer is not None:
+                stacks[stack] = max(stacks[stack], layer + 1)
+        divergence = next((r.first_divergence for r in items if r.first_divergence), None)
         charts = []
-        for metric, label in CURVE_METRICS:
-            lines: dict[str, list[float | None]] = {
-                "isolated": [None] * len(points),
-                "accumulated": [None] * len(points),
-                "budget (accumulated)": [None] * len(points),
-            }
-            for r in items:
-                i = index[r.get("point") or ""]
-                value = (
-                    _num(r.get("budget_used"))
-                    if metric == "budget_used"
-                    else _num((r.get("metrics") or {}).get(metric))
-                )
-                if r.get("mode") in lines:
-                    lines[str(r["mode"])][i] = value
-                if r.get("mode") == "accumulated":
-                    limit = (
-                        1.0
-                        if metric == "budget_used"
-                        else _num((r.get("budget") or {}).get(metric))
-                    )
-                    lines["budget (accumulated)"][i] = limit
-            series = [
-                Series("isolated", lines["isolated"], PALETTE[0]),
-                Series("accumulated", lines["accumulated"], PALETTE[1]),
-                Series(
-                    "budget (accumulated)", lines["budget (accumulated)"], "#555555", dashed=True
-                ),
-            ]
-            svg = line_chart(series, points, title=f"{model} [{dtype}]: {label}", y_label=label)
-            charts.append({"metric": metric, "svg": svg})
-        divergence = next((r["first_divergence"] for r in items if r.get("first_divergence")), None)
-        out.append({"model": model, "dtype": dtype, "charts": charts, "divergence": divergence})
+        for stack in sorted(stacks, key=lambda k: -stacks[k]):
+            labels = [str(i) for i in range(stacks[stack])]
+            for mode, _ in CURVE_MODES:
+                lines = {kind: [None] * len(labels) for kind in POINT_KINDS}
+                for r in items:
+                    where, layer, kind = point_place(r.point or "")
+                    if r.mode != mode or where != stack or layer is None:
+                        continue
+                    used = _num(r.budget_used)
+                    previous = lines[kind][layer]
+                    if used is not None and (previous is None or used > previous):
+                        lines[kind][layer] = used
+                marker = None
+                if divergence and mode == "accumulated":
+                    where, layer, _ = point_place(str(divergence.get("point")))
+                    if where == stack and layer is not None:
+                        marker = (layer, f"first divergence: {divergence.get('point')}")
+                series = [
+                    Series(kind, lines[kind], PALETTE[k % len(PALETTE)])
+                    for k, kind in enumerate(POINT_KINDS)
+                    if any(v is not None for v in lines[kind])
+                ]
+                svg = line_chart(
+                    series, labels, title=f"{model} [{dtype}] {stack}: use of budget, {mode}",
+                    y_label="use of budget", threshold=(1.0, "budget"), marker=marker,
+                )  # fmt: skip
+                charts.append({"mode": mode, "stack": stack, "svg": svg})
+        outside = _outside(items)
+        out.append({"model": model, "dtype": dtype, "charts": charts,
+                    "divergence": divergence, "outside": outside})  # fmt: skip
     return out
+
+
+def _outside(items: list[DriftRecord]) -> list[dict[str, Any]]:
+    """The worst use of budget of the points outside every stack (embeddings, final norm,
+    LM head), per point and mode."""
+    worst: dict[tuple[str, str], float] = {}
+    for r in items:
+        if point_place(r.point or "")[0] is None and r.mode and r.point:
+            used = _num(r.budget_used)
+            key = (r.point, r.mode)
+            if used is not None and used >= worst.get(key, -1.0):
+                worst[key] = used
+    return [{"point": p, "mode": m, "used": u} for (p, m), u in sorted(worst.items())]
+
+
+def _end_results(records: list[DriftRecord]) -> list[dict[str, Any]]:
+    """Rows of the logits and continuation section: per model, dtype and request, the
+    logits' agreement and budget use, the continuation's, and an encoder's final outputs."""
+    rows: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    for r in records:
+        if r.suite != "models" or r.mode not in END_MODES:
+            continue
+        key = (str(r.model), str(r.dtype), str(r.request), str(r.swap or ""))
+        row = rows.setdefault(key, {"model": key[0], "dtype": key[1], "request": key[2],
+                                    "swap": key[3], "items": []})  # fmt: skip
+        m, b = r.metrics, r.budget
+        if r.mode == "logits":
+            row["logits"] = {
+                "verdict": r.verdict, "used": _num(r.budget_used),
+                "top1": _num(m.get("top1_agreement")), "top5": _num(m.get("top5_overlap")),
+                "kl": _num(m.get("kl_max")), "kl_budget": _num(b.get("kl_max")),
+                "max_abs": _num(m.get("max_abs")), "max_abs_budget": _num(b.get("max_abs")),
+                "reason": r.reason,
+            }  # fmt: skip
+        elif r.mode == "continuation":
+            row["continuation"] = {
+                "verdict": r.verdict, "steps": m.get("steps"),
+                "first": m.get("first_divergence"), "reason": r.reason,
+            }  # fmt: skip
+        else:
+            row["items"].append({"point": r.point, "verdict": r.verdict,
+                                 "used": _num(r.budget_used)})  # fmt: skip
+    return [rows[k] for k in sorted(rows)]
 
 
 def _trend(history: list[dict[str, Any]]) -> str:
@@ -138,38 +208,52 @@ def _trend(history: list[dict[str, Any]]) -> str:
     return line_chart(series, labels, title="worst use of budget per run", y_label="use of budget")
 
 
-def _table(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    def badness(r: dict[str, Any]) -> float:
-        if r.get("verdict") in ("failed", "crashed"):
-            return (
-                math.inf
-                if _num(r.get("budget_used")) is None
-                else 1e300 + (_num(r.get("budget_used")) or 0)
-            )
-        return _num(r.get("budget_used")) or 0.0
+def _table(records: list[DriftRecord]) -> list[dict[str, Any]]:
+    def badness(r: DriftRecord) -> float:
+        if r.verdict in ("failed", "crashed", "error"):
+            used = _num(r.budget_used)
+            return math.inf if used is None else 1e300 + used
+        return _num(r.budget_used) or 0.0
 
-    worst = sorted(
-        (r for r in records if r.get("verdict") != "skipped"), key=badness, reverse=True
-    )[:TABLE_ROWS]
+    worst = sorted((r for r in records if r.verdict != "skipped"), key=badness, reverse=True)
     rows: list[dict[str, Any]] = []
-    messages: list[dict[str, Any]] = []
-    for r in worst:
-        metrics = r.get("metrics") or {}
-        anchor = None
-        if r.get("message") and len(messages) < MESSAGES:
-            anchor = f"msg-{len(messages)}"
-            messages.append(
-                {"anchor": anchor, "test_id": r.get("test_id"), "text": r.get("message")}
-            )
+    for r in worst[:TABLE_ROWS]:
+        m = r.metrics
         rows.append({
-            "used": _num(r.get("budget_used")), "verdict": r.get("verdict"),
-            "suite": r.get("suite"), "point": r.get("point"), "candidate": r.get("candidate"),
-            "dtype": r.get("dtype"),
-            "case": r.get("case"), "max_abs": _num(metrics.get("max_abs")),
-            "rel_l2": _num(metrics.get("rel_l2")), "ulp_p99": _num(metrics.get("ulp_p99")),
-            "test_id": r.get("test_id"), "anchor": anchor,
+            "used": _num(r.budget_used), "verdict": r.verdict, "suite": r.suite,
+            "point": r.point, "candidate": r.candidate, "dtype": r.dtype,
+            "case": r.request or r.case, "max_abs": _num(m.get("max_abs")),
+            "rel_l2": _num(m.get("rel_l2")), "ulp_p99": _num(m.get("ulp_p99")),
+            "test_id": r.test_id, "anchor": None,
         })  # fmt: skip
-    return rows, messages
+    return rows
+
+
+def _messages(records: list[DriftRecord], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Failure messages grouped per test: the worst failing record's message, then the other
+    failing records of the test (point, request, use of budget), not every request again."""
+    by_test: dict[str, list[DriftRecord]] = defaultdict(list)
+    for r in records:
+        if r.verdict in ("failed", "crashed", "error") and r.message:
+            by_test[r.test_id].append(r)
+    anchors: dict[str, str] = {}
+    out = []
+    ranked = sorted(by_test.items(), key=lambda kv: -max(_num(r.budget_used) or math.inf
+                                                         for r in kv[1]))  # fmt: skip
+    for test_id, failing in ranked[:MESSAGES]:
+        failing.sort(key=lambda r: -(_num(r.budget_used) if r.budget_used is not None else 1e300))
+        anchor = anchors[test_id] = f"msg-{len(out)}"
+        others = [
+            {"point": r.point, "request": r.request or r.case, "used": _num(r.budget_used),
+             "verdict": r.verdict}
+            for r in failing[1 : 1 + MESSAGE_OTHERS]
+        ]  # fmt: skip
+        out.append({"anchor": anchor, "test_id": test_id, "text": failing[0].message,
+                    "verdict": failing[0].verdict, "count": len(failing), "others": others,
+                    "more": max(0, len(failing) - 1 - MESSAGE_OTHERS)})  # fmt: skip
+    for row in rows:
+        row["anchor"] = anchors.get(str(row["test_id"]))
+    return out
 
 
 def _script_json(value: Any) -> str:
@@ -180,7 +264,7 @@ def _script_json(value: Any) -> str:
 
 
 def render_html(
-    records: list[dict[str, Any]],
+    records: list[DriftRecord],
     summary: dict[str, Any],
     *,
     baseline: dict[str, Any] | None = None,
@@ -193,16 +277,17 @@ def render_html(
         loader=PackageLoader("numalign.report", "templates"),
         autoescape=select_autoescape(["html", "j2"]),
     )
-    rows, messages = _table(records)
-    fingerprints = sorted(
-        {str(r["golden_fingerprint"]) for r in records if r.get("golden_fingerprint")}
-    )
+    rows = _table(records)
+    messages = _messages(records, rows)
+    fingerprints = sorted({str(r.golden_fingerprint) for r in records if r.golden_fingerprint})
     return env.get_template("drift.html.j2").render(
         summary=summary,
         summary_rows=_summary_rows(records),
         heatmap=_heatmap(records),
         curves=_curves(records),
-        curve_metrics=CURVE_METRICS,
+        curve_modes=CURVE_MODES,
+        end_results=_end_results(records),
+        verdicts=VERDICTS[1:],
         baseline=baseline,
         trend_svg=_trend(history or []),
         rows_json=_script_json(rows),
@@ -214,7 +299,7 @@ def render_html(
 
 
 def write_html(
-    path: Path, records: list[dict[str, Any]], summary: dict[str, Any], **kwargs: Any
+    path: Path, records: list[DriftRecord], summary: dict[str, Any], **kwargs: Any
 ) -> Path:
     """Writes drift.html atomically (a partial page never replaces a whole one)."""
     text = render_html(records, summary, **kwargs)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from numalign.record import merge_records, read_records
+from numalign.record import DriftRecord, merge_records, outcome_of, read_records, write_records
 from numalign.report.baseline import DEFAULT_REGRESSION_FACTOR, BaselineDiff, diff_runs
 from numalign.report.history import append_history, history_entry, read_history
 from numalign.report.html import write_html
@@ -19,20 +19,9 @@ from numalign.report.tables import summarize, write_tables
 @dataclass
 class RenderedRun:
     run_dir: Path
-    records: list[dict[str, Any]]
+    records: list[DriftRecord]
     written: list[Path] = field(default_factory=list)
     diff: BaselineDiff | None = None
-
-
-def _outcomes(records: list[dict[str, Any]]) -> dict[str, str]:
-    """Per test id, its worst record's verdict (failed over crashed over passed over skipped)."""
-    rank = {"skipped": 0, "passed": 1, "crashed": 2, "failed": 3}
-    out: dict[str, str] = {}
-    for r in records:
-        test, verdict = str(r.get("test_id")), str(r.get("verdict"))
-        if rank.get(verdict, 0) >= rank.get(out.get(test, "skipped"), 0):
-            out[test] = verdict
-    return out
 
 
 def render_run(
@@ -51,11 +40,11 @@ def render_run(
         previous = run_dir / "summary.json"
         header = json.loads(previous.read_text(encoding="utf-8")) if previous.is_file() else {}
         header.setdefault("run_id", run_dir.name)
-    devices = sorted({str(r["device"]) for r in records if r.get("device")})
+    devices = sorted({str(r.device) for r in records if r.device})
     if devices:
         header = {**header, "device": ", ".join(devices)}
     rendered = RenderedRun(run_dir=run_dir, records=records)
-    summary = summarize(records, _outcomes(records), header)
+    summary = summarize(records, outcome_of(records), header)
     baseline_dict = None
     if baseline is not None:
         rendered.diff = diff_runs(records, read_records(baseline), factor)
@@ -85,12 +74,7 @@ def merge_runs(sources: list[Path], out_dir: Path) -> Path:
     a record key seen twice keeps the later source's record."""
     merged = merge_records(read_records(s) for s in sources)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / "records.jsonl"
-    tmp = target.with_suffix(".jsonl.tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        for record in merged:
-            fh.write(json.dumps(record, allow_nan=False) + "\n")
-    tmp.replace(target)
+    write_records(out_dir / "records.jsonl", merged)
     headers = [
         json.loads((s / "summary.json").read_text())
         for s in sources
@@ -99,6 +83,6 @@ def merge_runs(sources: list[Path], out_dir: Path) -> Path:
     header = dict(headers[0]) if headers else {}
     header["run_id"] = out_dir.name
     header["merged_from"] = [str(s) for s in sources]
-    header["tests"] = dict(Counter(_outcomes(merged).values()))
+    header["tests"] = dict(Counter(outcome_of(merged).values()))
     (out_dir / "summary.json").write_text(json.dumps(header, indent=2) + "\n", encoding="utf-8")
     return out_dir

@@ -7,6 +7,8 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from numalign.record import DriftRecord
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -33,6 +35,11 @@ TABLE_COLUMNS: tuple[str, ...] = (
     "device",
     "dtype",
     "case",
+    "model",
+    "mode",
+    "request",
+    "output",
+    "step",
     "verdict",
     "rule",
     "budget_used",
@@ -41,35 +48,33 @@ TABLE_COLUMNS: tuple[str, ...] = (
     "golden_fingerprint",
     *METRIC_COLUMNS,
     "reason",
+    "error",
 )
 
 
-def records_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
+def records_frame(records: list[DriftRecord]) -> pd.DataFrame:
     """One row per record, metrics flattened into columns."""
     import pandas as pd
 
     rows = []
     for record in records:
-        row = {key: record.get(key) for key in TABLE_COLUMNS if key not in METRIC_COLUMNS}
-        metrics = record.get("metrics") or {}
-        row.update({key: metrics.get(key) for key in METRIC_COLUMNS})
+        row = {key: getattr(record, key) for key in TABLE_COLUMNS if key not in METRIC_COLUMNS}
+        row.update({key: record.metrics.get(key) for key in METRIC_COLUMNS})
         rows.append(row)
     return pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
 
 
 def summarize(
-    records: list[dict[str, Any]], outcomes: dict[str, str], header: dict[str, Any]
+    records: list[DriftRecord], outcomes: dict[str, str], header: dict[str, Any]
 ) -> dict[str, Any]:
     """Counts of tests per outcome, and of records per (suite, dtype, verdict)."""
     per_group: Counter[tuple[str, str, str]] = Counter()
     worst: dict[str, float] = {}
     for record in records:
-        key = (str(record.get("suite")), str(record.get("dtype")), str(record.get("verdict")))
-        per_group[key] += 1
-        used = record.get("budget_used")
-        if isinstance(used, (int, float)):
-            suite = str(record.get("suite"))
-            worst[suite] = max(worst.get(suite, 0.0), float(used))
+        per_group[(str(record.suite), str(record.dtype), record.verdict)] += 1
+        if record.used is not None:
+            suite = str(record.suite)
+            worst[suite] = max(worst.get(suite, 0.0), record.used)
     return {
         **header,
         "tests": dict(Counter(outcomes.values())),
@@ -82,9 +87,7 @@ def summarize(
     }
 
 
-def write_tables(
-    run_dir: Path, records: list[dict[str, Any]], summary: dict[str, Any]
-) -> list[Path]:
+def write_tables(run_dir: Path, records: list[DriftRecord], summary: dict[str, Any]) -> list[Path]:
     """Writes drift.csv (and drift.parquet when pyarrow is installed) and summary.json."""
     frame = records_frame(records)
     written = [run_dir / "drift.csv", run_dir / "summary.json"]
