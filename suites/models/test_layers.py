@@ -16,14 +16,8 @@ import torch
 from numalign.golden import GoldenSet, GoldenSetError
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
-from numalign.replay.model import (
-    ModelCache,
-    ReplayUnsupported,
-    replay_layer,
-    suite_sets,
-    variant_label,
-    worst,
-)
+from numalign.replay.model import ModelCache, ReplayUnsupported, replay_layer, suite_sets
+from numalign.replay.verdict import layer_message
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,25 +51,16 @@ def test_layer(
     point_name, _, dtype = rest.partition("/")[2].rpartition("-")
     try:
         golden, model = model_cache.load(path, numalign_settings, numalign_device, dtype)
-    except GoldenSetError as exc:  # a stale or broken set fails with its own message
+        point = golden.point(point_name)
+        results = replay_layer(golden, model, point, dtype, numalign_device, tolerance_policy)
+    except GoldenSetError as exc:  # stale, broken or corrupted data: its own message
+        record_drift.error(exc)
         pytest.fail(str(exc), pytrace=False)
     except ReplayUnsupported as exc:  # an implementation transformers lacks for this model
         pytest.skip(str(exc))
-    point = golden.point(point_name)
-    results = replay_layer(golden, model, point, dtype, numalign_device, tolerance_policy)
-    swap = variant_label(numalign_settings)
+    context = model_cache.record_context(golden, numalign_settings, numalign_device)
     for r in results:
-        record_drift(
-            r.result, suite="models", candidate="transformers", device=str(numalign_device),
-            case=r.request, golden_fingerprint=golden.manifest["model"]["fingerprint"],
-            swap=swap, model=golden.name, mode="isolated", point_index=point.order,
-        )  # fmt: skip
-    failed = [r for r in results if not r.result.passed]
-    if failed:
-        w = worst(failed)
-        pytest.fail(
-            f"{golden.name}/{point.name} [{dtype}] replayed alone leaves the isolated "
-            f"calibration's budget in {len(failed)} of {len(results)} outputs; worst, request "
-            f"{w.request}:\n{w.result.message()}",
-            pytrace=False,
-        )
+        record_drift.add(r.record(record_drift.nodeid, **context))
+    message = layer_message(f"{golden.name}/{point.name} [{dtype}]", results)
+    if message:
+        pytest.fail(message, pytrace=False)

@@ -51,8 +51,30 @@ def test_a_truncated_shard_is_a_clear_error(small_set: GoldenSet) -> None:
     with pytest.raises(GoldenSetError, match=r"bytes where the manifest says .*truncated"):
         small_set.verify()
     key = next(small_set.keys())
-    with pytest.raises(GoldenSetError, match=r"unreadable .*truncated or corrupted"):
+    with pytest.raises(GoldenSetError, match=r"bytes where the manifest says .*truncated"):
+        small_set.tensor(key)  # checked before it is read
+
+
+def test_reads_verify_each_shard_once_per_process_and_refuse_a_flipped_bit(
+    small_set: GoldenSet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from numalign.golden import store
+
+    hashed: list[str] = []
+    real = store.sha256_file
+    monkeypatch.setattr(store, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+    keys = list(small_set.keys())
+    for key in keys[:5]:
         small_set.tensor(key)
+    assert hashed == ["tensors-00001.safetensors"]  # once, however many tensors are read
+    # a low mantissa bit of an activation: numerically invisible, still caught before use
+    shard = small_set.path / "tensors-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    data[header + 1001] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(GoldenSetError, match=r"tensors-00001.safetensors: sha256 .* corrupted"):
+        small_set.tensor(keys[0])
 
 
 def test_a_changed_model_makes_the_set_stale(small_set: GoldenSet, model_copy: Path) -> None:

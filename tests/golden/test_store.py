@@ -8,12 +8,15 @@ import pytest
 import torch
 
 from numalign.golden import GoldenSet
+from numalign.golden.store import OUTPUT_POINT
 from numalign.golden.zoo import ZOO
 from numalign.replay.layer import replay_call
 
 ROOT = Path(__file__).resolve().parents[2]
 SETS = ROOT / "golden" / "sets"
 NAMES = [m.name for m in ZOO]
+#: Block types of the zoo: decoder layers, GPT-2 and vision blocks, BERT's encoder layers.
+BLOCKS = ("DecoderLayer", "Block", "BertLayer")
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -32,18 +35,28 @@ def test_reload_points_inputs_outputs_logits_and_continuation(golden: GoldenSet)
     points = golden.points
     assert [p.order for p in points] == sorted(p.order for p in points)
     types = {p.type for p in points}
-    assert any(t.endswith(("DecoderLayer", "Block")) for t in types)
+    assert any(t.endswith(BLOCKS) for t in types)
     assert any("Norm" in t for t in types)
-    assert points[-1].name == "lm_head"
     first_request = golden.requests[0]["name"]
-    logits = golden.tensor(golden.manifest["logits"][first_request], dtype=torch.bfloat16)
-    assert logits.dtype == torch.bfloat16 and logits.shape[-1] == 512
-    continuation = golden.manifest["continuation"][first_request]
-    tokens = golden.tensor(continuation["tokens"])
-    assert tokens.shape[-1] == 8 and tokens.dtype == torch.int64  # the default 8 tokens
+    finals = golden.final_outputs(first_request)
+    if "logits" in finals:
+        assert points[-1].name == "lm_head"
+        logits = golden.tensor(finals["logits"], dtype=torch.bfloat16)
+        assert logits.dtype == torch.bfloat16 and logits.shape[-1] == 512
+        continuation = golden.manifest["continuation"][first_request]
+        tokens = golden.tensor(continuation["tokens"])
+        assert tokens.shape[-1] == 8 and tokens.dtype == torch.int64  # the default 8 tokens
+    else:  # an encoder: its hidden states and pooled output, no continuation
+        assert set(finals) == {"last_hidden_state", "pooler_output"}
+        assert not golden.manifest["continuation"]
     for dtype in ("bfloat16", "float16"):
         calibration = golden.calibration(dtype)
-        assert set(calibration) == {p.name for p in points}
+        assert set(calibration) == {p.name for p in points} | {OUTPUT_POINT}
+        assert set(calibration[OUTPUT_POINT]) == set(finals)
+        for stats in calibration[OUTPUT_POINT].values():  # the model's outputs, calibrated
+            assert stats["accumulated"]["norm_ratio"] is not None
+        if "logits" in finals:
+            assert calibration[OUTPUT_POINT]["logits"]["accumulated"]["kl_max"] >= 0
         stats = calibration[points[1].name]["0"]
         assert stats["isolated"]["max_abs"] is not None
         assert stats["accumulated"]["rel_l2"] >= 0
@@ -52,8 +65,9 @@ def test_reload_points_inputs_outputs_logits_and_continuation(golden: GoldenSet)
 def test_realistic_magnitudes(golden: GoldenSet) -> None:
     """Logits spanning tens and hidden states with outlier channels, as real checkpoints."""
     request = golden.requests[0]["name"]
-    logits = golden.tensor(golden.manifest["logits"][request])
-    assert float(logits.abs().max()) > 10.0
+    finals = golden.final_outputs(request)
+    if "logits" in finals:
+        assert float(golden.tensor(finals["logits"]).abs().max()) > 10.0
     embed = next(p for p in golden.points if "Embedding" in p.type and "wpe" not in p.name)
     hidden = golden.tensor(embed.calls[request][0].outputs["0"])
     channel_rms = hidden.pow(2).mean(dim=(0, 1)).sqrt()
@@ -61,7 +75,9 @@ def test_realistic_magnitudes(golden: GoldenSet) -> None:
 
 
 def test_shared_tensors_are_stored_once(golden: GoldenSet) -> None:
-    layers = [p for p in golden.points if p.type.endswith("DecoderLayer") or p.type == "GPT2Block"]
+    layers = [
+        p for p in golden.points if p.type.endswith(("DecoderLayer", "GPT2Block", "BertLayer"))
+    ]
     request = golden.requests[0]["name"]
     first, second = layers[0].calls[request][0], layers[1].calls[request][0]
     hidden_in = second.args[0] if second.args and second.args[0] else second.kwargs["hidden_states"]
@@ -79,7 +95,7 @@ def test_layer_replay_in_float32_reproduces_the_golden_outputs(golden: GoldenSet
     model = load_model(
         golden.model_dir, "float32", attn_implementation=None, trust_remote_code=False
     )
-    point = next(p for p in golden.points if p.type.endswith(("DecoderLayer", "Block")))
+    point = next(p for p in golden.points if p.type.endswith(BLOCKS))
     call = next(iter(point.calls.values()))[0]
     outputs = replay_call(
         model.get_submodule(point.name), golden, call, device="cpu", dtype=torch.float32
@@ -97,3 +113,17 @@ def test_image_text_set_has_an_image_request_and_vision_points() -> None:
     names = [p.name for p in golden.points]
     assert "model.visual.patch_embed" in names and "model.visual.merger" in names
     assert any(".visual.blocks." in n for n in names)
+
+
+def test_the_deep_zoo_model_has_the_statistics_of_a_pretrained_checkpoint() -> None:
+    """Residuals in the thousands in late layers and a few massive channels from layer 1 on:
+    the regime where fixed distribution thresholds gave false alarms on real checkpoints."""
+    golden = GoldenSet.open(SETS / "tiny-deep-llama")
+    assert len([p for p in golden.points if p.type == "LlamaDecoderLayer"]) >= 24
+    request = golden.requests[0]["name"]
+    late = golden.tensor(golden.point("model.layers.23").calls[request][0].outputs["0"])
+    early = golden.tensor(golden.point("model.layers.2").calls[request][0].outputs["0"])
+    assert float(late.abs().max()) > 1000  # residuals grown into the thousands
+    channel_max = early.abs().amax(dim=(0, 1))
+    massive = channel_max > 20 * channel_max.median()  # far above the typical channel
+    assert 1 <= int(massive.sum()) <= 4  # a few massive channels, not a scale of all

@@ -1,6 +1,8 @@
 """The model suites run for real (pytester, in a subprocess): a swapped-in wrong RMSNorm
-fails exactly where it is mapped and is named the first divergence, local; a golden set whose
-model changed fails with the stale message."""
+fails exactly where it is mapped and is named the first divergence, local; a 1% scaled RMSNorm
+is caught at the norms of a deep model whose honest replays pass in every dtype; an encoder
+replays its final outputs; a golden set whose model changed fails with the stale message, and
+a corrupted one with the shard's name, never a numeric verdict."""
 
 from __future__ import annotations
 
@@ -31,6 +33,12 @@ def bad_interleaved(x, cos, sin):
     x1, x2 = xf[..., 0::2], xf[..., 1::2]
     c, s = up(cos)[..., : x.shape[-1] // 2], up(sin)[..., : x.shape[-1] // 2]
     return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)
+
+@numalign.candidate("rms_norm", name="scaled_1pct")
+def scaled_1pct(x, weight, eps, offset=0.0):
+    """An RMSNorm whose output is 1% too large: within bfloat16's max-abs budget at most
+    elements, a systematic scale all the same."""
+    return (up(rms_norm_reference(x, weight, eps, offset)) * 1.01).to(x.dtype)
 
 @numalign.candidate("rms_norm", name="good_fused")
 def good_fused(x, weight, eps, offset=0.0):
@@ -72,11 +80,11 @@ def test_a_wrong_rms_norm_fails_at_the_mapped_modules_and_is_the_first_divergenc
     from numalign.record import read_records
 
     records = read_records(pytester.path / "reports" / "latest")
-    located = [r["first_divergence"] for r in records if r.get("first_divergence")]
+    located = [r.first_divergence for r in records if r.first_divergence]
     assert located == [
         {"point": "model.layers.0.input_layernorm", "kind": "local", "request": "text-leftpad"}
     ]
-    assert all(r["swap"] == "rms_norm=bad_eps" for r in records if r["verdict"] != "skipped")
+    assert all(r.swap == "rms_norm=bad_eps" for r in records if r.verdict != "skipped")
 
 
 def test_a_wrong_rotary_fails_at_the_attention_modules_and_is_the_first_divergence(
@@ -91,11 +99,9 @@ def test_a_wrong_rotary_fails_at_the_attention_modules_and_is_the_first_divergen
     from numalign.record import read_records
 
     records = read_records(pytester.path / "reports" / "latest")
-    located = {
-        r["dtype"]: r["first_divergence"]["point"] for r in records if r.get("first_divergence")
-    }
+    located = {r.dtype: r.first_divergence["point"] for r in records if r.first_divergence}
     assert located == dict.fromkeys(("float32", "bfloat16", "float16"), "model.layers.0.self_attn")
-    kinds = {r["first_divergence"]["kind"] for r in records if r.get("first_divergence")}
+    kinds = {r.first_divergence["kind"] for r in records if r.first_divergence}
     assert kinds == {"local"}
 
 
@@ -142,3 +148,79 @@ def test_a_changed_model_fails_with_the_stale_message(
     text = result.stdout.str()
     assert "changed since the golden set" in text and "run numalign capture" in text
     assert "is not aligned" not in text  # never numeric noise
+
+
+def test_the_deep_model_and_the_encoder_replay_in_every_dtype_with_no_false_alarm(
+    pytester: pytest.Pytester, on_path: None
+) -> None:
+    from numalign.record import read_records
+
+    result = run_suite(pytester, "-k", "tiny-deep-llama or tiny-bert")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    records = read_records(pytester.path / "reports" / "latest")
+    assert {r.verdict for r in records} == {"passed"}
+    deep = [r for r in records if r.model == "tiny-deep-llama"]
+    assert {r.dtype for r in deep} == {"float32", "bfloat16", "float16"}
+    # the regime of the false alarm: late layers' residuals in the thousands
+    late = [r for r in deep if r.point == "model.layers.23" and r.mode == "accumulated"]
+    assert late and all((r.metrics.get("max_expected") or 0) > 1000 for r in late)
+    logits = [r for r in deep if r.mode == "logits"]
+    assert len(logits) == 2 * 3  # two requests, three dtypes: each judged and recorded
+    bert = [r for r in records if r.model == "tiny-bert" and r.mode == "output"]
+    assert {r.point for r in bert} == {"last_hidden_state", "pooler_output"}
+
+
+def test_a_one_percent_scaled_rms_norm_fails_at_the_norms_of_the_deep_model(
+    pytester: pytest.Pytester, on_path: None
+) -> None:
+    result = run_suite(
+        pytester, "--swap", "rms_norm=scaled_1pct", "--dtype", "bfloat16",
+        "-k", "tiny-deep-llama and (layernorm or model.norm or test_model)",
+    )  # fmt: skip
+    layer = r"FAILED \S+::test_layer\[tiny-deep-llama/([\w.]+)-bfloat16\]"
+    failed = set(re.findall(layer, result.stdout.str()))
+    norms = {
+        f"model.layers.{i}.{norm}"
+        for i in range(24)
+        for norm in ("input_layernorm", "post_attention_layernorm")
+    } | {"model.norm"}
+    assert failed == norms, result.stdout.str()[-3000:]
+    from numalign.record import read_records
+
+    records = read_records(pytester.path / "reports" / "latest")
+    located = [r.first_divergence for r in records if r.first_divergence]
+    assert located == [
+        {"point": "model.layers.0.input_layernorm", "kind": "local", "request": "text-leftpad"}
+    ]
+    norm_failures = [r for r in records if r.mode == "isolated" and r.verdict == "failed"]
+    assert {r.rule for r in norm_failures} <= {"distribution", "budget"}
+
+
+def test_a_corrupted_golden_tensor_is_an_error_naming_the_shard(
+    pytester: pytest.Pytester, on_path: None
+) -> None:
+    import json
+
+    from numalign.record import read_records
+
+    sets = pytester.path / "sets"
+    shutil.copytree(ROOT / "golden" / "sets" / "tiny-llama", sets / "flipped-llama")
+    manifest_path = sets / "flipped-llama" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["model"]["path"] = str(ROOT / "golden" / "models" / "tiny-llama")
+    manifest_path.write_text(json.dumps(manifest))
+    # flip one low mantissa bit of a real activation: numerically invisible, still corrupt
+    shard = sets / "flipped-llama" / "tensors-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    data[header + 4001] ^= 0x01
+    shard.write_bytes(bytes(data))
+    result = run_suite(pytester, "--golden", str(sets), "-k", "flipped-llama", "--dtype", "float32")
+    text = result.stdout.str()
+    assert result.ret != 0
+    assert "tensors-00001.safetensors: sha256" in text and "capture the set again" in text
+    assert "is not aligned" not in text  # never numeric noise
+    records = read_records(pytester.path / "reports" / "latest")
+    assert records and {r.verdict for r in records} == {"error"}
+    assert {r.error for r in records} == {"GoldenSetError"}
+    assert all(r.model == "flipped-llama" and r.dtype == "float32" for r in records)

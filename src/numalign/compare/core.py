@@ -20,6 +20,7 @@ from numalign.compare.metrics import (
 )
 from numalign.compare.result import CompareResult
 from numalign.compare.tolerances import (
+    CALIBRATED_DISTRIBUTION_FLOORS,
     DEFAULT_POLICY,
     DISTRIBUTION_THRESHOLDS,
     DTYPE_TOLERANCES,
@@ -186,7 +187,11 @@ def compare(
             _error_hint(actual, expected, None, tol, metrics),
         )
 
-    distribution = _distribution(actual, expected, metrics, control_metrics, spread, dtype)
+    calibrated = control_errors is not None and control_errors.calibrated
+    distribution = _distribution(
+        actual, expected, metrics, control_metrics, spread, dtype,
+        calibrated_budget=result.budget if calibrated else None,
+    )  # fmt: skip
     if distribution:
         return result.fail("distribution", *distribution)
     rule = "budget" if has_control else "tolerance"
@@ -407,11 +412,28 @@ def _distribution(
     control: Metrics | None,
     spread: float,
     dtype: str,
+    *,
+    calibrated_budget: dict[str, float] | None = None,
 ) -> tuple[str, str] | None:
-    """Rule 4: values within tolerance but abnormal fail."""
+    """Rule 4: values within tolerance but abnormal fail.
+
+    Against a calibrated control (a golden set's calibration, which records the control's
+    norm ratio, cosine and zeros; ``calibrated_budget`` is the budget built from it) the limits
+    are relative to the control, with the floors the dtype explains. An error of relative L2
+    r moves a norm by at most r and a cosine by at most r**2 / 2, so the norm ratio may also
+    deviate by the control's whole relative error (plus the budget's accumulation allowance),
+    and 1 - cosine by half the square of the relative L2 budget: a systematic scale is flagged
+    when it exceeds everything the control's own error explains. Otherwise, the dtype's
+    thresholds, relaxed by the control."""
     if m.numel == 0 or m.worst_index is None:
         return None
-    norm_tol, cos_tol = DISTRIBUTION_THRESHOLDS[dtype]
+    calibrated = calibrated_budget is not None
+    table = CALIBRATED_DISTRIBUTION_FLOORS if calibrated else DISTRIBUTION_THRESHOLDS
+    norm_tol, cos_tol = table[dtype]
+    if calibrated_budget is not None:
+        b = calibrated_budget
+        norm_tol = max(norm_tol, b["control_rel_l2"] + b["accumulation_rel"])
+        cos_tol = max(cos_tol, b["rel_l2"] ** 2 / 2)
     references = [control] if control is not None else []
 
     def limits() -> tuple[float, float]:
@@ -429,9 +451,14 @@ def _distribution(
         n_tol, c_tol = limits()
     if abs(m.norm_ratio - 1.0) > n_tol:
         small = f" (the reference's largest magnitude is {_g(m.max_expected)})"
+        against = (
+            f", the calibrated control's {_g(references[0].norm_ratio, 6)}"
+            if calibrated and references
+            else ""
+        )
         return (
             f"values are within tolerance but the norm ratio is {_g(m.norm_ratio, 6)}, off by more "
-            f"than {_g(n_tol, 3)}{small}",
+            f"than {_g(n_tol, 3)}{small}{against}",
             "a systematic scale error: check epsilon (it dominates small inputs), a missing "
             "or doubled scale, and outputs flushed to zero",
         )

@@ -99,19 +99,29 @@ class Metrics:
 @dataclass(frozen=True)
 class ControlErrors:
     """A control's errors against the truth when the control itself is not at hand (a golden
-    set's calibration): what the budget and the distribution rule need of it."""
+    set's calibration): what the budget and the distribution rule need of it.
+
+    ``norm_ratio`` and ``zero_fraction`` are the control's own distribution (its norm ratio
+    farthest from 1, its fraction of exact zeros); when the calibration recorded them, the
+    distribution rule is judged relative to them (``calibrated``), as the budget is."""
 
     max_abs: float
     rel_l2: float
     cosine: float = 1.0
-    norm_ratio: float = 1.0
-    zero_fraction: float = 0.0
+    norm_ratio: float | None = None
+    zero_fraction: float | None = None
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the control's distribution is known (calibrations from numalign 0.2 on)."""
+        return self.norm_ratio is not None
 
     def as_metrics(self, expected: torch.Tensor) -> Metrics:
         return Metrics.blank(
             expected.numel(), error=math.nan, agreement=math.nan,
             max_abs=self.max_abs, rel_l2=self.rel_l2, cosine=self.cosine,
-            norm_ratio=self.norm_ratio, zero_fraction_actual=self.zero_fraction,
+            norm_ratio=1.0 if self.norm_ratio is None else self.norm_ratio,
+            zero_fraction_actual=self.zero_fraction or 0.0,
             max_expected=_max_abs(expected) if expected.numel() else 0.0,
         )  # fmt: skip
 

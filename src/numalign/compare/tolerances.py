@@ -131,6 +131,18 @@ DISTRIBUTION_THRESHOLDS: Mapping[str, tuple[float, float]] = {
     "float8_e5m2": (0.5, 1e-1),  # 2 eps
 }
 
+#: Distribution floors against a calibrated control (a golden set's calibration), per dtype:
+#: (|norm_ratio - 1|, 1 - cosine). The limit is the largest of the floor, the control's own
+#: deviation times the budget's spread, and what an error as large as the control's explains
+#: (``compare.core._distribution``), so a deep model's accumulated drift passes where it is
+#: the reference's own. The norm floor is the unit roundoff u = eps / 2: round to nearest moves
+#: each element by at most u relative, so one rounding cannot scale a norm by more; a 1%
+#: systematic scale in bfloat16 (u = 0.0039) fails. The cosine floor is that of an error of
+#: relative L2 eps, (eps**2) / 2.
+CALIBRATED_DISTRIBUTION_FLOORS: Mapping[str, tuple[float, float]] = {
+    name: (2.0 ** -(bits + 1), 2.0 ** -(2 * bits + 1)) for name, (bits, _) in FLOAT_FORMATS.items()
+}
+
 #: A candidate may have at most this fraction of elements more exact zeros than the truth
 #: rounded to its dtype: 1% allows different underflow paths, not a zeroed-out tile.
 ZERO_EXCESS_FRACTION = 0.01

@@ -2,29 +2,42 @@
 the manifest as the control for model verdicts (DESIGN.md, rule 3).
 
 - accumulated: the whole model in the dtype, each point's outputs against the golden ones;
-- isolated: each point's module alone in the dtype, fed the golden inputs.
+- isolated: each point's module alone in the dtype, fed the golden inputs;
+- the model's own outputs (logits, or an encoder's hidden states) under ``OUTPUT_POINT``,
+  accumulated, with the logits' agreement statistics (KL, top-1 and top-5).
+
+Per point, output and mode the worst over requests and calls is kept: the errors (max abs,
+relative L2, ...), the cosine (lowest), the norm ratio (farthest from 1) and the fraction of
+exact zeros (highest), which the distribution rule judges a candidate against.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare import compute_metrics
+from numalign.compare.logits import logits_stats
+from numalign.golden.store import OUTPUT_POINT
 
 if TYPE_CHECKING:
     import torch
 
     from numalign.golden.store import GoldenSet
 
-#: The statistics kept per point and output; the worst over requests and calls.
+#: The error statistics kept per point and output: the worst (largest) over requests and calls.
 STATS = ("max_abs", "rel_l2", "mean_abs", "ulp_p99", "max_expected")
+#: Logits statistics of the control kept beside the errors (the worst over requests).
+LOGITS_STATS = ("kl_max", "top1_unexplained", "top5_unexplained")
 
 
 def _stats(actual: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
     m = compute_metrics(actual, expected)
     out = {name: float(getattr(m, name)) for name in STATS}
     out["cosine"] = float(m.cosine)
+    out["norm_ratio"] = float(m.norm_ratio)
+    out["zero_fraction"] = float(m.zero_fraction_actual)
     out["nonfinite"] = float(m.nan_actual + m.inf_actual - m.nan_expected - m.inf_expected)
     return out
 
@@ -32,14 +45,13 @@ def _stats(actual: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
 def _worst(into: dict[str, float] | None, new: dict[str, float]) -> dict[str, float]:
     if into is None:
         return new
-    merged = {k: max(into[k], new[k]) for k in into if k != "cosine"}
+    merged = {k: max(into[k], new[k]) for k in into if k not in ("cosine", "norm_ratio")}
     merged["cosine"] = min(into["cosine"], new["cosine"])
+    merged["norm_ratio"] = max(into["norm_ratio"], new["norm_ratio"], key=lambda v: abs(v - 1.0))
     return merged
 
 
 def _json_safe(stats: dict[str, float]) -> dict[str, float | None]:
-    import math
-
     return {k: (v if math.isfinite(v) else None) for k, v in stats.items()}
 
 
@@ -52,10 +64,11 @@ def calibrate(
     trust_remote_code: bool = False,
     device: str = "cpu",
 ) -> dict[str, dict[str, dict[str, Any]]]:
-    """{point: {output path: {"isolated": stats, "accumulated": stats}}} for ``dtype``."""
+    """{point: {output path: {"isolated": stats, "accumulated": stats}}} for ``dtype``, and
+    {OUTPUT_POINT: {output name: {"accumulated": stats}}} for the model's own outputs."""
     import torch
 
-    from numalign.golden.capture import load_model
+    from numalign.golden.capture import forward_kwargs, load_model, model_outputs
     from numalign.replay.layer import golden_outputs, kept_positions, replay_call, request_mask
 
     torch_dtype = getattr(torch, dtype)
@@ -64,6 +77,7 @@ def calibrate(
     points = {p.name: p for p in golden.points}
     accumulated: dict[tuple[str, str], dict[str, float]] = {}
     isolated: dict[tuple[str, str], dict[str, float]] = {}
+    masks = {r["name"]: request_mask(golden, r["name"]) for r in golden.requests}
 
     for request in golden.requests:
         name = request["name"]
@@ -77,9 +91,20 @@ def calibrate(
             accumulated[(point, path)] = _worst(accumulated.get((point, path)), stats)
 
         with torch.no_grad(), golden_outputs(model, golden, name, on_output):
-            model(**inputs, use_cache=False)
+            result = model(**inputs, **forward_kwargs(model))
+        for output, key in golden.final_outputs(name).items():
+            actual = model_outputs(result)[output]
+            expected = golden.tensor(key)
+            mask = masks.get(name)
+            kept_a, kept_e = kept_positions(actual, mask), kept_positions(expected, mask)
+            stats = _stats(kept_a, kept_e)
+            if output == "logits":
+                # the control's own agreement, near ties not allowed: what rounding does
+                agreement = logits_stats(kept_a.flatten(0, -2), kept_e.flatten(0, -2), 0.0)
+                stats |= {k: float(getattr(agreement, k)) for k in LOGITS_STATS}
+            slot = (OUTPUT_POINT, output)
+            accumulated[slot] = _worst(accumulated.get(slot), stats)
 
-    masks = {r["name"]: request_mask(golden, r["name"]) for r in golden.requests}
     for point in points.values():
         module = model.get_submodule(point.name)
         for request_name, calls in point.calls.items():

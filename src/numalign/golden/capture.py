@@ -43,8 +43,11 @@ SEEDED_LENGTHS = (16, 9)
 DEFAULT_CONTINUATION = 8
 #: Module class names that are capture points inside a block.
 _BLOCK_PARTS = re.compile(
-    r"(Attention|Attn|MLP|Mlp|MoE|Moe|MoeBlock|Experts|GatedDeltaNet|Norm|LayerNorm)$"
+    r"(Attention|Attn|MLP|Mlp|MoE|Moe|MoeBlock|Experts|GatedDeltaNet|Norm|LayerNorm"
+    r"|Intermediate|Output)$"  # an encoder layer's feed-forward halves (BERT)
 )
+#: The model outputs captured when there are no logits (encoders), in this order.
+ENCODER_OUTPUTS = ("last_hidden_state", "pooler_output")
 _SKIP_TYPES = re.compile(r"(RotaryEmbedding|Dropout|Activation|ModuleList|ModuleDict|Identity)$")
 
 
@@ -381,6 +384,33 @@ def load_model(
     return model
 
 
+def forward_kwargs(model: Any) -> dict[str, Any]:
+    """Keyword arguments of a reference forward: no KV cache, where the model has one."""
+    import inspect
+
+    takes = "use_cache" in inspect.signature(model.forward).parameters
+    return {"use_cache": False} if takes else {}
+
+
+def model_outputs(result: Any) -> dict[str, torch.Tensor]:
+    """The model's own outputs that a golden set keeps: the logits of a language model, or an
+    encoder's last hidden state and pooled output. Anything else is an error naming the
+    output type."""
+    logits = getattr(result, "logits", None)
+    if logits is not None:
+        return {"logits": logits}
+    found = {k: getattr(result, k, None) for k in ENCODER_OUTPUTS}
+    found = {k: v for k, v in found.items() if v is not None}
+    if not found:
+        raise TypeError(
+            f"the model returned {type(result).__name__}, which has neither logits nor "
+            f"{' nor '.join(ENCODER_OUTPUTS)}: numalign captures causal and masked language "
+            "models, image-text models and encoders; capture another head of this model (its "
+            "...ForCausalLM or ...Model class) or open an issue with the output type"
+        )
+    return found
+
+
 class _Progress:
     """A progress bar on a terminal (tqdm, which transformers brings): one step per request
     forward and per calibrated dtype; silent elsewhere."""
@@ -454,6 +484,7 @@ def capture(
         calls: dict[str, dict[str, list[dict[str, Any]]]] = {n: {} for n in point_names}
         types = {n: type(model.get_submodule(n)).__name__ for n in point_names}
         manifest_requests, logits, continuations = [], {}, {}
+        outputs: dict[str, dict[str, str]] = {}
         for request in requests:
             bar.step(f"request {request.name}")
             inputs = {
@@ -503,10 +534,16 @@ def capture(
                 )
 
             with torch.no_grad(), hooks(model, point_names, on_call):
-                result = model(**request.inputs, use_cache=False)
-            logits[request.name] = sink.put(f"{request.name}/logits", result.logits)
+                result = model(**request.inputs, **forward_kwargs(model))
+            finals = model_outputs(result)
+            if "logits" in finals:
+                logits[request.name] = sink.put(f"{request.name}/logits", finals["logits"])
+            else:
+                outputs[request.name] = {
+                    k: sink.put(f"{request.name}/output/{k}", t) for k, t in finals.items()
+                }
             sink.release()
-            if request.generate and continuation > 0:
+            if request.generate and continuation > 0 and "logits" in finals:
                 continuations[request.name] = _greedy(model, request, continuation, sink)
             manifest_requests.append({"name": request.name, "inputs": inputs})
         sink.flush()
@@ -535,6 +572,7 @@ def capture(
                 if calls[n]
             ],
             "logits": logits,
+            **({"outputs": outputs} if outputs else {}),
             "continuation": continuations,
             "tensors": sink.tensors,
             "shards": sink.shards,
@@ -572,7 +610,7 @@ def _greedy(model: Any, request: Request, steps: int, sink: _Sink) -> dict[str, 
     tokens, step_logits = [], []
     with torch.no_grad():
         for _ in range(steps):
-            logits = model(**inputs, use_cache=False).logits[:, -1]
+            logits = model(**inputs, **forward_kwargs(model)).logits[:, -1]
             nxt = logits.argmax(-1, keepdim=True)
             tokens.append(nxt)
             step_logits.append(logits)

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 
 FORMAT = "numalign.golden/1"
 MANIFEST = "manifest.json"
+#: The calibration's name for the model's own outputs (logits, an encoder's hidden states).
+OUTPUT_POINT = "(output)"
+#: Shards verified against the manifest's sha256 in this process: (path, sha256, size, mtime).
+_VERIFIED: set[tuple[str, str, int, int]] = set()
 
 
 class GoldenSetError(RuntimeError):
@@ -123,23 +127,40 @@ class GoldenSet:
 
     def verify(self) -> None:
         """Checks every shard's size and sha256 against the manifest."""
-        for name, info in self.manifest["shards"].items():
-            shard = self.path / name
-            if not shard.is_file():
-                raise GoldenSetError(f"{shard}: shard missing; capture the set again")
-            size = shard.stat().st_size
-            if size != info["bytes"]:
-                raise GoldenSetError(
-                    f"{shard}: {size} bytes where the manifest says {info['bytes']} (truncated "
-                    "or overwritten); restore it or capture the set again"
-                )
-            digest = sha256_file(shard)
-            if digest != info["sha256"]:
-                raise GoldenSetError(
-                    f"{shard}: sha256 {digest[:16]}... does not match the manifest "
-                    f"({info['sha256'][:16]}...): the shard is corrupted; restore it or capture "
-                    "the set again"
-                )
+        for name in self.manifest["shards"]:
+            self.verify_shard(name, cached=False)
+
+    def verify_shard(self, name: str, *, cached: bool = True) -> None:
+        """Checks one shard's size and sha256 against the manifest (GoldenSetError naming the
+        shard otherwise). With ``cached``, a shard verified before in this process and not
+        changed since (same size and modification time) is not hashed again."""
+        info = self.manifest["shards"].get(name)
+        shard = self.path / name
+        if info is None:
+            raise GoldenSetError(
+                f"{self.path / MANIFEST}: shard {name} has no checksum in the manifest; "
+                "capture the set again"
+            )
+        if not shard.is_file():
+            raise GoldenSetError(f"{shard}: shard missing; capture the set again")
+        stat = shard.stat()
+        seen = (str(shard.resolve()), str(info["sha256"]), stat.st_size, stat.st_mtime_ns)
+        if cached and seen in _VERIFIED:
+            return
+        if stat.st_size != info["bytes"]:
+            raise GoldenSetError(
+                f"{shard}: {stat.st_size} bytes where the manifest says {info['bytes']} "
+                "(truncated or overwritten); restore it or capture the set again"
+            )
+        digest = sha256_file(shard)
+        if digest != info["sha256"]:
+            raise GoldenSetError(
+                f"{shard}: sha256 {digest[:16]}... does not match the manifest "
+                f"({info['sha256'][:16]}...): the shard is corrupted; restore it or capture "
+                "the set again. Its tensors are not used: a corrupted golden value would blame "
+                "the device for the disk's error"
+            )
+        _VERIFIED.add(seen)
 
     def fingerprint_matches(self, model_dir: str | Path | None = None) -> bool:
         folder = Path(model_dir) if model_dir else self.model_dir
@@ -184,6 +205,13 @@ class GoldenSet:
     def requests(self) -> list[dict[str, Any]]:
         return list(self.manifest["requests"])
 
+    def final_outputs(self, request: str) -> dict[str, str]:
+        """The model's own outputs of ``request`` by name, as tensor keys: ``logits`` for
+        language models; ``last_hidden_state`` (and ``pooler_output``) for encoders."""
+        outputs = dict(self.manifest.get("outputs", {}).get(request, {}))
+        logits = self.manifest.get("logits", {}).get(request)
+        return {"logits": logits, **outputs} if logits else outputs
+
     def calibration(self, dtype: str) -> dict[str, Any]:
         return dict(self.manifest.get("calibration", {}).get(dtype, {}))
 
@@ -193,8 +221,8 @@ class GoldenSet:
     def tensor(
         self, key: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        """Loads one tensor (only its shard is opened, lazily); floating tensors are cast to
-        ``dtype`` when given."""
+        """Loads one tensor (only its shard is opened, lazily, after its sha256 is checked
+        once per process); floating tensors are cast to ``dtype`` when given."""
         from safetensors import SafetensorError, safe_open
 
         info = self.manifest["tensors"].get(key)
@@ -204,8 +232,7 @@ class GoldenSet:
                 "shards: capture the set again"
             )
         shard = self.path / info["shard"]
-        if not shard.is_file():
-            raise GoldenSetError(f"{shard}: shard missing; capture the set again")
+        self.verify_shard(info["shard"])
         try:
             with safe_open(str(shard), framework="pt", device="cpu") as fh:
                 if key not in fh.keys():  # noqa: SIM118 - safe_open has no __contains__

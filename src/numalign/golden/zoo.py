@@ -35,6 +35,20 @@ class ZooModel:
     config: dict[str, Any]
     family: str
     tokenizer: bool = False
+    #: the transformers class built (default: AutoModelForCausalLM from the config)
+    model_class: str | None = None
+    #: per-layer growth of the residual branches (output projections of attention and MLP
+    #: scaled by growth**layer): residual activations then grow layer after layer, as in deep
+    #: pretrained checkpoints
+    growth: float = 1.0
+    #: hidden channels that an early layer's MLP writes massive activations into (the few
+    #: channels of hundreds to thousands that real LLMs carry through the residual stream)
+    massive_channels: tuple[int, ...] = ()
+
+
+#: A deep model's massive channels come from this layer's MLP, this many times larger than
+#: the other channels' contributions.
+MASSIVE_LAYER, MASSIVE_SCALE = 1, 60.0
 
 
 ZOO: tuple[ZooModel, ...] = (
@@ -80,6 +94,19 @@ ZOO: tuple[ZooModel, ...] = (
         "vocab_size": 512, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256,
         "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": False,
     }, "LayerNorm and GELU (GPT-2)"),
+    # 24 layers of hidden 32: residual activations grow past 1e3 in the late layers (growth
+    # 1.4 per layer) and two channels carry massive activations from layer 1 on, the regime
+    # of 30-layer pretrained checkpoints where a fixed distribution threshold gave false alarms
+    ZooModel("tiny-deep-llama", "LlamaConfig", {
+        "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 24,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "max_position_embeddings": 256,
+    }, "deep dense decoder with growing residuals and massive activations (Llama, 24 layers)",
+        tokenizer=True, growth=1.4, massive_channels=(5, 21)),
+    ZooModel("tiny-bert", "BertConfig", {
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "max_position_embeddings": 128, "hidden_act": "gelu",
+    }, "encoder with a pooler, no logits (BERT / MiniLM)", model_class="BertModel"),
 )  # fmt: skip
 
 #: Words of the tiny tokenizer (with the built-in prompts' words).
@@ -118,6 +145,22 @@ def _rescale(model: Any, gemma_norms: bool) -> None:
                     weight.copy_(base + 0.1 * torch.randn_like(weight))
 
 
+def _deepen(model: Any, growth: float, massive: tuple[int, ...]) -> None:
+    """Residual branches that grow with depth (each layer's attention and MLP output
+    projections scaled by growth**layer) and massive activation channels written by one early
+    layer's MLP: the activation statistics of deep pretrained checkpoints."""
+    import torch
+
+    layers = model.model.layers
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            layer.self_attn.o_proj.weight.mul_(growth**i)
+            layer.mlp.down_proj.weight.mul_(growth**i)
+        down = layers[MASSIVE_LAYER].mlp.down_proj.weight
+        for channel in massive:
+            down[channel] = down[channel].sign() * down.abs().mean() * MASSIVE_SCALE
+
+
 def _save_tokenizer(folder: Path) -> None:
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -147,11 +190,13 @@ def build_model(spec: ZooModel, out_dir: Path) -> Path:
     transformers.utils.logging.disable_progress_bar()
     config = getattr(transformers, spec.config_class)(**spec.config)
     torch.manual_seed(stable_seed("numalign.zoo", spec.name) % 2**31)
-    if spec.config_class == "Qwen2VLConfig":
-        model = transformers.Qwen2VLForConditionalGeneration(config)
+    if spec.model_class:
+        model = getattr(transformers, spec.model_class)(config)
     else:
         model = transformers.AutoModelForCausalLM.from_config(config)
     _rescale(model, gemma_norms=spec.config_class.startswith("Gemma"))
+    if spec.growth != 1.0 or spec.massive_channels:
+        _deepen(model, spec.growth, spec.massive_channels)
     model.eval()
     target = out_dir / spec.name
     tmp = out_dir / f".{spec.name}.build"

@@ -43,8 +43,9 @@ def kept_positions(tensor: torch.Tensor, mask: torch.Tensor | None) -> torch.Ten
     not defined (the reference itself gives NaN there in bfloat16), so it is not compared.
     Outputs laid out [batch, ..., seq, ...] keep the positions of the first dimension after
     the batch that has the sequence's length ([batch, seq, hidden]; attention weights
-    [batch, heads, query, key]). Other layouts are returned whole."""
-    if mask is None or tensor.dim() < 2 or tensor.shape[0] != mask.shape[0]:
+    [batch, heads, query, key]). Other layouts, and [batch, features] outputs (an encoder's
+    pooled output), are returned whole."""
+    if mask is None or tensor.dim() < 3 or tensor.shape[0] != mask.shape[0]:
         return tensor
     seq_dims = [d for d in range(1, tensor.dim()) if tensor.shape[d] == mask.shape[1]]
     if not seq_dims:

@@ -1,18 +1,31 @@
 """Model replay over a golden set: layer replay (each point alone, fed the golden inputs,
 against the isolated calibration) and full-model replay (every point as the whole model runs,
-against the accumulated calibration), logits and continuation checks, first divergence."""
+against the accumulated calibration), the model's own outputs (logits, or an encoder's hidden
+states), the greedy continuation, and the first divergence, located. Results are the objects
+of ``numalign.replay.verdict``."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare import CompareResult, ControlErrors, compare
-from numalign.golden.capture import append_token, load_model
+from numalign.compare.logits import logits_stats
+from numalign.golden.capture import append_token, forward_kwargs, load_model, model_outputs
+from numalign.golden.store import OUTPUT_POINT
 from numalign.replay.layer import golden_outputs, kept_positions, replay_call, request_mask
+from numalign.replay.verdict import (
+    ContinuationResult,
+    Divergence,
+    LogitsResult,
+    ModelVerdict,
+    PointResult,
+    first_divergence,
+    label,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -20,38 +33,32 @@ if TYPE_CHECKING:
     from numalign.golden.store import GoldenSet, Point
     from numalign.settings import Settings
 
-#: Logits: the candidate's top-1 token must be among the golden top-5 ...
-TOP_N = 5
-#: ... and near-ties are allowed: a top-1 disagreement is accepted where the golden logits of
-#: the two tokens differ by less than this many logit units (bfloat16 rounds logits of 10 to
-#: 0.06; two roundings and a different accumulation order stay well below 0.5).
-NEAR_TIE_LOGITS = 0.5
 
+@dataclass(frozen=True)
+class Control:
+    """A point's control in one dtype, from the set's calibration: its errors (budget and
+    distribution), the reduction length behind the point, and for logits the control's KL."""
 
-@dataclass
-class PointResult:
-    point: str
-    order: int
-    request: str
-    path: str
-    result: CompareResult
-    #: when the point's call completed in the forward (children before their parents)
-    finished: int = 0
+    errors: ControlErrors
+    reduction: int
+    kl_max: float | None = None
+    calibrated: bool = True
 
 
 def control_for(
     golden: GoldenSet, dtype: str, point: str, path: str, mode: str, hidden: int, depth: int
-) -> tuple[ControlErrors, int]:
-    """The control errors of a point's output in ``dtype`` (the set's calibration), and the
+) -> Control:
+    """The control of a point's output in ``dtype`` (the set's calibration), and the
     reduction length behind it (the hidden size; times the depth for accumulated points).
 
     A dtype without calibration (float32, float64) borrows the closest calibrated one
-    (float16, else bfloat16) scaled by the ratio of their unit roundoffs: the reference
+    (float16, else bfloat16) scaled by the ratio s of their unit roundoffs: the reference
     model amplifies rounding errors the same way in every dtype (linear error propagation),
-    so its float32 error is its float16 error times 2**-13."""
+    so its float32 error is its float16 error times 2**-13. Errors and the norm ratio's
+    deviation from 1 scale by s; 1 - cosine and KL, quadratic in the error, by s**2."""
     from numalign.compare.tolerances import FLOAT_FORMATS
 
-    reduction = hidden * (depth if mode == "accumulated" else 1)
+    reduction = hidden * (depth if mode in ("accumulated", "output") else 1)
     stats, scale = _calibration(golden, dtype, point, path, mode), 1.0
     if stats is None:
         for source in ("float16", "bfloat16"):
@@ -60,18 +67,25 @@ def control_for(
                 scale = 2.0 ** (FLOAT_FORMATS[source][0] - FLOAT_FORMATS[dtype][0])
                 break
     if stats is None:
-        return ControlErrors(max_abs=0.0, rel_l2=0.0), reduction
-    return (
+        return Control(ControlErrors(max_abs=0.0, rel_l2=0.0), reduction, calibrated=False)
+    norm_ratio = stats.get("norm_ratio")
+    kl = stats.get("kl_max")
+    return Control(
         ControlErrors(
             max_abs=float(stats["max_abs"]) * scale,
             rel_l2=float(stats["rel_l2"] or 0.0) * scale,
             cosine=1.0 - (1.0 - float(stats.get("cosine") or 1.0)) * scale**2,
+            norm_ratio=None if norm_ratio is None else 1.0 + (float(norm_ratio) - 1.0) * scale,
+            zero_fraction=stats.get("zero_fraction"),
         ),
         reduction,
+        kl_max=None if kl is None else float(kl) * scale**2,
     )
 
 
 def _calibration(golden: GoldenSet, dtype: str, point: str, path: str, mode: str) -> Any:
+    # the model's own outputs are calibrated as the whole model runs
+    mode = "accumulated" if mode == "output" else mode
     stats = golden.calibration(dtype).get(point, {}).get(path, {}).get(mode)
     return stats if stats and stats.get("max_abs") is not None else None
 
@@ -86,17 +100,13 @@ def _hidden_and_depth(model: Any) -> tuple[int, int]:
 
 
 def _compare(
-    actual: torch.Tensor,
-    expected: torch.Tensor,
-    name: str,
-    control: ControlErrors,
-    reduction: int,
-    policy: Any,
+    actual: torch.Tensor, expected: torch.Tensor, name: str, control: Control, policy: Any
 ) -> CompareResult:
     if not expected.is_floating_point():
         return compare(actual, expected, name=name)
-    return compare(actual, expected, control_errors=control, reduction_length=reduction,
-                   op_class="matmul", name=name, policy=policy)  # fmt: skip
+    return compare(actual, expected, control_errors=control.errors,
+                   reduction_length=control.reduction, op_class="matmul", name=name,
+                   policy=policy)  # fmt: skip
 
 
 class ReplayUnsupported(RuntimeError):
@@ -148,6 +158,17 @@ class ModelCache:
             self.models[key] = model
         return self.models[key]
 
+    @staticmethod
+    def record_context(
+        golden: GoldenSet, settings: Settings, device: torch.device
+    ) -> dict[str, Any]:
+        """The fields every record of a model-suite test shares."""
+        return {
+            "suite": "models", "candidate": "transformers", "device": str(device),
+            "golden_fingerprint": golden.manifest["model"]["fingerprint"],
+            "swap": variant_label(settings), "model": golden.name,
+        }  # fmt: skip
+
     def load(
         self, path: str | Path, settings: Settings, device: torch.device, dtype: str
     ) -> tuple[GoldenSet, Any]:
@@ -187,40 +208,31 @@ def replay_layer(
         for call in calls:
             outputs = replay_call(module, golden, call, device=device, dtype=getattr(torch, dtype))
             for path, key in call.outputs.items():
-                expected = kept_positions(golden.tensor(key), mask)
-                control, reduction = control_for(
-                    golden, dtype, point.name, path, "isolated", hidden, depth
-                )
-                name = point.name if path == "0" else f"{point.name}.{path}"
                 actual = outputs.get(path)
                 if actual is None:  # e.g. attention weights, which only eager returns
                     continue
+                expected = kept_positions(golden.tensor(key), mask)
+                control = control_for(golden, dtype, point.name, path, "isolated", hidden, depth)
                 actual = kept_positions(actual.detach(), mask)
-                result = _compare(actual, expected, name, control, reduction, policy)
-                results.append(PointResult(point.name, point.order, request, path, result))
+                result = _compare(actual, expected, label(point.name, path), control, policy)
+                results.append(
+                    PointResult(point.name, point.order, request, path, result, mode="isolated")
+                )
     return results
-
-
-@dataclass
-class ModelReplay:
-    points: list[PointResult]
-    logits: list[dict[str, Any]]
-    continuation: list[dict[str, Any]]
-    first_divergence: dict[str, Any] | None
 
 
 def replay_model(
     golden: GoldenSet, model: Any, dtype: str, device: torch.device, policy: Any = None
-) -> ModelReplay:
-    """The whole model on every golden request, each point against the accumulated budget,
-    then logits, the greedy continuation and the first divergence."""
+) -> ModelVerdict:
+    """The whole model on every golden request, each point against the accumulated budget;
+    the model's own outputs (logits judged for agreement, or an encoder's hidden states), the
+    greedy continuation, and the first divergence located (local or accumulated)."""
     import torch
 
     torch_dtype = getattr(torch, dtype)
     hidden, depth = _hidden_and_depth(model)
     points = {p.name: p for p in golden.points}
-    results: list[PointResult] = []
-    logit_checks, continuation_checks = [], []
+    verdict = ModelVerdict(points=[])
     for request in golden.requests:
         name = request["name"]
         inputs = {
@@ -229,116 +241,118 @@ def replay_model(
         }
 
         def on_output(point: str, path: str, actual: Any, expected: Any, name: str = name) -> None:
-            control, reduction = control_for(
-                golden, dtype, point, path, "accumulated", hidden, depth
-            )
-            label = point if path == "0" else f"{point}.{path}"
-            result = _compare(actual, expected, label, control, reduction, policy)
-            results.append(
-                PointResult(point, points[point].order, name, path, result, len(results))
-            )
+            control = control_for(golden, dtype, point, path, "accumulated", hidden, depth)
+            result = _compare(actual, expected, label(point, path), control, policy)
+            verdict.points.append(
+                PointResult(point, points[point].order, name, path, result,
+                            finished=len(verdict.points))
+            )  # fmt: skip
 
         with torch.no_grad(), golden_outputs(model, golden, name, on_output):
-            out = model(**inputs, use_cache=False)
-        golden_logits = golden.tensor(golden.manifest["logits"][name])
-        mask = inputs.get("attention_mask")
-        logit_checks.append(
-            {
-                "request": name,
-                **logits_agreement(
-                    out.logits.float().cpu(),
-                    golden_logits,
-                    mask.cpu() if mask is not None else None,
-                ),
-            }
-        )
+            out = model(**inputs, **forward_kwargs(model))
+        mask = request_mask(golden, name)
+        finals = model_outputs(out)
+        logits_budget = 0.0
+        for output, key in golden.final_outputs(name).items():
+            actual = kept_positions(finals[output].detach().float().cpu(), mask)
+            expected = kept_positions(golden.tensor(key), mask)
+            control = control_for(golden, dtype, OUTPUT_POINT, output, "output", hidden, depth)
+            if output == "logits":
+                judged = judge_logits(name, actual.to(torch_dtype), expected, control, policy)
+                verdict.logits.append(judged)
+                logits_budget = judged.values.budget.get("max_abs", 0.0) if judged.values else 0.0
+                continue
+            result = _compare(actual.to(torch_dtype), expected, output, control, policy)
+            verdict.outputs.append(PointResult(output, len(points), name, "0", result, "output"))
         continuation = golden.manifest.get("continuation", {}).get(name)
-        if continuation:
-            continuation_checks.append(
-                {"request": name, **continuation_agreement(model, inputs, golden, continuation)}
+        if continuation and logits_budget > 0:
+            verdict.continuation.append(
+                continuation_agreement(model, name, inputs, golden, continuation, logits_budget)
             )
-    return ModelReplay(results, logit_checks, continuation_checks, None)
+    verdict.divergence = locate(golden, model, verdict.points, dtype, device, policy)
+    return verdict
 
 
-def logits_agreement(
-    actual: torch.Tensor, golden: torch.Tensor, mask: torch.Tensor | None
-) -> dict[str, Any]:
-    """Top-1 agreement, top-5 overlap, KL(golden || actual) and max abs error, over the
-    positions the attention mask keeps."""
-    import torch
+def locate(
+    golden: GoldenSet,
+    model: Any,
+    results: list[PointResult],
+    dtype: str,
+    device: torch.device,
+    policy: Any = None,
+) -> Divergence | None:
+    """The first divergence of a whole-model replay, located: ``local`` when its point,
+    replayed alone on the golden inputs, leaves the isolated budget too, ``accumulated`` when
+    the error comes from upstream."""
+    failing = first_divergence(results)
+    if failing is None:
+        return None
+    alone = replay_layer(golden, model, golden.point(failing.point), dtype, device, policy)
+    kind = "local" if any(not r.result.passed for r in alone) else "accumulated"
+    return Divergence(failing.point, kind, failing.request, failing.result)
 
-    keep = mask.bool() if mask is not None else torch.ones(golden.shape[:-1], dtype=torch.bool)
-    a, g = actual.double()[keep], golden.double()[keep]
-    top1_a, top1_g = a.argmax(-1), g.argmax(-1)
-    agree = top1_a == top1_g
-    # a disagreement between near-tied golden logits is rounding, not an error
-    gap = g.gather(-1, top1_g[:, None])[:, 0] - g.gather(-1, top1_a[:, None])[:, 0]
-    near_tie = gap.abs() < NEAR_TIE_LOGITS
-    top5_a, top5_g = a.topk(TOP_N, -1).indices, g.topk(TOP_N, -1).indices
-    overlap = (top5_a[:, :, None] == top5_g[:, None, :]).any(-1).double().mean(-1)
-    kl = torch.nn.functional.kl_div(
-        a.log_softmax(-1), g.log_softmax(-1), log_target=True, reduction="none"
-    ).sum(-1)
-    return {
-        "positions": int(keep.sum()),
-        "top1_agreement": float(agree.double().mean()),
-        "top1_unexplained": int((~agree & ~near_tie).sum()),
-        "top5_overlap": float(overlap.mean()),
-        "kl_max": float(kl.max()),
-        "max_abs": float((a - g).abs().max()),
-    }
+
+def judge_logits(
+    request: str,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    control: Control,
+    policy: Any = None,
+) -> LogitsResult:
+    """One request's logits ([kept positions, vocab]) against the golden ones: values within
+    the calibrated budget, top-1 and top-5 differences only among near ties (golden logits
+    within twice the max-abs budget: each of two logits may move by the budget), and KL at
+    most the squared spread of the budget times the control's KL plus a rounding floor."""
+    from numalign.compare.tolerances import DEFAULT_POLICY, FLOAT_FORMATS
+
+    if not control.calibrated or control.kl_max is None:
+        return LogitsResult(
+            request, None, None,
+            skipped="the golden set has no logits calibration (captured by an older numalign): "
+            "capture it again to judge the logits",
+        )  # fmt: skip
+    values = _compare(actual, expected, "logits", control, policy)
+    near_tie = 2.0 * float(values.budget.get("max_abs", 0.0))
+    stats = logits_stats(actual.flatten(0, -2), expected.flatten(0, -2), near_tie)
+    dtype = str(actual.dtype).removeprefix("torch.")
+    spread = (policy or DEFAULT_POLICY).budget("logits", dtype, None).rel_l2_multiplier
+    largest = float(expected.abs().max()) if expected.numel() else 0.0
+    ulp = 2.0 ** (math.floor(math.log2(largest)) - FLOAT_FORMATS[dtype][0]) if largest > 0 else 0.0
+    # KL of two roundings of every logit: at most (2 * ulp / 2)**2 / 2
+    kl_budget = spread**2 * control.kl_max + ulp**2 / 2
+    return LogitsResult(request, values, stats, kl_budget)
 
 
 def continuation_agreement(
-    model: Any, inputs: dict[str, Any], golden: GoldenSet, continuation: dict[str, str]
-) -> dict[str, Any]:
-    """Greedy tokens of the replay against the golden continuation: identical up to the first
-    divergence, and there each side's token must be among the other's top-N."""
+    model: Any,
+    request: str,
+    inputs: dict[str, Any],
+    golden: GoldenSet,
+    continuation: dict[str, str],
+    logits_budget: float,
+) -> ContinuationResult:
+    """Greedy tokens of the replay against the golden continuation, teacher-forced: identical
+    up to the first divergence, and there the two tokens' golden logits at most twice the
+    logits' max-abs budget apart (a near tie the budget explains)."""
     import torch
 
     tokens = golden.tensor(continuation["tokens"])
     golden_logits = golden.tensor(continuation["logits"]).double()
     steps = tokens.shape[1]
     state = dict(inputs)
-    first, ok = None, True
+    first, gap = None, 0.0
     with torch.no_grad():
         for step in range(steps):
-            logits = model(**state, use_cache=False).logits[:, -1].double().cpu()
+            logits = model(**state, **forward_kwargs(model)).logits[:, -1].double().cpu()
             mine = logits.argmax(-1)
             if first is None and not torch.equal(mine, tokens[:, step]):
                 first = step
-                their_top = golden_logits[:, step].topk(TOP_N, -1).indices
-                my_top = logits.topk(TOP_N, -1).indices
-                ok = bool(
-                    (mine[:, None] == their_top).any(-1).all()
-                    and (tokens[:, step, None] == my_top).any(-1).all()
-                )
+                theirs = golden_logits[:, step]
+                gaps = theirs.gather(-1, tokens[:, step, None]) - theirs.gather(-1, mine[:, None])
+                gap = float(gaps.max())
             # teacher-force the golden token, so later steps compare like with like
             state = append_token(state, tokens[:, step : step + 1].to(state["input_ids"].device))
-    return {"steps": steps, "first_divergence": first, "ok": ok}
-
-
-def first_divergence(results: list[PointResult]) -> PointResult | None:
-    """The first point, in the order calls completed in the forward (a block's norm before
-    the block), whose error leaves its budget."""
-    failing = [r for r in results if not r.result.passed]
-    return min(failing, key=lambda r: r.finished) if failing else None
-
-
-def group_by_point(results: list[PointResult]) -> Iterator[tuple[str, list[PointResult]]]:
-    by: dict[str, list[PointResult]] = {}
-    for r in results:
-        by.setdefault(r.point, []).append(r)
-    for name in sorted(by, key=lambda n: by[n][0].order):
-        yield name, by[name]
-
-
-def worst(results: list[PointResult]) -> PointResult:
-    def used(r: PointResult) -> float:
-        u = r.result.budget_used
-        return math.inf if not r.result.passed and not math.isfinite(u) else u
-
-    return max(results, key=used)
+    return ContinuationResult(request, steps, first, gap, 2.0 * logits_budget)
 
 
 def variant_label(settings: Settings) -> str | None:
