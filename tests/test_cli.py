@@ -96,3 +96,20 @@ def test_inventory_lists_operators_where_used_and_status() -> None:
         "model.visual.blocks.0",
         "model.visual.blocks.1",
     ]
+
+
+def test_inventory_maps_the_exact_gelu_of_an_encoder_to_gelu_erf_only() -> None:
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = run("inventory", str(root / "golden" / "models" / "tiny-bert"), "--format", "json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    ops = {row["operator"]: row for row in data["operators"]}
+    assert "gelu_tanh" not in ops  # BERT's GELU is the exact one (erf)
+    assert ops["gelu_erf"]["where"] == [
+        "encoder.layer.0.intermediate.intermediate_act_fn",
+        "encoder.layer.1.intermediate.intermediate_act_fn",
+    ]
+    assert data["aten_ops"]["gelu"] == 2 and "gelu(approximate=tanh)" not in data["aten_ops"]

@@ -27,12 +27,17 @@ ATEN_TO_OPERATORS: dict[str, tuple[str, ...]] = {
     "_scaled_dot_product_flash_attention": ("attention",),
     "scaled_dot_product_attention": ("attention",),
     "native_layer_norm": ("layer_norm",), "rsqrt": ("rms_norm",),
-    "silu": ("silu",), "gelu": ("gelu_erf", "gelu_tanh"), "tanh": ("gelu_tanh",),
+    "silu": ("silu",), "gelu": ("gelu_erf",), "gelu(approximate=tanh)": ("gelu_tanh",),
+    "tanh": ("logit_softcap",),  # tanh GELUs are mapped by their module types
     "embedding": ("embedding",), "cumsum": ("cumsum",), "topk": ("topk", "moe_routing"),
     "sort": ("sort",), "convolution": ("causal_conv1d",),
     "index_add": ("moe_experts", "segment_sum"), "scatter_add": ("segment_sum",),
     "sigmoid": ("moe_routing",), "linalg_solve_triangular": ("gated_delta_rule",),
     "cos": ("rope_neox",), "sin": ("rope_neox",),
+    "_log_softmax": ("log_softmax",), "log_softmax": ("log_softmax",),
+    "nll_loss_forward": ("cross_entropy",), "nll_loss": ("cross_entropy",),
+    "nll_loss_nd": ("cross_entropy",), "cross_entropy_loss": ("cross_entropy",),
+    "multinomial": ("sampling",),
 }  # fmt: skip
 #: aten operators that are data movement or elementwise glue: not listed as missing.
 GLUE = {
@@ -124,7 +129,7 @@ def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inve
         def __torch_dispatch__(
             self, func: Any, _types: Any, args: Any = (), kwargs: Any = None
         ) -> Any:
-            name = func.overloadpacket.__name__
+            name = _variant(func.overloadpacket.__name__, kwargs or {})
             counts[name] += 1
             if name == "_local_scalar_dense":
                 # .item() of a meta tensor has no value: a stand-in keeps the trace going
@@ -175,6 +180,14 @@ def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inve
                 {"operator": f"(aten.{aten})", "where": ["forward"], "status": "missing"}
             )
     return result
+
+
+def _variant(name: str, kwargs: dict[str, Any]) -> str:
+    """An aten operator's name, with the keyword that picks another catalogue operator:
+    ``gelu`` is the exact (erf) GELU unless ``approximate="tanh"``."""
+    if name == "gelu" and kwargs.get("approximate", "none") != "none":
+        return f"gelu(approximate={kwargs['approximate']})"
+    return name
 
 
 def op_covers(op_name: str, module_type: str) -> bool:
