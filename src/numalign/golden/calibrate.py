@@ -91,9 +91,9 @@ def calibrate(
             accumulated[(point, path)] = _worst(accumulated.get((point, path)), stats)
 
         with torch.no_grad(), golden_outputs(model, golden, name, on_output):
-            result = model(**inputs, **forward_kwargs(model))
+            finals = model_outputs(model(**inputs, **forward_kwargs(model)))
         for output, key in golden.final_outputs(name).items():
-            actual = model_outputs(result)[output]
+            actual = finals[output]
             expected = golden.tensor(key)
             mask = masks.get(name)
             kept_a, kept_e = kept_positions(actual, mask), kept_positions(expected, mask)

@@ -399,8 +399,9 @@ def model_outputs(result: Any) -> dict[str, torch.Tensor]:
     logits = getattr(result, "logits", None)
     if logits is not None:
         return {"logits": logits}
-    found = {k: getattr(result, k, None) for k in ENCODER_OUTPUTS}
-    found = {k: v for k, v in found.items() if v is not None}
+    found: dict[str, torch.Tensor] = {
+        k: getattr(result, k) for k in ENCODER_OUTPUTS if getattr(result, k, None) is not None
+    }
     if not found:
         raise TypeError(
             f"the model returned {type(result).__name__}, which has neither logits nor "

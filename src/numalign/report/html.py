@@ -111,7 +111,9 @@ def _curves(records: list[DriftRecord]) -> list[dict[str, Any]]:
         for stack in sorted(stacks, key=lambda k: -stacks[k]):
             labels = [str(i) for i in range(stacks[stack])]
             for mode, _ in CURVE_MODES:
-                lines = {kind: [None] * len(labels) for kind in POINT_KINDS}
+                lines: dict[str, list[float | None]] = {
+                    kind: [None] * len(labels) for kind in POINT_KINDS
+                }
                 for r in items:
                     where, layer, kind = point_place(r.point or "")
                     if r.mode != mode or where != stack or layer is None:
@@ -237,11 +239,15 @@ def _messages(records: list[DriftRecord], rows: list[dict[str, Any]]) -> list[di
         if r.verdict in ("failed", "crashed", "error") and r.message:
             by_test[r.test_id].append(r)
     anchors: dict[str, str] = {}
-    out = []
-    ranked = sorted(by_test.items(), key=lambda kv: -max(_num(r.budget_used) or math.inf
-                                                         for r in kv[1]))  # fmt: skip
+    out: list[dict[str, Any]] = []
+
+    def badness(r: DriftRecord) -> float:  # no use of budget (shape, error): the worst
+        used = _num(r.budget_used)
+        return math.inf if used is None else used
+
+    ranked = sorted(by_test.items(), key=lambda kv: -max(badness(r) for r in kv[1]))
     for test_id, failing in ranked[:MESSAGES]:
-        failing.sort(key=lambda r: -(_num(r.budget_used) if r.budget_used is not None else 1e300))
+        failing.sort(key=lambda r: -badness(r))
         anchor = anchors[test_id] = f"msg-{len(out)}"
         others = [
             {"point": r.point, "request": r.request or r.case, "used": _num(r.budget_used),
