@@ -52,10 +52,14 @@ def control_for(
     reduction length behind it (the hidden size; times the depth for accumulated points).
 
     A dtype without calibration (float32, float64) borrows the closest calibrated one
-    (float16, else bfloat16) scaled by the ratio s of their unit roundoffs: the reference
-    model amplifies rounding errors the same way in every dtype (linear error propagation),
-    so its float32 error is its float16 error times 2**-13. Errors and the norm ratio's
-    deviation from 1 scale by s; 1 - cosine and KL, quadratic in the error, by s**2."""
+    (float16, else bfloat16), scaled: the reference model amplifies an error the same way in
+    every dtype (linear error propagation), so what matters is the error each operation makes.
+    A float16 kernel (float32 accumulation, one rounding) errs by about one float16 rounding;
+    a float32 kernel that sums a reduction of length K in another order (other threads, another
+    device) errs by up to sqrt(K) float32 roundings. The borrowed errors therefore scale by
+    s = 2**-13 * sqrt(hidden) (the ratio of unit roundoffs times the reduction's walk).
+    Errors and the norm ratio's deviation from 1 scale by s; 1 - cosine and KL, quadratic in
+    the error, by s**2."""
     from numalign.compare.tolerances import FLOAT_FORMATS
 
     reduction = hidden * (depth if mode in ("accumulated", "output") else 1)
@@ -64,7 +68,8 @@ def control_for(
         for source in ("float16", "bfloat16"):
             stats = _calibration(golden, source, point, path, mode)
             if stats is not None and dtype in FLOAT_FORMATS:
-                scale = 2.0 ** (FLOAT_FORMATS[source][0] - FLOAT_FORMATS[dtype][0])
+                roundoff = 2.0 ** (FLOAT_FORMATS[source][0] - FLOAT_FORMATS[dtype][0])
+                scale = roundoff * math.sqrt(hidden) if roundoff < 1 else roundoff
                 break
     if stats is None:
         return Control(ControlErrors(max_abs=0.0, rel_l2=0.0), reduction, calibrated=False)
