@@ -193,7 +193,9 @@ def compare(
         calibrated_budget=result.budget if calibrated else None,
     )  # fmt: skip
     if distribution:
-        return result.fail("distribution", *distribution)
+        reason, hint, used = distribution
+        result.budget_used = max(result.budget_used, used)  # how far past its limit
+        return result.fail("distribution", reason, hint)
     rule = "budget" if has_control else "tolerance"
     return result.ok(rule, f"within budget (worst use {_g(result.budget_used, 3)})")
 
@@ -414,7 +416,7 @@ def _distribution(
     dtype: str,
     *,
     calibrated_budget: dict[str, float] | None = None,
-) -> tuple[str, str] | None:
+) -> tuple[str, str, float] | None:
     """Rule 4: values within tolerance but abnormal fail.
 
     Against a calibrated control (a golden set's calibration, which records the control's
@@ -424,7 +426,7 @@ def _distribution(
     deviate by the control's whole relative error (plus the budget's accumulation allowance),
     and 1 - cosine by half the square of the relative L2 budget: a systematic scale is flagged
     when it exceeds everything the control's own error explains. Otherwise, the dtype's
-    thresholds, relaxed by the control."""
+    thresholds, relaxed by the control. Returns (reason, hint, deviation over its limit)."""
     if m.numel == 0 or m.worst_index is None:
         return None
     calibrated = calibrated_budget is not None
@@ -461,6 +463,7 @@ def _distribution(
             f"than {_g(n_tol, 3)}{small}{against}",
             "a systematic scale error: check epsilon (it dominates small inputs), a missing "
             "or doubled scale, and outputs flushed to zero",
+            abs(m.norm_ratio - 1.0) / n_tol if n_tol > 0 else math.inf,
         )
     if 1.0 - m.cosine > c_tol:
         return (
@@ -468,6 +471,7 @@ def _distribution(
             f"1 - {_g(c_tol, 3)}",
             "the output's direction differs from the reference: check permuted or mixed-up "
             "channels, heads or positions",
+            (1.0 - m.cosine) / c_tol if c_tol > 0 else math.inf,
         )
     if m.zero_fraction_actual > 0:
         fmt = float_format(actual.dtype)
@@ -482,6 +486,7 @@ def _distribution(
                     f"reference rounds to zero at {100 * expected_zero:.1f}%",
                     "outputs flushed to zero: check underflow (flush-to-zero, a missing upcast) "
                     "and skipped tiles or rows",
+                    excess / ZERO_EXCESS_FRACTION,
                 )
     return None
 
