@@ -21,12 +21,21 @@ import time
 from pathlib import Path
 
 CHILD = r"""
-import json, resource, sys, time, torch, transformers
+import json, sys, time, torch, transformers
 from pathlib import Path
-from numalign.golden.capture import capture, load_model, text_requests
+from numalign.golden.capture import capture
+from numalign.golden.reference import load_model
+from numalign.golden.requests import text_requests
 torch.set_num_threads(1)
 folder, out = sys.argv[1], sys.argv[2]
-rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def status(field):  # kB -> bytes, from this process's own counters (fresh after exec)
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+rss0 = status("VmRSS")  # torch and transformers imported, no model yet
 model = load_model(Path(folder), "float32", attn_implementation=None, trust_remote_code=False)
 req = text_requests(Path(folder), model.config, [], False)[0]
 with torch.no_grad():
@@ -37,45 +46,53 @@ with torch.no_grad():
 model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 del model
 start = time.perf_counter()
-golden = capture(folder, out, calibrate=(), continuation=0, progress=False)
+golden = capture(folder, out, continuation=0, progress=False)
 capture_s = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = status("VmHWM")
 per_request = golden.unique_tensor_bytes() / len(golden.requests)
 layers = sum(1 for p in golden.points if p.type.endswith("DecoderLayer"))
 print(json.dumps({"forward_s": forward, "capture_s": capture_s, "requests": len(golden.requests),
-                  "rss0": rss0 * 1024, "peak": peak * 1024, "model_bytes": model_bytes,
+                  "rss0": rss0, "peak": peak, "model_bytes": model_bytes,
                   "layer_bytes": per_request / max(1, layers)}))
 """
 
 
-def make_model(folder: Path) -> None:
-    import torch
-    import transformers
+MAKE_MODEL = r"""
+import sys, torch, transformers
+torch.manual_seed(0)
+config = transformers.LlamaConfig(
+    vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024,
+)
+transformers.LlamaForCausalLM(config).save_pretrained(sys.argv[1])
+"""
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+
+def make_model(folder: Path) -> None:
+    """The benchmark model, built in its own process: the measuring process must start small
+    (Linux carries a parent's peak RSS into ru_maxrss, which made an earlier figure 0.49x)."""
+    subprocess.run([sys.executable, "-c", MAKE_MODEL, str(folder)], check=True)
 
 
 def synthetic_set(folder: Path, total_bytes: int) -> None:
     """A golden set of ``total_bytes`` of 4 MB tensors, written with the capture's sink."""
     import torch
 
-    from numalign.golden.capture import _Sink
-    from numalign.golden.store import FORMAT
+    from numalign.golden.manifest import Manifest, ModelInfo, ReferenceInfo
+    from numalign.golden.store import ShardWriter, write_manifest
 
     folder.mkdir(parents=True)
-    sink = _Sink(folder, max_shard_bytes=256 << 20)
+    writer = ShardWriter(folder, max_shard_bytes=256 << 20)
     count = max(1, total_bytes // (4 << 20))
     for i in range(count):
-        sink.put(f"t{i}", torch.full((1 << 20,), float(i)))
-    sink.flush()
-    manifest = {"format": FORMAT, "model": {}, "reference": {}, "requests": [], "points": [],
-                "tensors": sink.tensors, "shards": sink.shards}  # fmt: skip
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+        writer.put(f"t{i}", torch.full((1 << 20,), float(i)))
+    writer.flush()
+    manifest = Manifest(
+        model=ModelInfo("model", "model", "none", None, "sha256:0"),
+        reference=ReferenceInfo("cpu", "float32", None, "", ""),
+        requests=[], points=[], tensors=writer.tensors, shards=writer.shards,
+    )  # fmt: skip
+    write_manifest(folder, manifest)
 
 
 def load_time(folder: Path, key: str, repeats: int = 20) -> float:
@@ -99,7 +116,7 @@ def main() -> None:
         model = tmp / "model"
         make_model(model)
         # 512 tokens: two prompts of 512 seeded ids (no tokenizer in this folder)
-        env_code = "import numalign.golden.capture as c; c.SEEDED_LENGTHS = (512, 512)\n" + CHILD
+        env_code = "import numalign.golden.requests as r; r.SEEDED_LENGTHS = (512, 512)\n" + CHILD
         out = subprocess.run([sys.executable, "-c", env_code, str(model), str(tmp / "set")],
                              capture_output=True, text=True, check=True)  # fmt: skip
         r = json.loads(out.stdout.strip().splitlines()[-1])

@@ -37,7 +37,7 @@ def main() -> None:
         golden, model = cache.load(path, settings, device, args.dtype)
         store._VERIFIED.clear()  # cold: as the first test of a worker finds it
         start = time.perf_counter()
-        for name in golden.manifest["shards"]:
+        for name in golden.manifest.shards:
             golden.verify_shard(name)
             shards += 1
         verify_s += time.perf_counter() - start

@@ -53,12 +53,12 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _capture(args: argparse.Namespace) -> int:
-    from numalign.golden.capture import capture
+    from numalign.replay.calibrate import capture_calibrated
 
     prompts = None
     if args.prompts:
         prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    golden = capture(
+    golden = capture_calibrated(
         args.model_dir,
         args.out,
         points=args.points,
@@ -75,13 +75,13 @@ def _capture(args: argparse.Namespace) -> int:
 
 
 def _zoo(args: argparse.Namespace) -> int:
-    from numalign.golden.capture import capture
     from numalign.golden.zoo import build_zoo
+    from numalign.replay.calibrate import capture_calibrated
 
     for path in build_zoo(args.out, args.names or None):
         line = f"{path}"
         if args.sets:
-            golden = capture(path, Path(args.sets) / path.name, progress=False)
+            golden = capture_calibrated(path, Path(args.sets) / path.name, progress=False)
             line += f" -> {golden.path} ({len(golden.points)} points)"
         print(line)
     return 0
@@ -99,9 +99,8 @@ def _golden(args: argparse.Namespace) -> int:
         )
         for folder in sets:
             g = GoldenSet.open(folder)
-            model = g.manifest["model"]
             fresh = "fresh" if g.model_dir.is_dir() and g.fingerprint_matches() else "STALE"
-            print(f"{g.name:24} {model['architecture']:36} {len(g.points):4} points "
+            print(f"{g.name:24} {g.model.architecture:36} {len(g.points):4} points "
                   f"{g.disk_bytes() / 1e6:8.2f} MB  {fresh}")  # fmt: skip
         return 0
     if not args.target:
@@ -111,17 +110,16 @@ def _golden(args: argparse.Namespace) -> int:
     if args.action == "verify":
         g.verify()
         g.check_fresh()
-        print(f"{g.path}: {len(g.manifest['shards'])} shard(s) verified; model fresh")
+        print(f"{g.path}: {len(g.manifest.shards)} shard(s) verified; model fresh")
         return 0
-    m = g.manifest
+    m, ref = g.manifest, g.reference
     print(f"set        {g.path}")
-    print(f"model      {m['model']['name']} ({m['model']['architecture']}) at {g.model_dir}")
-    print(f"fingerprint {m['model']['fingerprint']}")
-    ref = m["reference"]
-    print(f"reference  {ref['dtype']} on {ref['device']}, attention {ref['attn_implementation']}, "
-          f"torch {ref['torch']}, transformers {ref['transformers']}")  # fmt: skip
-    print(f"requests   {', '.join(r['name'] for r in m['requests'])}")
-    print(f"calibrated {', '.join(m.get('calibration', {})) or 'no'}")
+    print(f"model      {g.model.name} ({g.model.architecture}) at {g.model_dir}")
+    print(f"fingerprint {g.model.fingerprint}")
+    print(f"reference  {ref.dtype} on {ref.device}, attention {ref.attn_implementation}, "
+          f"torch {ref.torch}, transformers {ref.transformers}")  # fmt: skip
+    print(f"requests   {', '.join(r.name for r in g.requests)}")
+    print(f"calibrated {', '.join(m.calibration) or 'no'}")
     print(
         f"size       {g.disk_bytes() / 1e6:.2f} MB on disk, "
         f"{g.unique_tensor_bytes() / 1e6:.2f} MB of unique tensors"
@@ -129,7 +127,7 @@ def _golden(args: argparse.Namespace) -> int:
     for point in g.points:
         call = next(iter(point.calls.values()))[0]
         outputs = ", ".join(
-            f"{path}: {m['tensors'][key]['dtype']}{m['tensors'][key]['shape']}"
+            f"{path}: {m.tensors[key].dtype}{m.tensors[key].shape}"
             for path, key in call.outputs.items()
         )
         print(f"  {point.name:52} {point.type:28} {outputs}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from numalign.golden import GoldenSet, GoldenSetError
-from numalign.golden.capture import capture
+from numalign.replay.calibrate import capture_calibrated
 
 VERSIONS = ".versions"
 
@@ -45,7 +45,7 @@ def refresh_sets(
                 if golden.fingerprint_matches(model_dir):
                     result.fresh.append(model_dir.name)
                     continue
-                stamp = golden.manifest.get("created", "unknown").replace(":", "")
+                stamp = (golden.manifest.created or "unknown").replace(":", "")
             except GoldenSetError:
                 stamp = "unreadable"
             keep = sets / VERSIONS / model_dir.name / stamp
@@ -54,7 +54,7 @@ def refresh_sets(
             keep.parent.mkdir(parents=True, exist_ok=True)
             shutil.copytree(target, keep)
             result.archived.append(keep)
-        capture(model_dir, target, calibrate=calibrate, progress=False)
+        capture_calibrated(model_dir, target, calibrate=calibrate, progress=False)
         result.recaptured.append(model_dir.name)
     return result
 
@@ -169,7 +169,7 @@ def bring_up(
             fresh = False
     if not fresh:
         print(f"numalign run: capturing {target}")
-        capture(model_dir, target, progress=sys.stderr.isatty())
+        capture_calibrated(model_dir, target, progress=sys.stderr.isatty())
     operators = [row["operator"] for row in inv.rows if row["status"] == "covered by candidates"]
     selection = " or ".join([model_dir.name, *(f"test_{op}" for op in operators)])
     status, run_dir = run_suites(

@@ -78,10 +78,7 @@ def test_shards_merged_give_the_records_of_the_unsharded_run(tmp_path: Path) -> 
     merged = read_records(tmp_path / "merged")
 
     def table(records: list[DriftRecord]) -> dict[str, tuple]:
-        return {
-            r.key: (r.verdict, r.metrics["max_abs"], r.metrics["rel_l2"])
-            for r in records
-        }
+        return {r.key: (r.verdict, r.metrics["max_abs"], r.metrics["rel_l2"]) for r in records}
 
     # deterministic inputs: the same comparisons, the same numbers
     assert table(merged) == table(whole)

@@ -17,6 +17,7 @@ import torch
 
 from numalign.golden import GoldenSet, GoldenSetError, StaleGoldenSetError
 from numalign.golden.capture import capture
+from numalign.replay.calibrate import capture_calibrated
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "golden" / "models" / "tiny-llama"
@@ -31,9 +32,7 @@ def model_copy(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def small_set(tmp_path: Path, model_copy: Path) -> GoldenSet:
-    return capture(
-        model_copy, tmp_path / "sets" / "llama", calibrate=(), continuation=2, progress=False
-    )
+    return capture(model_copy, tmp_path / "sets" / "llama", continuation=2, progress=False)
 
 
 def test_one_flipped_byte_fails_the_checksum(small_set: GoldenSet) -> None:
@@ -114,13 +113,13 @@ def test_manifest_errors_name_the_file_and_the_remedy(small_set: GoldenSet, tmp_
 
 CAPTURE_SLOWLY = """
 import sys, time, torch
-from numalign.golden import capture as c
-original = c._Sink.put
+from numalign.golden import capture as c, store
+original = store.ShardWriter.put
 def slow_put(self, key, tensor):
     time.sleep(0.05)  # slow enough to be killed half way
     return original(self, key, tensor)
-c._Sink.put = slow_put
-c.capture(sys.argv[1], sys.argv[2], calibrate=(), progress=False, max_shard_bytes=1024)
+store.ShardWriter.put = slow_put
+c.capture(sys.argv[1], sys.argv[2], progress=False, max_shard_bytes=1024)
 """
 
 
@@ -145,7 +144,7 @@ def test_a_capture_killed_half_way_leaves_the_previous_set_intact(
     visible = sorted(p.name for p in parent.iterdir() if not p.name.startswith("."))
     assert visible == ["llama"]  # no partial set next to it
     # the next capture removes what the killed one could not
-    from numalign.golden.capture import remove_abandoned
+    from numalign.golden.store import remove_abandoned
 
     assert remove_abandoned(parent) and not list(parent.glob(".llama.capture-*"))
 
@@ -162,7 +161,6 @@ def test_points_patterns_select_modules(tmp_path: Path, model_copy: Path) -> Non
         model_copy,
         tmp_path / "s",
         points=["model.layers.*.mlp"],
-        calibrate=(),
         continuation=0,
         progress=False,
     )
@@ -175,14 +173,13 @@ def test_float64_reference_and_prompts(tmp_path: Path, model_copy: Path) -> None
         tmp_path / "s",
         prompts=["the dog", "a fox jumps over it ."],
         reference_dtype="float64",
-        calibrate=(),
         continuation=1,
         progress=False,
     )
-    assert golden.manifest["reference"]["dtype"] == "float64"
-    logits = golden.tensor(golden.manifest["logits"]["text-rightpad"])
+    assert golden.reference.dtype == "float64"
+    logits = golden.tensor(golden.final_outputs("text-rightpad")["logits"])
     assert logits.dtype == torch.float64
-    mask = golden.tensor(golden.requests[0]["inputs"]["attention_mask"])
+    mask = golden.tensor(golden.requests[0].inputs["attention_mask"])
     assert mask[0, 0] == 0 and mask[1, 0] == 1  # left padding: the short prompt starts late
 
 
@@ -204,7 +201,7 @@ def test_no_pickle_in_the_package_or_the_catalogue() -> None:
                                   "tiny-qwen3-next", "tiny-qwen2-vl", "tiny-gpt2"])  # fmt: skip
 def test_capture_then_reload_every_zoo_family(tmp_path: Path, name: str) -> None:
     model = ROOT / "golden" / "models" / name
-    golden = capture(
+    golden = capture_calibrated(
         model, tmp_path / name, calibrate=("bfloat16",), continuation=2, progress=False
     )
     reopened = GoldenSet.open(tmp_path / name)

@@ -37,18 +37,19 @@ def test_reload_points_inputs_outputs_logits_and_continuation(golden: GoldenSet)
     types = {p.type for p in points}
     assert any(t.endswith(BLOCKS) for t in types)
     assert any("Norm" in t for t in types)
-    first_request = golden.requests[0]["name"]
+    first_request = golden.requests[0].name
     finals = golden.final_outputs(first_request)
     if "logits" in finals:
         assert points[-1].name == "lm_head"
         logits = golden.tensor(finals["logits"], dtype=torch.bfloat16)
         assert logits.dtype == torch.bfloat16 and logits.shape[-1] == 512
-        continuation = golden.manifest["continuation"][first_request]
-        tokens = golden.tensor(continuation["tokens"])
+        continuation = golden.continuation(first_request)
+        assert continuation is not None
+        tokens = golden.tensor(continuation.tokens)
         assert tokens.shape[-1] == 8 and tokens.dtype == torch.int64  # the default 8 tokens
     else:  # an encoder: its hidden states and pooled output, no continuation
         assert set(finals) == {"last_hidden_state", "pooler_output"}
-        assert not golden.manifest["continuation"]
+        assert golden.continuation(first_request) is None
     for dtype in ("bfloat16", "float16"):
         calibration = golden.calibration(dtype)
         assert set(calibration) == {p.name for p in points} | {OUTPUT_POINT}
@@ -64,7 +65,7 @@ def test_reload_points_inputs_outputs_logits_and_continuation(golden: GoldenSet)
 
 def test_realistic_magnitudes(golden: GoldenSet) -> None:
     """Logits spanning tens and hidden states with outlier channels, as real checkpoints."""
-    request = golden.requests[0]["name"]
+    request = golden.requests[0].name
     finals = golden.final_outputs(request)
     if "logits" in finals:
         assert float(golden.tensor(finals["logits"]).abs().max()) > 10.0
@@ -78,19 +79,19 @@ def test_shared_tensors_are_stored_once(golden: GoldenSet) -> None:
     layers = [
         p for p in golden.points if p.type.endswith(("DecoderLayer", "GPT2Block", "BertLayer"))
     ]
-    request = golden.requests[0]["name"]
+    request = golden.requests[0].name
     first, second = layers[0].calls[request][0], layers[1].calls[request][0]
     hidden_in = second.args[0] if second.args and second.args[0] else second.kwargs["hidden_states"]
     assert first.outputs["0"] == hidden_in  # one key: stored once
 
 
 def test_bytes_on_disk_are_the_unique_tensor_bytes(golden: GoldenSet) -> None:
-    shards = sum(s["bytes"] for s in golden.manifest["shards"].values())
+    shards = sum(s.bytes for s in golden.manifest.shards.values())
     assert shards <= 1.05 * golden.unique_tensor_bytes()  # only safetensors headers on top
 
 
 def test_layer_replay_in_float32_reproduces_the_golden_outputs(golden: GoldenSet) -> None:
-    from numalign.golden.capture import load_model
+    from numalign.golden.reference import load_model
 
     model = load_model(
         golden.model_dir, "float32", attn_implementation=None, trust_remote_code=False
@@ -107,9 +108,9 @@ def test_layer_replay_in_float32_reproduces_the_golden_outputs(golden: GoldenSet
 
 def test_image_text_set_has_an_image_request_and_vision_points() -> None:
     golden = GoldenSet.open(SETS / "tiny-qwen2-vl")
-    requests = {r["name"]: r for r in golden.requests}
+    requests = {r.name: r for r in golden.requests}
     assert {"text-leftpad", "text-rightpad", "image"} <= set(requests)
-    assert "pixel_values" in requests["image"]["inputs"]
+    assert "pixel_values" in requests["image"].inputs
     names = [p.name for p in golden.points]
     assert "model.visual.patch_embed" in names and "model.visual.merger" in names
     assert any(".visual.blocks." in n for n in names)
@@ -120,7 +121,7 @@ def test_the_deep_zoo_model_has_the_statistics_of_a_pretrained_checkpoint() -> N
     the regime where fixed distribution thresholds gave false alarms on real checkpoints."""
     golden = GoldenSet.open(SETS / "tiny-deep-llama")
     assert len([p for p in golden.points if p.type == "LlamaDecoderLayer"]) >= 24
-    request = golden.requests[0]["name"]
+    request = golden.requests[0].name
     late = golden.tensor(golden.point("model.layers.23").calls[request][0].outputs["0"])
     early = golden.tensor(golden.point("model.layers.2").calls[request][0].outputs["0"])
     assert float(late.abs().max()) > 1000  # residuals grown into the thousands

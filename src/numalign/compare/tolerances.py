@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 #: Operator classes known to the tolerance table.
 OP_CLASSES: tuple[str, ...] = (

@@ -1,37 +1,56 @@
-"""The golden set store, format 1: ``manifest.json`` plus safetensors shards.
+"""The golden set store, format 1: ``manifest.json`` plus safetensors shards, read and written
+here (the manifest's objects are in ``numalign.golden.manifest``).
 
 Only JSON and safetensors are read, never pickle. Every error names the file and the remedy.
+Writes are atomic: shards go to a set's temporary folder as a capture runs, the manifest is
+replaced by rename, and a finished set is renamed into place.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.golden.fingerprint import fingerprint
+from numalign.golden.manifest import (
+    FORMAT,
+    MANIFEST,
+    OUTPUT_POINT,
+    Calibration,
+    Call,
+    Continuation,
+    GoldenSetError,
+    Manifest,
+    ModelInfo,
+    Point,
+    ReferenceInfo,
+    Request,
+    ShardInfo,
+    StaleGoldenSetError,
+    TensorInfo,
+)
 from numalign.names import did_you_mean
 
 if TYPE_CHECKING:
     import torch
 
-FORMAT = "numalign.golden/1"
-MANIFEST = "manifest.json"
-#: The calibration's name for the model's own outputs (logits, an encoder's hidden states).
-OUTPUT_POINT = "(output)"
+__all__ = [
+    "FORMAT", "MANIFEST", "OUTPUT_POINT", "Call", "Continuation", "GoldenSet", "GoldenSetError",
+    "Manifest", "ModelInfo", "Point", "ReferenceInfo", "Request", "ShardWriter",
+    "StaleGoldenSetError", "remove_abandoned", "replace_set", "sha256_file", "write_manifest",
+]  # fmt: skip
+
+#: Shards are cut at this size by default: small enough to keep capture memory bounded.
+DEFAULT_SHARD_BYTES = 64 << 20
 #: Shards verified against the manifest's sha256 in this process: (path, sha256, size, mtime).
 _VERIFIED: set[tuple[str, str, int, int]] = set()
-
-
-class GoldenSetError(RuntimeError):
-    """A golden set that cannot be used as it is; the message says why and what to do."""
-
-
-class StaleGoldenSetError(GoldenSetError):
-    """The model folder changed since the set was captured."""
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -42,56 +61,13 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-@dataclass(frozen=True)
-class Call:
-    """One call of a capture point's module in one request: tensor keys of its positional
-    inputs (None where the input was not a tensor; its JSON value is in ``args_json``),
-    keyword inputs and outputs (by output path, "0" for a plain tensor)."""
-
-    args: tuple[str | None, ...]
-    args_json: tuple[Any, ...]
-    kwargs: dict[str, str | list[str]]
-    kwargs_json: dict[str, Any]
-    outputs: dict[str, str]
-
-
-@dataclass(frozen=True)
-class Point:
-    """A capture point: a module of the reference model, in forward order."""
-
-    name: str
-    type: str
-    order: int
-    calls: dict[str, list[Call]]  # request name -> calls in that request's forward
-
-
 class GoldenSet:
     """A golden set on disk; tensors load lazily, shard by shard, to a device and dtype."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+    def __init__(self, path: Path, manifest: Manifest) -> None:
         self.path = path
         self.manifest = manifest
-        self._points = {
-            p["name"]: Point(
-                name=p["name"],
-                type=p["type"],
-                order=p["order"],
-                calls={
-                    req: [
-                        Call(
-                            args=tuple(c["args"]),
-                            args_json=tuple(c.get("args_json", [None] * len(c["args"]))),
-                            kwargs=c["kwargs"],
-                            kwargs_json=c.get("kwargs_json", {}),
-                            outputs=c["outputs"],
-                        )
-                        for c in calls
-                    ]
-                    for req, calls in p["calls"].items()
-                },
-            )
-            for p in manifest["points"]
-        }
+        self._points = {p.name: p for p in manifest.points}
 
     # -- opening and validation ---------------------------------------------------------------
     @classmethod
@@ -109,32 +85,23 @@ class GoldenSet:
                 f"with: numalign capture MODEL_DIR --out {folder}"
             )
         try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+            data = json.loads(manifest_path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise GoldenSetError(
                 f"{manifest_path}: not valid JSON ({exc}); capture the set again"
             ) from None
-        found = manifest.get("format")
-        if found != FORMAT:
-            raise GoldenSetError(
-                f"{manifest_path}: format {found!r} is not {FORMAT!r}; this numalign reads "
-                f"{FORMAT} only: capture the set again with this version"
-            )
-        for field in ("model", "reference", "requests", "points", "tensors", "shards"):
-            if field not in manifest:
-                raise GoldenSetError(f"{manifest_path}: missing field {field!r}; capture again")
-        return cls(folder, manifest)
+        return cls(folder, Manifest.from_json(data, manifest_path))
 
     def verify(self) -> None:
         """Checks every shard's size and sha256 against the manifest."""
-        for name in self.manifest["shards"]:
+        for name in self.manifest.shards:
             self.verify_shard(name, cached=False)
 
     def verify_shard(self, name: str, *, cached: bool = True) -> None:
         """Checks one shard's size and sha256 against the manifest (GoldenSetError naming the
         shard otherwise). With ``cached``, a shard verified before in this process and not
         changed since (same size and modification time) is not hashed again."""
-        info = self.manifest["shards"].get(name)
+        info = self.manifest.shards.get(name)
         shard = self.path / name
         if info is None:
             raise GoldenSetError(
@@ -144,19 +111,19 @@ class GoldenSet:
         if not shard.is_file():
             raise GoldenSetError(f"{shard}: shard missing; capture the set again")
         stat = shard.stat()
-        seen = (str(shard.resolve()), str(info["sha256"]), stat.st_size, stat.st_mtime_ns)
+        seen = (str(shard.resolve()), info.sha256, stat.st_size, stat.st_mtime_ns)
         if cached and seen in _VERIFIED:
             return
-        if stat.st_size != info["bytes"]:
+        if stat.st_size != info.bytes:
             raise GoldenSetError(
-                f"{shard}: {stat.st_size} bytes where the manifest says {info['bytes']} "
+                f"{shard}: {stat.st_size} bytes where the manifest says {info.bytes} "
                 "(truncated or overwritten); restore it or capture the set again"
             )
         digest = sha256_file(shard)
-        if digest != info["sha256"]:
+        if digest != info.sha256:
             raise GoldenSetError(
                 f"{shard}: sha256 {digest[:16]}... does not match the manifest "
-                f"({info['sha256'][:16]}...): the shard is corrupted; restore it or capture "
+                f"({info.sha256[:16]}...): the shard is corrupted; restore it or capture "
                 "the set again. Its tensors are not used: a corrupted golden value would blame "
                 "the device for the disk's error"
             )
@@ -164,7 +131,7 @@ class GoldenSet:
 
     def fingerprint_matches(self, model_dir: str | Path | None = None) -> bool:
         folder = Path(model_dir) if model_dir else self.model_dir
-        return bool(fingerprint(folder) == self.manifest["model"]["fingerprint"])
+        return bool(fingerprint(folder) == self.manifest.model.fingerprint)
 
     def check_fresh(self, model_dir: str | Path | None = None) -> None:
         """Raises StaleGoldenSetError when the model folder changed since the capture."""
@@ -186,8 +153,16 @@ class GoldenSet:
         return self.path.name
 
     @property
+    def model(self) -> ModelInfo:
+        return self.manifest.model
+
+    @property
+    def reference(self) -> ReferenceInfo:
+        return self.manifest.reference
+
+    @property
     def model_dir(self) -> Path:
-        path = Path(self.manifest["model"]["path"])
+        path = Path(self.model.path)
         return path if path.is_absolute() else (self.path / path).resolve()
 
     @property
@@ -202,21 +177,43 @@ class GoldenSet:
             raise GoldenSetError(f"{self.path}: no capture point {name!r}.{hint}") from None
 
     @property
-    def requests(self) -> list[dict[str, Any]]:
-        return list(self.manifest["requests"])
+    def requests(self) -> list[Request]:
+        return list(self.manifest.requests)
+
+    def request(self, name: str) -> Request:
+        for r in self.manifest.requests:
+            if r.name == name:
+                return r
+        hint = did_you_mean(name, [r.name for r in self.manifest.requests])
+        raise GoldenSetError(f"{self.path}: no request {name!r}.{hint}")
 
     def final_outputs(self, request: str) -> dict[str, str]:
         """The model's own outputs of ``request`` by name, as tensor keys: ``logits`` for
         language models; ``last_hidden_state`` (and ``pooler_output``) for encoders."""
-        outputs = dict(self.manifest.get("outputs", {}).get(request, {}))
-        logits = self.manifest.get("logits", {}).get(request)
+        outputs = dict(self.manifest.outputs.get(request, {}))
+        logits = self.manifest.logits.get(request)
         return {"logits": logits, **outputs} if logits else outputs
 
-    def calibration(self, dtype: str) -> dict[str, Any]:
-        return dict(self.manifest.get("calibration", {}).get(dtype, {}))
+    def continuation(self, request: str) -> Continuation | None:
+        """The greedy continuation captured for ``request``, if any."""
+        return self.manifest.continuation.get(request)
+
+    def calibration(self, dtype: str) -> Calibration:
+        return dict(self.manifest.calibration.get(dtype, {}))
+
+    def calibrated(self, dtype: str, point: str, path: str, mode: str) -> dict[str, Any] | None:
+        """The calibration's statistics of one point output and mode in ``dtype`` (None where
+        the set has none)."""
+        stats = self.manifest.calibration.get(dtype, {}).get(point, {}).get(path, {}).get(mode)
+        return stats if stats and stats.get("max_abs") is not None else None
+
+    def write_calibration(self, dtype: str, calibration: Calibration) -> None:
+        """Stores the calibration of ``dtype`` in the set (the manifest replaced atomically)."""
+        self.manifest.calibration[dtype] = calibration
+        write_manifest(self.path, self.manifest)
 
     def keys(self) -> Iterator[str]:
-        return iter(self.manifest["tensors"])
+        return iter(self.manifest.tensors)
 
     def tensor(
         self, key: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
@@ -225,14 +222,14 @@ class GoldenSet:
         once per process); floating tensors are cast to ``dtype`` when given."""
         from safetensors import SafetensorError, safe_open
 
-        info = self.manifest["tensors"].get(key)
+        info = self.manifest.tensors.get(key)
         if info is None:
             raise GoldenSetError(
                 f"{self.path / MANIFEST}: no tensor {key!r}; the manifest does not match the "
                 "shards: capture the set again"
             )
-        shard = self.path / info["shard"]
-        self.verify_shard(info["shard"])
+        shard = self.path / info.shard
+        self.verify_shard(info.shard)
         try:
             with safe_open(str(shard), framework="pt", device="cpu") as fh:
                 if key not in fh.keys():  # noqa: SIM118 - safe_open has no __contains__
@@ -256,7 +253,140 @@ class GoldenSet:
         return self.tensor(keys, **kwargs)
 
     def unique_tensor_bytes(self) -> int:
-        return sum(int(t["bytes"]) for t in self.manifest["tensors"].values())
+        return sum(t.bytes for t in self.manifest.tensors.values())
 
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.path.iterdir() if p.is_file())
+
+
+# -- writing ----------------------------------------------------------------------------------
+@dataclass
+class ShardWriter:
+    """Writes a set's tensors into safetensors shards of bounded size as they arrive. A tensor
+    already stored (the same storage, still alive, or the same content) is stored once: ``put``
+    returns the key that holds it. Each tensor is copied to the CPU when it arrives and dropped
+    once its shard is written, so memory stays near one shard."""
+
+    folder: Path
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    shards: dict[str, ShardInfo] = field(default_factory=dict)
+    _buffer: dict[str, torch.Tensor] = field(default_factory=dict)
+    _buffer_bytes: int = 0
+    _by_identity: dict[tuple[Any, ...], tuple[str, weakref.ref[torch.Tensor]]] = field(
+        default_factory=dict
+    )
+    _by_content: dict[str, str] = field(default_factory=dict)
+
+    def put(self, key: str, tensor: torch.Tensor) -> str:
+        """Stores ``tensor`` under ``key`` unless the same storage or content is already
+        stored; returns the key that holds it."""
+        t = tensor.detach()
+        identity = (
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            tuple(t.stride()),
+            str(t.dtype),
+            str(t.device),
+        )
+        known = self._by_identity.get(identity)
+        # Same storage, still alive (a dead tensor's address may be reused by another).
+        if known is not None and known[1]() is not None:
+            return known[0]
+        cpu = t.to("cpu", copy=True).contiguous()
+        digest = hashlib.sha256(
+            str(cpu.dtype).encode() + str(tuple(cpu.shape)).encode() + _raw_bytes(cpu)
+        ).hexdigest()
+        if digest in self._by_content:
+            existing = self._by_content[digest]
+            self._by_identity[identity] = (existing, weakref.ref(tensor))
+            return existing
+        self._by_identity[identity] = (key, weakref.ref(tensor))
+        self._by_content[digest] = key
+        nbytes = cpu.numel() * cpu.element_size()
+        self._buffer[key] = cpu
+        self._buffer_bytes += nbytes
+        self.tensors[key] = TensorInfo(
+            shard=self._shard_name(len(self.shards) + 1),
+            dtype=str(cpu.dtype).removeprefix("torch."),
+            shape=list(cpu.shape),
+            bytes=nbytes,
+        )
+        if self._buffer_bytes >= self.max_shard_bytes:
+            self.flush()
+        return key
+
+    def release(self) -> None:
+        """Forgets storage identities (between forwards)."""
+        self._by_identity.clear()
+
+    @staticmethod
+    def _shard_name(index: int) -> str:
+        return f"tensors-{index:05d}.safetensors"
+
+    def flush(self) -> None:
+        """Writes the buffered tensors as the next shard and drops them."""
+        if not self._buffer:
+            return
+        from safetensors.torch import save_file
+
+        name = self._shard_name(len(self.shards) + 1)
+        path = self.folder / name
+        save_file(self._buffer, str(path))
+        self.shards[name] = ShardInfo(sha256=sha256_file(path), bytes=path.stat().st_size)
+        self._buffer = {}
+        self._buffer_bytes = 0
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    import torch
+
+    if t.numel() == 0:
+        return b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> Path:
+    """Writes ``folder/manifest.json`` atomically (a partial manifest never replaces one)."""
+    target = folder / MANIFEST
+    tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(manifest.to_json(), indent=1, allow_nan=False), encoding="utf-8")
+    os.replace(tmp, target)
+    return target
+
+
+def with_shards(manifest: Manifest, writer: ShardWriter) -> Manifest:
+    """The manifest with the writer's tensors and shards."""
+    return replace(manifest, tensors=dict(writer.tensors), shards=dict(writer.shards))
+
+
+def replace_set(tmp: Path, out: Path) -> None:
+    """Moves a finished set into place; a set it replaces is renamed aside first and removed
+    after, so a kill at any moment leaves one whole set (or an explained .previous)."""
+    previous = out.with_name(out.name + ".previous")
+    if previous.exists():
+        shutil.rmtree(previous)
+    if out.exists():
+        os.replace(out, previous)
+    os.replace(tmp, out)
+    if previous.exists():
+        shutil.rmtree(previous)
+
+
+def remove_abandoned(folder: Path) -> list[Path]:
+    """Removes the temporary folders of captures whose process died (a SIGKILL cannot clean
+    up after itself); a live capture's folder is left alone."""
+    removed = []
+    for tmp in folder.glob(".*.capture-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+        except PermissionError:  # alive, another user's
+            pass
+    return removed

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from numalign.golden.capture import flatten
+from numalign.golden.reference import flatten, hooks
 
 if TYPE_CHECKING:
     import torch
@@ -54,10 +54,9 @@ def kept_positions(tensor: torch.Tensor, mask: torch.Tensor | None) -> torch.Ten
 
 
 def request_mask(golden: GoldenSet, request: str) -> torch.Tensor | None:
-    for r in golden.requests:
-        if r["name"] == request and "attention_mask" in r["inputs"]:
-            return golden.tensor(r["inputs"]["attention_mask"])
-    return None
+    """The attention mask of a golden request, where it has one."""
+    key = golden.request(request).inputs.get("attention_mask")
+    return golden.tensor(key) if key is not None else None
 
 
 @contextmanager
@@ -72,8 +71,6 @@ def golden_outputs(
     n-th call of a point in this forward against its n-th recorded call), both restricted to
     the positions the request's mask keeps."""
     import torch
-
-    from numalign.golden.capture import hooks
 
     points = {p.name: p for p in golden.points}
     mask = request_mask(golden, request)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from numalign.compare import CompareResult, ControlErrors, compare
 from numalign.compare.logits import logits_stats
-from numalign.golden.capture import append_token, forward_kwargs, load_model, model_outputs
-from numalign.golden.store import OUTPUT_POINT
+from numalign.golden.manifest import OUTPUT_POINT, Continuation
+from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
 from numalign.replay.layer import golden_outputs, kept_positions, replay_call, request_mask
 from numalign.replay.verdict import (
     ContinuationResult,
@@ -90,9 +90,7 @@ def control_for(
 
 def _calibration(golden: GoldenSet, dtype: str, point: str, path: str, mode: str) -> Any:
     # the model's own outputs are calibrated as the whole model runs
-    mode = "accumulated" if mode == "output" else mode
-    stats = golden.calibration(dtype).get(point, {}).get(path, {}).get(mode)
-    return stats if stats and stats.get("max_abs") is not None else None
+    return golden.calibrated(dtype, point, path, "accumulated" if mode == "output" else mode)
 
 
 def _hidden_and_depth(model: Any) -> tuple[int, int]:
@@ -136,9 +134,7 @@ class ModelCache:
         experts_implementation: str | None = None,
     ) -> Any:
         # by default, the attention implementation the set was captured with
-        attn_implementation = attn_implementation or golden.manifest["reference"].get(
-            "attn_implementation"
-        )
+        attn_implementation = attn_implementation or golden.reference.attn_implementation
         key = (
             str(golden.path),
             str(device),
@@ -170,7 +166,7 @@ class ModelCache:
         """The fields every record of a model-suite test shares."""
         return {
             "suite": "models", "candidate": "transformers", "device": str(device),
-            "golden_fingerprint": golden.manifest["model"]["fingerprint"],
+            "golden_fingerprint": golden.model.fingerprint,
             "swap": variant_label(settings), "model": golden.name,
         }  # fmt: skip
 
@@ -239,10 +235,9 @@ def replay_model(
     points = {p.name: p for p in golden.points}
     verdict = ModelVerdict(points=[])
     for request in golden.requests:
-        name = request["name"]
+        name = request.name
         inputs = {
-            k: golden.tensor(v, device=device, dtype=torch_dtype)
-            for k, v in request["inputs"].items()
+            k: golden.tensor(v, device=device, dtype=torch_dtype) for k, v in request.inputs.items()
         }
 
         def on_output(point: str, path: str, actual: Any, expected: Any, name: str = name) -> None:
@@ -269,8 +264,8 @@ def replay_model(
                 continue
             result = _compare(actual.to(torch_dtype), expected, output, control, policy)
             verdict.outputs.append(PointResult(output, len(points), name, "0", result, "output"))
-        continuation = golden.manifest.get("continuation", {}).get(name)
-        if continuation and logits_budget > 0:
+        continuation = golden.continuation(name)
+        if continuation is not None and logits_budget > 0:
             verdict.continuation.append(
                 continuation_agreement(model, name, inputs, golden, continuation, logits_budget)
             )
@@ -333,7 +328,7 @@ def continuation_agreement(
     request: str,
     inputs: dict[str, Any],
     golden: GoldenSet,
-    continuation: dict[str, str],
+    continuation: Continuation,
     logits_budget: float,
 ) -> ContinuationResult:
     """Greedy tokens of the replay against the golden continuation, teacher-forced: identical
@@ -341,8 +336,8 @@ def continuation_agreement(
     logits' max-abs budget apart (a near tie the budget explains)."""
     import torch
 
-    tokens = golden.tensor(continuation["tokens"])
-    golden_logits = golden.tensor(continuation["logits"]).double()
+    tokens = golden.tensor(continuation.tokens)
+    golden_logits = golden.tensor(continuation.logits).double()
     steps = tokens.shape[1]
     state = dict(inputs)
     first, gap = None, 0.0

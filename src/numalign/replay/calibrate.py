@@ -1,5 +1,6 @@
 """Calibration: the reference model's own error in a lower dtype, per capture point, stored in
-the manifest as the control for model verdicts (DESIGN.md, rule 3).
+the manifest as the control for model verdicts (DESIGN.md, rule 3). It replays the model, so
+it lives in ``replay``; ``capture_calibrated`` composes a capture (which only records) with it.
 
 - accumulated: the whole model in the dtype, each point's outputs against the golden ones;
 - isolated: each point's module alone in the dtype, fed the golden inputs;
@@ -14,17 +15,23 @@ exact zeros (highest), which the distribution rule judges a candidate against.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare import compute_metrics
 from numalign.compare.logits import logits_stats
-from numalign.golden.store import OUTPUT_POINT
+from numalign.golden.capture import capture
+from numalign.golden.manifest import OUTPUT_POINT, Calibration
+from numalign.golden.reference import forward_kwargs, load_model, model_outputs
+from numalign.golden.store import GoldenSet
+from numalign.replay.layer import golden_outputs, kept_positions, replay_call, request_mask
 
 if TYPE_CHECKING:
     import torch
 
-    from numalign.golden.store import GoldenSet
+#: The dtypes a capture calibrates by default.
+DEFAULT_CALIBRATION = ("bfloat16", "float16")
 
 #: The error statistics kept per point and output: the worst (largest) over requests and calls.
 STATS = ("max_abs", "rel_l2", "mean_abs", "ulp_p99", "max_expected")
@@ -63,13 +70,10 @@ def calibrate(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     device: str = "cpu",
-) -> dict[str, dict[str, dict[str, Any]]]:
+) -> Calibration:
     """{point: {output path: {"isolated": stats, "accumulated": stats}}} for ``dtype``, and
     {OUTPUT_POINT: {output name: {"accumulated": stats}}} for the model's own outputs."""
     import torch
-
-    from numalign.golden.capture import forward_kwargs, load_model, model_outputs
-    from numalign.replay.layer import golden_outputs, kept_positions, replay_call, request_mask
 
     torch_dtype = getattr(torch, dtype)
     model = load_model(model_dir, dtype, attn_implementation=attn_implementation,
@@ -77,13 +81,12 @@ def calibrate(
     points = {p.name: p for p in golden.points}
     accumulated: dict[tuple[str, str], dict[str, float]] = {}
     isolated: dict[tuple[str, str], dict[str, float]] = {}
-    masks = {r["name"]: request_mask(golden, r["name"]) for r in golden.requests}
+    masks = {r.name: request_mask(golden, r.name) for r in golden.requests}
 
     for request in golden.requests:
-        name = request["name"]
+        name = request.name
         inputs = {
-            k: golden.tensor(v, device=device, dtype=torch_dtype)
-            for k, v in request["inputs"].items()
+            k: golden.tensor(v, device=device, dtype=torch_dtype) for k, v in request.inputs.items()
         }
 
         def on_output(point: str, path: str, actual: Any, expected: Any) -> None:
@@ -119,8 +122,46 @@ def calibrate(
                             isolated.get((point.name, path)), stats
                         )
 
-    result: dict[str, dict[str, dict[str, Any]]] = {}
+    result: Calibration = {}
     for mode, table in (("isolated", isolated), ("accumulated", accumulated)):
         for (point_name, path), stats in table.items():
             result.setdefault(point_name, {}).setdefault(path, {})[mode] = _json_safe(stats)
     return result
+
+
+def calibrate_set(
+    golden: GoldenSet,
+    dtypes: Sequence[str] = DEFAULT_CALIBRATION,
+    *,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    step: Callable[[str], None] | None = None,
+) -> None:
+    """Calibrates ``golden`` in each of ``dtypes`` with its own model and stores it."""
+    attn = attn_implementation or golden.reference.attn_implementation
+    for dtype in dtypes:
+        if step is not None:
+            step(f"calibrating {dtype}")
+        table = calibrate(golden, golden.model_dir, dtype, attn_implementation=attn,
+                          trust_remote_code=trust_remote_code)  # fmt: skip
+        golden.write_calibration(dtype, table)
+
+
+def capture_calibrated(
+    model_dir: str | Path,
+    out: str | Path,
+    *,
+    calibrate: Sequence[str] = DEFAULT_CALIBRATION,
+    trust_remote_code: bool = False,
+    **options: Any,
+) -> GoldenSet:
+    """``numalign capture``: a capture (``golden.capture.capture``, same ``options``) that is
+    calibrated in ``calibrate`` before it is moved into place, so a set never appears without
+    its calibration."""
+    dtypes = tuple(calibrate)
+
+    def finish(golden: GoldenSet, step: Callable[[str], None]) -> None:
+        calibrate_set(golden, dtypes, trust_remote_code=trust_remote_code, step=step)
+
+    return capture(model_dir, out, trust_remote_code=trust_remote_code, finish=finish,
+                   finish_steps=len(dtypes), **options)  # fmt: skip

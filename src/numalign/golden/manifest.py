@@ -1,0 +1,213 @@
+"""The golden set format, ``numalign.golden/1``, as typed objects: what ``manifest.json``
+holds, read and written in this one module (``Manifest.from_json`` / ``Manifest.to_json``),
+so that no reader touches the JSON itself and a renamed key has one place to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = "numalign.golden/1"
+MANIFEST = "manifest.json"
+#: The calibration's name for the model's own outputs (logits, an encoder's hidden states).
+OUTPUT_POINT = "(output)"
+
+
+class GoldenSetError(RuntimeError):
+    """A golden set that cannot be used as it is; the message says why and what to do."""
+
+
+class StaleGoldenSetError(GoldenSetError):
+    """The model folder changed since the set was captured."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The captured model: its folder (relative to the set), name, class and fingerprint."""
+
+    path: str
+    name: str
+    architecture: str
+    model_type: str | None
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class ReferenceInfo:
+    """How the reference ran: device, dtype, attention implementation, versions, seed."""
+
+    device: str
+    dtype: str
+    attn_implementation: str | None
+    torch: str
+    transformers: str
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of the set: its name and the tensor keys of its model inputs."""
+
+    name: str
+    inputs: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A request's greedy continuation: the tokens [batch, steps] and each step's logits."""
+
+    tokens: str
+    logits: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of a capture point's module in one request: tensor keys of its positional
+    inputs (None where the input was not a tensor; its JSON value is in ``args_json``),
+    keyword inputs and outputs (by output path, "0" for a plain tensor)."""
+
+    args: tuple[str | None, ...]
+    args_json: tuple[Any, ...]
+    kwargs: dict[str, str | list[str]]
+    kwargs_json: dict[str, Any]
+    outputs: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"args": list(self.args), "args_json": list(self.args_json),
+                "kwargs": self.kwargs, "kwargs_json": self.kwargs_json,
+                "outputs": self.outputs}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, c: dict[str, Any]) -> Call:
+        return cls(
+            args=tuple(c["args"]),
+            args_json=tuple(c.get("args_json", [None] * len(c["args"]))),
+            kwargs=c["kwargs"],
+            kwargs_json=c.get("kwargs_json", {}),
+            outputs=c["outputs"],
+        )
+
+
+@dataclass(frozen=True)
+class Point:
+    """A capture point: a module of the reference model, in forward order."""
+
+    name: str
+    type: str
+    order: int
+    calls: dict[str, list[Call]]  # request name -> calls in that request's forward
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a stored tensor lives and what it is."""
+
+    shard: str
+    dtype: str
+    shape: list[int]
+    bytes: int
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    sha256: str
+    bytes: int
+
+
+#: Calibration of one dtype: {point: {output path: {mode: {statistic: value}}}}.
+Calibration = dict[str, dict[str, dict[str, dict[str, float | None]]]]
+
+
+@dataclass
+class Manifest:
+    """Everything ``manifest.json`` holds (DESIGN.md, "Golden set, format 1")."""
+
+    model: ModelInfo
+    reference: ReferenceInfo
+    requests: list[Request]
+    points: list[Point]
+    tensors: dict[str, TensorInfo]
+    shards: dict[str, ShardInfo]
+    #: request -> logits key (language models)
+    logits: dict[str, str] = field(default_factory=dict)
+    #: request -> {output name -> key}: the final outputs of models without logits
+    outputs: dict[str, dict[str, str]] = field(default_factory=dict)
+    continuation: dict[str, Continuation] = field(default_factory=dict)
+    #: dtype -> calibration of that dtype
+    calibration: dict[str, Calibration] = field(default_factory=dict)
+    created: str = ""
+    format: str = FORMAT
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "format": self.format,
+            "created": self.created,
+            "model": vars(self.model),
+            "reference": vars(self.reference),
+            "requests": [{"name": r.name, "inputs": r.inputs} for r in self.requests],
+            "points": [
+                {
+                    "name": p.name,
+                    "type": p.type,
+                    "order": p.order,
+                    "calls": {req: [c.to_json() for c in calls] for req, calls in p.calls.items()},
+                }
+                for p in self.points
+            ],
+            "logits": self.logits,
+            "continuation": {k: vars(v) for k, v in self.continuation.items()},
+            "tensors": {k: vars(v) for k, v in self.tensors.items()},
+            "shards": {k: vars(v) for k, v in self.shards.items()},
+            "calibration": self.calibration,
+        }
+        if self.outputs:
+            data["outputs"] = self.outputs
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any, source: Path) -> Manifest:
+        """The manifest of ``data`` read from ``source``; a GoldenSetError naming the file
+        and the remedy when the format, version or a field is not what this numalign reads."""
+        found = data.get("format") if isinstance(data, dict) else None
+        if found != FORMAT:
+            raise GoldenSetError(
+                f"{source}: format {found!r} is not {FORMAT!r}; this numalign reads "
+                f"{FORMAT} only: capture the set again with this version"
+            )
+        for name in ("model", "reference", "requests", "points", "tensors", "shards"):
+            if name not in data:
+                raise GoldenSetError(f"{source}: missing field {name!r}; capture again")
+        try:
+            return cls(
+                model=ModelInfo(**data["model"]),
+                reference=ReferenceInfo(**data["reference"]),
+                requests=[Request(r["name"], dict(r["inputs"])) for r in data["requests"]],
+                points=[
+                    Point(
+                        p["name"],
+                        p["type"],
+                        p["order"],
+                        {
+                            req: [Call.from_json(c) for c in calls]
+                            for req, calls in p["calls"].items()
+                        },
+                    )
+                    for p in data["points"]
+                ],
+                tensors={k: TensorInfo(**v) for k, v in data["tensors"].items()},
+                shards={k: ShardInfo(**v) for k, v in data["shards"].items()},
+                logits=dict(data.get("logits", {})),
+                outputs=dict(data.get("outputs", {})),
+                continuation={
+                    k: Continuation(**v) for k, v in data.get("continuation", {}).items()
+                },
+                calibration=dict(data.get("calibration", {})),
+                created=str(data.get("created", "")),
+            )
+        except (KeyError, TypeError) as exc:
+            raise GoldenSetError(
+                f"{source}: a field does not have the format {FORMAT} gives it ({exc}); "
+                "capture the set again"
+            ) from None

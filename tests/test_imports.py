@@ -1,0 +1,85 @@
+"""The engine's data flow runs one way: no module of src/numalign imports a module that
+imports it back, function-level imports included (DESIGN.md, "Layout")."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "numalign"
+
+
+def _module_name(path: Path, package: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts).removesuffix(".__init__")
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package modules it imports anywhere in its source (top level or inside
+    functions; ``from a import b`` counts as importing ``a.b`` when that is a module)."""
+    modules = {_module_name(p, package): p for p in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                # a package's __init__ re-exporting its own modules is not a cycle
+                if target and target != name and not name.startswith(target + "."):
+                    graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found: list[list[str]] = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                found.append([*stack[stack.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return found
+
+
+def test_no_import_cycle_in_the_engine() -> None:
+    graph = import_graph()
+    assert "numalign.golden.reference" in graph  # the graph covers the package
+    found = cycles(graph)
+    assert found == [], "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_golden_package_does_not_import_replay() -> None:
+    """Capture records; replay compares: golden sits below replay, never the reverse."""
+    graph = import_graph()
+    golden = {m: deps for m, deps in graph.items() if m.startswith("numalign.golden")}
+    assert all(not d.startswith("numalign.replay") for deps in golden.values() for d in deps)
+
+
+def test_a_cycle_is_found(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f():\n    from pkg import b\n")
+    (package / "b.py").write_text("from pkg.a import f\n")
+    assert cycles(import_graph(package)) == [["pkg.a", "pkg.b", "pkg.a"]]
