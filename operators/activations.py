@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from numalign.cases import Case, values
+from numalign.compare import Budget
 from numalign.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
 
@@ -23,6 +24,13 @@ ACT_CASES = tier_cases(
     Case("empty-0x16", {"shape": (0, 16)}, tier="pr"),
     Case("many-512x14336", {"shape": (512, 14336)}, tier="nightly"),
 )
+
+
+#: torch's float32 GELU (a vectorized erf) measured 4.2x-6.9x the control's worst error on
+#: inputs near 1e-2 (4 ulp against 1: the control's 1 + erf rounds once there); 8x keeps a
+#: margin and still fails a 2% error in bfloat16, whose control errs by half an ulp at most
+#: (0.2%; 8 x 0.2% = 1.6%).
+GELU_ERF_BUDGET = Budget(max_abs_multiplier=8.0)
 
 
 def _x_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
@@ -68,6 +76,13 @@ def _gated(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable
     return call
 
 
+#: aten operators that stand for the activations where a model calls them as functions.
+_ATEN: dict[str, tuple[str, ...]] = {
+    "silu": ("silu",),
+    "gelu_erf": ("gelu",),  # aten.gelu is exact unless approximate="tanh"
+    "gelu_tanh": ("gelu(approximate=tanh)",),
+}
+
 for _name, _ref, _inputs, _modules, _doc in (
     ("silu", silu_reference, _x_inputs, ("SiLU*", "SiLUActivation"), "x * sigmoid(x)"),
     ("gelu_erf", gelu_erf_reference, _x_inputs, ("GELUActivation", "GELU"), "exact GELU (erf)"),
@@ -91,6 +106,8 @@ for _name, _ref, _inputs, _modules, _doc in (
             hf_modules=_modules,
             adapter=(lambda m: {}) if _modules else None,
             description=_doc,
+            budget=GELU_ERF_BUDGET if _name == "gelu_erf" else None,
+            aten=_ATEN.get(_name, ()),
         )
     )
 
@@ -147,6 +164,8 @@ SOFTMAX_CASES = tier_cases(
     Case("large-16x1000", {"rows": 16, "cols": 1000}, regime="large"),
     Case("masked-8x300", {"rows": 8, "cols": 300, "mask": "causal"}),
     Case("fully-masked-6x64", {"rows": 6, "cols": 64, "mask": "some-rows"}),
+    # a row longer than one online block (128) with a partial last block
+    Case("unaligned-3x1031", {"rows": 3, "cols": 1031}),
     Case("unaligned-5x32001", {"rows": 5, "cols": 32001}, tier="pr"),
     Case("vocab-large-2x151936", {"rows": 2, "cols": 151936}, regime="large", tier="pr"),
     Case("noncontig-7x129", {"rows": 7, "cols": 129, "noncontiguous": True}, tier="pr"),
@@ -178,6 +197,7 @@ def softmax_reference(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 register_operator(
     Operator(
         name="softmax",
+        aten=("_softmax", "softmax", "_safe_softmax"),
         op_class="softmax",
         reference=softmax_reference,
         make_inputs=softmax_inputs,

@@ -30,6 +30,11 @@ def _case(
     return Case(name, params | options, regime=regime, tier=tier)
 
 
+def _softcap(cap: float, pad_left: tuple[int, ...], **options: Any) -> dict[str, Any]:
+    """Options of a causal, left-padded, soft-capped case in the large regime."""
+    return {"causal": True, "pad_left": pad_left, "softcap": cap, "regime": "large"} | options
+
+
 ATTENTION_CASES = tier_cases(
     _case("one-1x1x1x1x1x8", 1, 1, 1, 1, 1, 8),
     _case("gqa-causal-1x8x2x33x33x64", 1, 8, 2, 33, 33, 64, causal=True),
@@ -58,6 +63,45 @@ ATTENTION_CASES = tier_cases(
         softcap=50.0,
     ),
     _case("long-1x8x2x4096x4096x128", 1, 8, 2, 4096, 4096, 128, tier="nightly", causal=True),
+    # Soft-capping meets padding: the cap goes on the scores before the mask; capped after it,
+    # masked keys score -cap instead of -inf and padded query rows are no longer empty.
+    _case(
+        "softcap-padded-2x4x2x17x17x64",
+        2,
+        4,
+        2,
+        17,
+        17,
+        64,
+        **_softcap(50.0, (0, 5), regime="ordinary"),
+    ),
+    # ... and the large regime: scores of a few hundred saturate at +-cap, so a query whose
+    # few visible keys all score near -cap weighs masked keys (at -cap) as much as them.
+    _case("softcap-large-padded-2x4x2x40x40x64", 2, 4, 2, 40, 40, 64, **_softcap(30.0, (0, 9))),
+    _case(
+        "softcap-large-window-1x8x4x130x130x128",
+        1,
+        8,
+        4,
+        130,
+        130,
+        128,
+        tier="pr",
+        **_softcap(50.0, (3,), window=7),
+    ),
+    # Large scores and a window longer than a tile: the flash-style running max must rescale.
+    _case(
+        "large-window-1x4x2x200x200x64",
+        1,
+        4,
+        2,
+        200,
+        200,
+        64,
+        regime="large",
+        causal=True,
+        window=100,
+    ),
 )
 
 
@@ -124,6 +168,12 @@ def attention_reference(
 register_operator(
     Operator(
         name="attention",
+        aten=(
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_flash_attention",
+            "scaled_dot_product_attention",
+        ),
         op_class="attention",
         reference=attention_reference,
         make_inputs=attention_inputs,

@@ -18,7 +18,7 @@ LINEAR_CASES = tier_cases(
     Case("outliers-16x1024x96", {"tokens": 16, "k": 1024, "n": 96}, regime="outliers"),
     Case("noncontig-5x200x24", {"tokens": 5, "k": 200, "n": 24, "noncontiguous": True}),
     Case("llm-8x4096x4096", {"tokens": 8, "k": 4096, "n": 4096}, tier="pr"),
-    Case("large-k-2x32768x8", {"tokens": 2, "k": 32768, "n": 8}, tier="pr"),
+    Case("large-k-2x32768x8", {"tokens": 2, "k": 32768, "n": 8}),
     Case("empty-0x64x16", {"tokens": 0, "k": 64, "n": 16}, tier="pr"),
     Case("llm-128x4096x11008", {"tokens": 128, "k": 4096, "n": 11008}, tier="nightly"),
 )
@@ -46,6 +46,8 @@ def linear_reference(
 register_operator(
     Operator(
         name="linear",
+        aten=("mm", "addmm", "linear"),
+        probe_swap=True,
         op_class="matmul",
         reference=linear_reference,
         make_inputs=linear_inputs,
@@ -92,12 +94,30 @@ MATMUL_CASES = tier_cases(
         {"batch": 4, "m": 33, "k": 100, "n": 7, "noncontiguous": True},
         tier="pr",
     ),
+    # K of a hidden size and beyond: low-precision accumulators drift as sqrt(K).
+    Case("large-k-2x8x4096x8", {"batch": 2, "m": 8, "k": 4096, "n": 8}, tier="pr"),
+    Case("long-k-1x4x16384x4", {"batch": 1, "m": 4, "k": 16384, "n": 4}, tier="pr"),
+    # Partial sums climb to RANGE_PEAK (near float16's 65504) and cancel back: a float16
+    # accumulator loses whole units there (spacing 32) in every input dtype, bfloat16 too.
+    Case("range-1x8x4096x8", {"batch": 1, "m": 8, "k": 4096, "n": 8, "range": True}),
     Case("long-k-1x4x131072x4", {"batch": 1, "m": 4, "k": 131072, "n": 4}, tier="nightly"),
 )
+#: Where the partial sums of the "range" case peak: 78% of float16's largest finite value
+#: (65504), so they approach its range without overflowing the output.
+RANGE_PEAK = 51200.0
 
 
 def matmul_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
+    """a [batch, m, k] in the case's regime, b [batch, k, n] scaled by 1/sqrt(k); the "range"
+    case draws a = +-(c + noise) (+ over the first half of K, - over the second) and
+    b = c + noise with c * c * k / 2 = RANGE_PEAK (noise 0.1 c N(0, 1)), so partial sums rise
+    to RANGE_PEAK and cancel to about 0.1 c**2 sqrt(2 k), a few hundred."""
     b, m, k, n = case["batch"], case["m"], case["k"], case["n"]
+    if case.get("range"):
+        c = (2 * RANGE_PEAK / k) ** 0.5
+        sign = torch.where(torch.arange(k) < k // 2, 1.0, -1.0).to(torch.float64)
+        a = sign * (c + 0.1 * c * values((b, m, k), "ordinary", gen))
+        return {"a": a, "b": c + 0.1 * c * values((b, k, n), "ordinary", gen)}
     return {
         "a": values((b, m, k), case.regime, gen),
         "b": values((b, k, n), "ordinary", gen) / k**0.5,
@@ -111,6 +131,7 @@ def matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 register_operator(
     Operator(
         name="matmul",
+        aten=("mm", "bmm", "matmul", "baddbmm"),
         op_class="matmul",
         reference=matmul_reference,
         make_inputs=matmul_inputs,

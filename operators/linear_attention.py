@@ -122,6 +122,7 @@ def gated_delta_rule_reference(
 register_operator(
     Operator(
         name="gated_delta_rule",
+        aten=("linalg_solve_triangular",),
         op_class="scan",
         reference=gated_delta_rule_reference,
         make_inputs=delta_rule_inputs,
@@ -219,6 +220,7 @@ def causal_conv1d_reference(
 register_operator(
     Operator(
         name="causal_conv1d",
+        aten=("convolution",),
         op_class="elementwise",
         reference=causal_conv1d_reference,
         make_inputs=conv_inputs,

@@ -60,6 +60,38 @@ ROUTING_CASES = tier_cases(
         },
         tier="pr",
     ),
+    # Trained checkpoints' e_score_correction_bias sits at order 1-10 (the load balancer
+    # pushes it far from its zero start): a bias of 5 +- 0.05 makes weights that wrongly
+    # include it differ by orders of magnitude more than bfloat16's rounding.
+    Case(
+        "dsv3-bias5-9x64-top8-g8",
+        {
+            "tokens": 9,
+            "experts": 64,
+            "top_k": 8,
+            "scoring": "sigmoid",
+            "renormalize": True,
+            "groups": 8,
+            "topk_groups": 4,
+            "scaling": 2.5,
+            "bias": (5.0, 0.05),
+        },
+    ),
+    Case(
+        "dsv3-bias8-257x256-top8-g8",
+        {
+            "tokens": 257,
+            "experts": 256,
+            "top_k": 8,
+            "scoring": "sigmoid",
+            "renormalize": True,
+            "groups": 8,
+            "topk_groups": 4,
+            "scaling": 2.5,
+            "bias": (8.0, 0.5),
+        },
+        tier="pr",
+    ),
     Case(
         "softmax-norenorm-100x60-top4",
         {"tokens": 100, "experts": 60, "top_k": 4, "scoring": "softmax", "renormalize": False},
@@ -76,6 +108,22 @@ ROUTING_CASES = tier_cases(
 LEVEL_SPACING = 0.1
 
 
+#: The correction bias of a freshly initialized DeepSeek-V3 router: near zero (thousandths).
+FRESH_BIAS_STEP = 1e-3
+
+
+def _correction_bias(case: Case, gen: torch.Generator) -> torch.Tensor:
+    """DeepSeek-V3's e_score_correction_bias [experts] (real checkpoints keep it in float32;
+    the suite rounds it to the target dtype like every floating input): ``bias = (center,
+    spread)`` draws center + spread * N(0, 1) per expert; without it, a fresh router's
+    thousandths."""
+    e = case["experts"]
+    if case.get("bias") is None:
+        return (torch.arange(e, dtype=torch.float64) % 7) * FRESH_BIAS_STEP
+    center, spread = case["bias"]
+    return center + spread * torch.randn(e, generator=gen, dtype=torch.float64)
+
+
 def routing_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
     t, e = case["tokens"], case["experts"]
     ranks = torch.argsort(torch.rand(t, e, generator=gen), dim=-1).to(torch.float64)
@@ -83,10 +131,7 @@ def routing_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
     logits += 1e-3 * torch.randn(t, e, generator=gen, dtype=torch.float64)
     return {
         "logits": logits,
-        # DeepSeek-V3's e_score_correction_bias: kept in float32 by real checkpoints.
-        "bias": (torch.arange(e, dtype=torch.float64) % 7) * 1e-3
-        if case["scoring"] == "sigmoid"
-        else None,
+        "bias": _correction_bias(case, gen) if case["scoring"] == "sigmoid" else None,
         "top_k": case["top_k"],
         "scoring": case["scoring"],
         "renormalize": case["renormalize"],
@@ -134,6 +179,7 @@ def routing_reference(
 register_operator(
     Operator(
         name="moe_routing",
+        aten=("topk", "sigmoid"),
         op_class="selection",
         reference=routing_reference,
         make_inputs=routing_inputs,
@@ -257,6 +303,7 @@ def experts_reference(
 register_operator(
     Operator(
         name="moe_experts",
+        aten=("index_add",),
         op_class="matmul",
         reference=experts_reference,
         make_inputs=expert_inputs,

@@ -18,13 +18,25 @@ NORM_CASES = tier_cases(
     Case("small-16x4096", {"tokens": 16, "hidden": 4096}, regime="small"),
     Case("outliers-16x4096", {"tokens": 16, "hidden": 4096}, regime="outliers"),
     Case("unaligned-33x4097", {"tokens": 33, "hidden": 4097}, tier="pr"),
-    Case("prime-7x1031", {"tokens": 7, "hidden": 1031}, tier="pr"),
+    Case("prime-7x1031", {"tokens": 7, "hidden": 1031}),
     Case("large-4x5120", {"tokens": 4, "hidden": 5120}, regime="large", tier="pr"),
     Case("noncontig-9x768", {"tokens": 9, "hidden": 768, "noncontiguous": True}, tier="pr"),
     Case("empty-0x4096", {"tokens": 0, "hidden": 4096}, tier="pr"),
     # rows whose mean (30) is far above their spread (1): one-pass variance cancels
     Case("offset-8x4096", {"tokens": 8, "hidden": 4096, "mean": 30.0}, tier="pr"),
     Case("many-4096x8192", {"tokens": 4096, "hidden": 8192}, tier="nightly"),
+)
+#: RMSNorm grids add Gemma's and Qwen3-Next's (1 + weight) with a zero-centered weight: a
+#: kernel that ignores the offset multiplies by a weight near 0 and fails at once.
+RMS_CASES = tier_cases(
+    *NORM_CASES,
+    Case("gemma-offset-8x4096", {"tokens": 8, "hidden": 4096, "offset": 1.0}),
+    Case(
+        "gemma-offset-unaligned-5x2049",
+        {"tokens": 5, "hidden": 2049, "offset": 1.0},
+        regime="outliers",
+        tier="pr",
+    ),
 )
 #: Model families whose RMSNorm weight is zero-centered (the norm multiplies by 1 + weight).
 ZERO_CENTERED_NORMS = ("Gemma", "Qwen3Next")
@@ -33,12 +45,15 @@ EPS = 1e-5
 
 
 def rms_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
+    """x [tokens, hidden]; weight [hidden] near 1, or near 0 where the case has an offset
+    (zero-centered, as Gemma and Qwen3-Next store it); eps; offset (0 or 1)."""
     h = case["hidden"]
+    offset = float(case.get("offset", 0.0))
     return {
         "x": values((case["tokens"], h), case.regime, gen) + case.get("mean", 0.0),
-        "weight": 1.0 + 0.1 * values((h,), "ordinary", gen),
+        "weight": 1.0 - offset + 0.1 * values((h,), "ordinary", gen),
         "eps": EPS,
-        "offset": 0.0,
+        "offset": offset,
     }
 
 
@@ -63,10 +78,12 @@ def _rms_adapter(module: Any) -> dict[str, Any]:
 register_operator(
     Operator(
         name="rms_norm",
+        aten=("rsqrt",),
+        probe_swap=True,
         op_class="normalization",
         reference=rms_norm_reference,
         make_inputs=rms_inputs,
-        cases=NORM_CASES,
+        cases=RMS_CASES,
         reduction_length=lambda case: case["hidden"],
         hf_modules=("*RMSNorm",),
         adapter=_rms_adapter,
@@ -117,6 +134,8 @@ def layer_norm_reference(
 register_operator(
     Operator(
         name="layer_norm",
+        aten=("native_layer_norm",),
+        probe_swap=True,
         op_class="normalization",
         reference=layer_norm_reference,
         make_inputs=layer_norm_inputs,
@@ -168,7 +187,7 @@ register_operator(
         op_class="normalization",
         reference=add_rms_norm_reference,
         make_inputs=add_rms_inputs,
-        cases=NORM_CASES,
+        cases=RMS_CASES,
         outputs=(Output("out"), Output("residual")),
         reduction_length=lambda case: case["hidden"],
         description="fused residual add + RMSNorm: returns the normed output and the new residual",

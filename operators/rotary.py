@@ -147,6 +147,8 @@ for _name, _ref, _inputs, _doc in (
             cases=ROPE_CASES,
             description=_doc,
             hf_modules=("*RotaryEmbedding",) if _name == "rope_neox" else (),
+            # a rotary computed inline (no rotary module) shows as its cos and sin tables
+            aten=("cos", "sin") if _name == "rope_neox" else (),
         )
     )
 

@@ -36,6 +36,7 @@ def topk_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 register_operator(
     Operator(
         name="topk",
+        aten=("topk",),
         op_class="selection",
         reference=topk_reference,
         make_inputs=topk_inputs,
@@ -79,6 +80,7 @@ def sort_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 register_operator(
     Operator(
         name="sort",
+        aten=("sort",),
         op_class="selection",
         reference=sort_reference,
         make_inputs=sort_inputs,

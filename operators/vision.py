@@ -102,6 +102,7 @@ def embedding_reference(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 register_operator(
     Operator(
         name="embedding",
+        aten=("embedding",),
         op_class="gather-scatter",
         reference=embedding_reference,
         make_inputs=embed_inputs,

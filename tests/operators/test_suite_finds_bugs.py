@@ -88,9 +88,7 @@ def test_failure_messages_name_the_operator_the_kernel_and_the_case(
     suite_run: tuple[str, list[dict]],
 ) -> None:
     _, records = suite_run
-    failing = next(
-        r for r in records if r.candidate == "wrong_eps" and r.case == "small-16x4096"
-    )
+    failing = next(r for r in records if r.candidate == "wrong_eps" and r.case == "small-16x4096")
     assert failing.verdict == "failed"
-    assert failing["message"].startswith("rms_norm [")
-    assert "small-16x4096" in failing["test_id"]
+    assert str(failing.message).startswith("rms_norm [")
+    assert "small-16x4096" in failing.test_id

@@ -15,6 +15,7 @@ RULES: tuple[str, ...] = (
     "non-finite",
     "exact",
     "ties",
+    "rounding",
     "budget",
     "tolerance",
     "distribution",
