@@ -17,28 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: aten operators (overload packet names) -> catalogue operators that stand for them.
-ATEN_TO_OPERATORS: dict[str, tuple[str, ...]] = {
-    "mm": ("linear", "matmul"), "addmm": ("linear",), "bmm": ("matmul",),
-    "linear": ("linear",), "matmul": ("matmul",), "baddbmm": ("matmul",),
-    "_softmax": ("softmax",), "softmax": ("softmax",), "_safe_softmax": ("softmax",),
-    "_scaled_dot_product_flash_attention_for_cpu": ("attention",),
-    "_scaled_dot_product_efficient_attention": ("attention",),
-    "_scaled_dot_product_flash_attention": ("attention",),
-    "scaled_dot_product_attention": ("attention",),
-    "native_layer_norm": ("layer_norm",), "rsqrt": ("rms_norm",),
-    "silu": ("silu",), "gelu": ("gelu_erf",), "gelu(approximate=tanh)": ("gelu_tanh",),
-    "tanh": ("logit_softcap",),  # tanh GELUs are mapped by their module types
-    "embedding": ("embedding",), "cumsum": ("cumsum",), "topk": ("topk", "moe_routing"),
-    "sort": ("sort",), "convolution": ("causal_conv1d",),
-    "index_add": ("moe_experts", "segment_sum"), "scatter_add": ("segment_sum",),
-    "sigmoid": ("moe_routing",), "linalg_solve_triangular": ("gated_delta_rule",),
-    "cos": ("rope_neox",), "sin": ("rope_neox",),
-    "_log_softmax": ("log_softmax",), "log_softmax": ("log_softmax",),
-    "nll_loss_forward": ("cross_entropy",), "nll_loss": ("cross_entropy",),
-    "nll_loss_nd": ("cross_entropy",), "cross_entropy_loss": ("cross_entropy",),
-    "multinomial": ("sampling",),
-}  # fmt: skip
 #: aten operators that are data movement or elementwise glue: not listed as missing.
 GLUE = {
     "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "clone", "copy_",
@@ -152,10 +130,11 @@ def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inve
         for kind, names in types.items():
             if op.stands_for(kind):
                 where[op.name].update(names)
-    for aten, op_names in ATEN_TO_OPERATORS.items():
+    aten_map = aten_to_operators()
+    for aten, op_names in aten_map.items():
         if aten in counts:
             for op_name in op_names:
-                if op_name in OPERATORS and not any(op_covers(op_name, t) for t in types):
+                if not any(op_covers(op_name, t) for t in types):
                     where[op_name].add(f"aten.{aten}")
     for name in sorted(where):
         status = "covered by candidates" if len(candidates(name)) else "reference only"
@@ -175,7 +154,7 @@ def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inve
                 {"operator": f"(module {kind})", "where": uncovered, "status": "missing"}
             )
     for aten in sorted(counts):
-        if aten not in ATEN_TO_OPERATORS and aten not in GLUE:
+        if aten not in aten_map and aten not in GLUE:
             result.rows.append(
                 {"operator": f"(aten.{aten})", "where": ["forward"], "status": "missing"}
             )
@@ -188,6 +167,18 @@ def _variant(name: str, kwargs: dict[str, Any]) -> str:
     if name == "gelu" and kwargs.get("approximate", "none") != "none":
         return f"gelu(approximate={kwargs['approximate']})"
     return name
+
+
+def aten_to_operators() -> dict[str, tuple[str, ...]]:
+    """aten operators -> the catalogue operators that declare them (``Operator.aten``)."""
+    from numalign.registry import OPERATORS, load_catalogue
+
+    load_catalogue()
+    table: dict[str, tuple[str, ...]] = {}
+    for op in OPERATORS.values():
+        for aten in op.aten:
+            table[aten] = (*table.get(aten, ()), op.name)
+    return table
 
 
 def op_covers(op_name: str, module_type: str) -> bool:

@@ -10,6 +10,7 @@ entry-point group.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 
 from numalign.cases import Case
 from numalign.compare import OP_CLASSES, Budget
+from numalign.compare.tolerances import FLOAT_FORMATS
 from numalign.names import did_you_mean
 
 #: The built-in catalogue: one module per operator family.
@@ -35,6 +37,14 @@ CATALOGUE: tuple[str, ...] = (
     "operators.linear_attention",
     "operators.vision",
     "operators.quantization",
+    "operators.logits",
+    "operators.sampling",
+    "operators.rope_scaling",
+    "operators.mla",
+    "operators.sinks",
+    "operators.fp8_block",
+    "operators.int4",
+    "operators.kv_quant",
 )
 ENTRY_POINT_GROUP = "numalign.candidates"
 
@@ -74,24 +84,115 @@ class Registry(Mapping[str, T]):
 
 
 @dataclass(frozen=True)
+class RoundingRule:
+    """How a quantizer's rounding is judged (outputs of kind "quantized").
+
+    Quantized values q (the codes, decoded: see ``CodeLayout``) with scale s stand for
+    x / s. Each element's rounding error is measured in steps of the codes' grid at x / s (1
+    for integers, the format's spacing there for float8), against the float64 truth and the
+    scale the candidate returned: r = (q - x / s) / step. Round to nearest gives |r| <= 0.5;
+    truncation gives r in (-1, 0] toward zero, 40-50% of the elements off by one, all of
+    them biased the same way."""
+
+    #: Elements within this many steps of a rounding tie may round either way (round half
+    #: away from zero is as honest as ties to even): x / s computed as x * (1 / s) in float32
+    #: is off by two float32 roundings, 2**-23 of |x / s|: about 1.5e-5 steps for int8
+    #: (|x / s| <= 128), 2**-19 for float8 (|x / s| is under 16 of its steps there);
+    #: 1e-3 leaves 60x that and stays far below any real misrounding.
+    tie_band: float = 1e-3
+    #: No element may be more than one step from the nearest grid point (|r| <= 1.5): the
+    #: old "q within 1 of the control" allowance, now against the candidate's own scale.
+    max_step_error: float = 1.5
+    #: At most this share of elements may round to the farther neighbour outside the tie
+    #: band: an honest round-to-nearest has none (reciprocal products stay inside the band);
+    #: 0.1% leaves room for a few flips at the band's edge; truncation flips 40-50%.
+    off_by_one_share: float = 1e-3
+    #: The mean signed error beyond round to nearest's own on the same values (q minus the
+    #: nearest grid point, in steps, averaged overall and toward zero; 0 within the tie band,
+    #: so data full of exact ties does not bias an honest tie rule) may be at most a
+    #: twentieth of a step: honest kernels leave the nearest point only at ties; truncation
+    #: biases by about half a step toward zero, 10x this limit.
+    bias_limit: float = 0.05
+
+
+#: The rounding rule of quantizers that round to nearest.
+ROUND_TO_NEAREST = RoundingRule()
+
+#: Integer code formats (their grid is the integers); float8 formats are those of
+#: ``numalign.compare.tolerances.FLOAT_FORMATS``.
+INTEGER_CODES: tuple[str, ...] = ("int8", "uint8", "int16", "int32")
+
+
+@dataclass(frozen=True)
+class CodeLayout:
+    """What a quantizer's values (its codes) are, and which of them share a scale.
+
+    ``codes`` names the format the codes are in: an integer dtype of ``INTEGER_CODES`` (the
+    codes are those integers) or a float format such as "float8_e4m3fn": the codes are of
+    that dtype or are its bit patterns as uint8 (``q.view(torch.uint8)``: the suite casts
+    floating inputs to the dtype under test, never integer ones, so FP8 caches travel as
+    bits). Codes of any other dtype fail: an E5M2 tensor where E4M3 is declared. None: the
+    codes' own dtype, whatever it is (uint8 then reads as integers).
+
+    ``block`` gives, per dimension of the codes, how many consecutive elements share one
+    scale: the scale has ceil(n / block) entries along a dimension of n, the last block
+    possibly partial (1x128 groups over 4097 columns: 33 scales, the last over 1 column).
+    None in the tuple: one scale along the whole dimension (size 1 there). ``block=None``:
+    the scale broadcasts against the codes. A scale of another shape fails."""
+
+    codes: str | None = None
+    block: tuple[int | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.codes is not None and self.codes not in (*INTEGER_CODES, *FLOAT_FORMATS):
+            raise ValueError(
+                f"code format {self.codes!r}: expected one of "
+                f"{', '.join((*INTEGER_CODES, *FLOAT_FORMATS))}"
+            )
+        if self.block is not None and not all(b is None or b >= 1 for b in self.block):
+            raise ValueError(f"block {self.block}: sizes are positive, or None for a whole dim")
+
+
+@dataclass(frozen=True)
 class Output:
     """One output of an operator.
 
     ``kind`` is "float" (compared against the control's error budget), "exact" (integers,
-    indices) or "ties" (indices that may differ among tied scores; ``ties_from`` names the
-    input or output holding the scores, along the last dimension). ``atol`` lets exact
-    outputs differ by that much (1 for a quantizer's rounding ties)."""
+    indices), "ties" (indices that may differ among tied scores; ``ties_from`` names the
+    input or output holding the scores, along the last dimension) or "quantized" (a
+    quantizer's codes, judged by ``rounding`` on their round trip: ``quantized_from`` names
+    the input they quantize, ``scale_from`` the output holding their scale, and ``layout``
+    the codes' format and the blocks that share a scale: a ``CodeLayout``, or a function of
+    the case returning one where they depend on it). ``atol`` lets exact outputs differ by
+    that much."""
 
     name: str
     kind: str = "float"
     ties_from: str | None = None
     atol: float = 0.0
+    quantized_from: str | None = None
+    scale_from: str | None = None
+    rounding: RoundingRule = ROUND_TO_NEAREST
+    layout: CodeLayout | Callable[[Case], CodeLayout] = CodeLayout()
 
     def __post_init__(self) -> None:
-        if self.kind not in ("float", "exact", "ties"):
-            raise ValueError(f"output {self.name}: kind must be float, exact or ties")
+        if self.kind not in ("float", "exact", "ties", "quantized"):
+            raise ValueError(f"output {self.name}: kind must be float, exact, ties or quantized")
         if self.kind == "ties" and not self.ties_from:
             raise ValueError(f"output {self.name}: ties outputs name their scores (ties_from)")
+        if self.kind == "quantized" and not (self.quantized_from and self.scale_from):
+            raise ValueError(
+                f"output {self.name}: quantized outputs name their input (quantized_from) and "
+                "their scale (scale_from)"
+            )
+
+    def layout_for(self, case: Case | None) -> CodeLayout:
+        """The codes' layout on ``case`` (needed only where the layout depends on it)."""
+        if isinstance(self.layout, CodeLayout):
+            return self.layout
+        if case is None:
+            raise ValueError(f"output {self.name}: its layout depends on the case; pass one")
+        return self.layout(case)
 
 
 @dataclass(frozen=True)
@@ -127,6 +228,13 @@ class Operator:
     function_adapter: (
         Callable[[Callable[..., Any], Callable[..., Any]], Callable[..., Any]] | None
     ) = None
+    #: aten operators (overload packet names, with a variant's keyword where it picks this
+    #: operator: ``gelu(approximate=tanh)``) a traced forward runs where the model uses this
+    #: operator outside the modules it maps to; ``numalign inventory`` lists them
+    aten: tuple[str, ...] = ()
+    #: Whether a module it stands for takes one activation of its weight's last dimension, so
+    #: that a swap can check the adapter by running the module on a probe input first
+    probe_swap: bool = False
 
     def __post_init__(self) -> None:
         if self.op_class not in OP_CLASSES:
@@ -164,7 +272,8 @@ class Candidate:
 
 OPERATORS: Registry[Operator] = Registry("operator")
 _CANDIDATES: dict[str, Registry[Candidate]] = {}
-_loaded = False
+#: "unloaded", "loading" (catalogue modules register themselves) or "loaded".
+_state = "unloaded"
 
 
 def register_operator(operator: Operator) -> Operator:
@@ -221,15 +330,43 @@ def candidates(operator: str) -> Registry[Candidate]:
 
 
 def load_catalogue() -> None:
-    """Imports the built-in operator families and the entry-point candidates, once."""
-    global _loaded
-    if _loaded:
+    """Imports the built-in operator families and the entry-point candidates, once: the whole
+    catalogue, or a RegistryError naming the module that failed (what that module registered
+    is taken back, and the next call tries again)."""
+    global _state
+    if _state != "unloaded":  # loaded, or loading (a catalogue module's own decorators)
         return
-    _loaded = True
-    for module in CATALOGUE:
-        importlib.import_module(module)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        ep.load()
+    _state = "loading"
+    try:
+        for module in CATALOGUE:
+            _load_whole(module, functools.partial(importlib.import_module, module))
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            _load_whole(f"entry point {ep.name} ({ep.value})", ep.load)
+    except BaseException:
+        _state = "unloaded"
+        raise
+    _state = "loaded"
+
+
+def _load_whole(what: str, load: Callable[[], object]) -> None:
+    """Runs ``load``; when it raises, removes the operators and candidates it registered
+    and raises a RegistryError that names ``what``."""
+    operators = set(OPERATORS)
+    candidates_before = {op: set(registry) for op, registry in _CANDIDATES.items()}
+    try:
+        load()
+    except Exception as exc:
+        for name in set(OPERATORS) - operators:
+            del OPERATORS._entries[name]
+            _CANDIDATES.pop(name, None)
+        for op, names in candidates_before.items():
+            for name in set(_CANDIDATES[op]) - names:
+                del _CANDIDATES[op]._entries[name]
+        raise RegistryError(
+            f"the operator catalogue did not load: {what} raised {type(exc).__name__}: {exc}. "
+            "Fix or uninstall it; nothing it registered is kept, and the catalogue loads again "
+            "on the next use"
+        ) from exc
 
 
 def load_candidate_modules(modules: Sequence[str]) -> None:

@@ -137,7 +137,7 @@ def _check_adapter(name: str, module: torch.nn.Module, op: Operator) -> None:
     """The operator's reference, through the adapter, must reproduce the module on a probe
     input: otherwise the swap would test the wrong thing."""
     weight = next((p for p in module.parameters()), None)
-    if weight is None or op.name not in _PROBED:
+    if weight is None or not op.probe_swap:
         return
     probe = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0))
     probe = probe.to(weight.device, weight.dtype)
@@ -153,7 +153,3 @@ def _check_adapter(name: str, module: torch.nn.Module, op: Operator) -> None:
             f"max difference {float((mine - theirs).abs().max()):.3g}: teach the adapter of "
             f"{op.name} this module type"
         )
-
-
-#: Operators whose modules take one activation of the hidden size: probed before a swap.
-_PROBED = ("rms_norm", "layer_norm", "linear")
