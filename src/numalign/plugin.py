@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from numalign.settings import (
+    ATTN_IMPLEMENTATIONS,
     DEFAULT_DTYPES,
     DEFAULT_TIER,
     TIERS,
@@ -20,6 +21,12 @@ from numalign.settings import (
     parse_tier,
     validate_device,
 )
+from numalign.truths import (
+    TruthCache,
+    resolve_truth_folder,
+    restore_truth_cache,
+    use_truth_cache,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +35,7 @@ if TYPE_CHECKING:
     from numalign.record import NodeRecorder
 
 settings_key = pytest.StashKey[Settings]()
+previous_truth_cache_key = pytest.StashKey[TruthCache | None]()
 collector_key = pytest.StashKey[object]()
 
 MARKERS = {
@@ -141,7 +149,8 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
     (
         "--attn-implementation",
         "numalign_attn_implementation",
-        "transformers attention implementation for model replay: eager, sdpa, flex_attention",
+        "transformers attention implementation for model replay: "
+        + ", ".join(ATTN_IMPLEMENTATIONS),
         {},
         "string",
         "",
@@ -171,6 +180,15 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
         {"action": "store_true", "default": None},
         "bool",
         False,
+    ),
+    (
+        "--truth-cache",
+        "numalign_truth_cache",
+        "folder of the operator suite's cached float64 truths, relative to the rootdir "
+        "(default .numalign-cache/truths, or $NUMALIGN_CACHE/truths); off: no cache",
+        {},
+        "string",
+        "",
     ),
 ]
 
@@ -217,10 +235,10 @@ def settings_from_config(config: pytest.Config) -> Settings:
         raise pytest.UsageError("numalign: --regression-factor must be a number above 1")
     history = str(_value(config, "numalign_history") or "")
     attn = str(_value(config, "numalign_attn_implementation") or "")
-    if attn and attn not in ("eager", "sdpa", "flex_attention"):
+    if attn and attn not in ATTN_IMPLEMENTATIONS:
         raise pytest.UsageError(
             f"numalign: unknown --attn-implementation {attn!r}; "
-            "allowed: eager, sdpa, flex_attention"
+            f"allowed: {', '.join(ATTN_IMPLEMENTATIONS)}"
         )
     return Settings(
         device=device,
@@ -239,6 +257,9 @@ def settings_from_config(config: pytest.Config) -> Settings:
         attn_implementation=attn or None,
         experts_implementation=str(_value(config, "numalign_experts_implementation") or "") or None,
         allow_tf32=bool(_value(config, "numalign_allow_tf32")),
+        truth_cache=resolve_truth_folder(
+            str(_value(config, "numalign_truth_cache") or ""), config.rootpath
+        ),
     )
 
 
@@ -258,6 +279,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
     settings = settings_from_config(config)
     config.stash[settings_key] = settings
+    config.stash[previous_truth_cache_key] = use_truth_cache(settings.truth_cache)
     _import_all(settings.device_plugins, "--device-plugin")
     if settings.device not in ("auto", "cpu"):
         from numalign.replay import DeviceUnavailableError, resolve_device
@@ -281,6 +303,11 @@ def pytest_configure(config: pytest.Config) -> None:
         collector = DriftCollector(settings)
         config.stash[collector_key] = collector
         config.pluginmanager.register(collector, "numalign-drift")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if previous_truth_cache_key in config.stash:  # an in-process run leaves the outer one's
+        restore_truth_cache(config.stash[previous_truth_cache_key])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from numalign.replay.devices import parse_device
+#: Accelerators in the order ``auto`` tries them.
+ACCELERATORS: tuple[str, ...] = ("cuda", "xpu", "npu", "mps")
+DEVICE_TYPES: tuple[str, ...] = ("auto", "cpu", *ACCELERATORS)
+_SPEC = re.compile(r"^(?P<type>[a-z]+)(?::(?P<index>\d+))?$")
+#: transformers' attention implementations a model replay can ask for.
+ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("eager", "sdpa", "flex_attention")
 
 #: dtypes candidates may run in, in the order of ``--dtype``'s default.
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
@@ -37,6 +43,8 @@ class Settings:
     attn_implementation: str | None = None
     experts_implementation: str | None = None
     allow_tf32: bool = False
+    #: Where the operator suite keeps its float64 truths (``numalign.truths``); None: off.
+    truth_cache: Path | None = None
 
     def tier_rank(self) -> int:
         return TIERS.index(self.tier)
@@ -85,3 +93,18 @@ def in_shard(test_id: str, shard: tuple[int, int] | None) -> bool:
 def validate_device(text: str) -> str:
     parse_device(text)
     return text.strip().lower()
+
+
+def parse_device(spec: str) -> tuple[str, int | None]:
+    """Checks the syntax of a device spec (``auto``, ``cpu``, ``cuda``, ``cuda:1``, ...)
+    without importing torch. Raises ValueError naming the allowed values."""
+    match = _SPEC.match(spec.strip().lower())
+    if not match or match["type"] not in DEVICE_TYPES:
+        raise ValueError(
+            f"unknown device {spec!r}; allowed: {', '.join(DEVICE_TYPES)}, "
+            "optionally with an index (cuda:1)"
+        )
+    kind, index = match["type"], match["index"]
+    if index is not None and kind in ("auto", "cpu"):
+        raise ValueError(f"device {spec!r}: {kind} takes no index")
+    return kind, int(index) if index is not None else None

@@ -15,10 +15,15 @@ import torch
 
 from numalign.cases import Case
 from numalign.opcheck import check_operator
+from numalign.phases import phase
 from numalign.record import NodeRecorder
 from numalign.registry import OPERATORS, Candidate, Operator, candidates, load_catalogue
+from numalign.replay import threads_per_worker
 
 load_catalogue()
+# One torch thread per core share from collection on (numalign_device sets it up again with
+# the rest of torch's configuration): xdist workers must not each spin up every core.
+torch.set_num_threads(threads_per_worker())
 _PARAMS: dict[tuple[str, str], tuple[Candidate, str, Case]] = {}
 
 
@@ -48,8 +53,9 @@ def _make_test(op: Operator) -> Callable[..., None]:
             policy=tolerance_policy,  # type: ignore[arg-type]
         )
         duration = time.perf_counter() - start
-        for result in results:
-            record_drift(result, duration_s=duration, **context)
+        with phase("records"):
+            for result in results:
+                record_drift(result, duration_s=duration, **context)
         failed = [r for r in results if not r.passed]
         if failed:
             pytest.fail(
@@ -75,9 +81,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     settings = metafunc.config.stash[settings_key]
     op = OPERATORS[metafunc.function.__name__.removeprefix("test_")]
     ids = []
-    for cand in candidates(op.name).values():
+    # Case-major order: the candidates of one case and dtype run one after another (on one
+    # worker, mostly), so they share the truth, inputs and control kept per worker.
+    for case in op.cases_for(settings.tier):
         for dtype in settings.dtypes:
-            for case in op.cases_for(settings.tier):
+            for cand in candidates(op.name).values():
                 param = f"{cand.name}-{dtype}-{case.name}"
                 _PARAMS[(op.name, param)] = (cand, dtype, case)
                 ids.append(param)

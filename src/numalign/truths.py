@@ -1,0 +1,316 @@
+"""An on-disk cache of the operator suite's float64 truths.
+
+The truth of an operator case (its reference run in float64 on the case's inputs rounded to
+the target dtype) is deterministic: the same reference, inputs builder, case, dtype and torch
+give the same values. Computing it is a large share of a suite's time, so the suite keeps it
+on disk, with the rounded inputs it was computed on, and a later run (or another xdist
+worker, or another candidate of the same case) reads it back instead.
+
+An entry is found by a sha256 over everything that decides its values:
+
+- the operator's name, and the source (``inspect.getsource``) of its reference and its
+  inputs builder, of the modules defining them (their helpers and constants) and of the
+  modules of the same package those take names from (``operators._common``), and of
+  ``numalign.cases`` (the seeded draws);
+- the case: name, parameters and value regime;
+- the dtype the inputs were rounded to;
+- the torch version (another version is a miss: never trusted without recomputing).
+
+Any change is a miss, and the entry is recomputed and rewritten. A reference whose source
+cannot be read (defined in a REPL or by ``exec``) is never cached.
+
+Entries are safetensors files (never pickle) under ``<folder>/<operator>/``: tensors
+``inputs.<name>`` and ``truth.<name>``; the metadata holds the key's parts (checked on
+reading, so a hash collision or a misplaced file is a miss), the non-tensor inputs as JSON,
+and a sha256 of every tensor's bytes, so a truncated or damaged file is recomputed, never
+trusted. Writes go to a temporary file in the same folder and are renamed into place, so
+parallel workers never read half a file. The folder holds a ``.gitignore`` of ``*``.
+
+The float64 truth is deterministic up to how a CPU reduction is split among threads, which
+moves its last bit (1e-16 relative); every verdict allows errors of the target dtype's
+rounding (1e-3 for bfloat16) or more, so a truth from a run with other thread counts judges
+the same.
+
+The cache is off unless a session turns it on: the pytest plugin does (``--truth-cache``,
+default ``<rootdir>/.numalign-cache/truths`` or ``$NUMALIGN_CACHE/truths``); a script calls
+``use_truth_cache(folder)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from numalign.cases import Case
+    from numalign.registry import Operator
+
+#: Format tag of an entry's metadata; a different tag is a miss.
+FORMAT = "numalign.truth/1"
+#: Environment variable naming the cache root (truths go to its ``truths/`` folder).
+CACHE_ENV = "NUMALIGN_CACHE"
+#: The cache root inside the rootdir when ``$NUMALIGN_CACHE`` is not set.
+DEFAULT_ROOT = ".numalign-cache"
+#: Values of ``--truth-cache`` that turn the cache off.
+OFF_VALUES: tuple[str, ...] = ("off", "none", "no", "false", "0")
+
+Entry = tuple[dict[str, Any], dict[str, Any]]
+
+
+def default_truth_folder(rootdir: Path) -> Path:
+    """``$NUMALIGN_CACHE/truths`` when the variable is set, else
+    ``<rootdir>/.numalign-cache/truths``."""
+    root = os.environ.get(CACHE_ENV, "").strip()
+    return (Path(root) if root else rootdir / DEFAULT_ROOT) / "truths"
+
+
+def resolve_truth_folder(value: str, rootdir: Path) -> Path | None:
+    """The truth folder for a ``--truth-cache`` value: None for ``off``; the default for an
+    empty value; else the path, relative to ``rootdir`` when not absolute."""
+    text = value.strip()
+    if text.lower() in OFF_VALUES:
+        return None
+    if not text:
+        return default_truth_folder(rootdir)
+    path = Path(text).expanduser()
+    return path if path.is_absolute() else rootdir / path
+
+
+def _helper_modules(module: ModuleType) -> list[str]:
+    """``module`` and the modules of its package its globals come from (helpers such as
+    ``operators._common.up``), by name."""
+    top = module.__name__.partition(".")[0]
+    names = {module.__name__}
+    for value in vars(module).values():
+        name = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+        if isinstance(name, str) and name.partition(".")[0] == top and name in sys.modules:
+            names.add(name)
+    return sorted(names)
+
+
+@functools.cache
+def _source_digest(*functions: Callable[..., Any]) -> str | None:
+    """sha256 over the source of ``functions``, of the modules defining them and the
+    modules of their package those import from, and of ``numalign.cases``; None when a
+    source cannot be read."""
+    digest = hashlib.sha256()
+    try:
+        for fn in functions:
+            target = inspect.unwrap(fn)
+            digest.update(inspect.getsource(target).encode())
+            module = inspect.getmodule(target)
+            for name in _helper_modules(module) if module is not None else []:
+                digest.update(inspect.getsource(sys.modules[name]).encode())
+        digest.update(inspect.getsource(sys.modules["numalign.cases"]).encode())
+    except (OSError, TypeError):
+        return None
+    return digest.hexdigest()
+
+
+def _json_exact(value: Any) -> bool:
+    """Whether ``value`` comes back from JSON equal and of the same types."""
+    if value is None or type(value) in (bool, int, float, str):
+        return True
+    if type(value) is dict:
+        return all(type(k) is str and _json_exact(v) for k, v in value.items())
+    if type(value) is list:
+        return all(_json_exact(v) for v in value)
+    return False
+
+
+def _checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        if tensor.numel():
+            digest.update(tensor.reshape(-1).contiguous().view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+@dataclass
+class TruthCache:
+    """The truths under ``folder``; ``stats`` counts hits, misses, rejected (unreadable,
+    damaged or mismatched) entries and writes."""
+
+    folder: Path
+    stats: dict[str, int] = field(
+        default_factory=lambda: {"hit": 0, "miss": 0, "rejected": 0, "written": 0}
+    )
+
+    def key(self, op: Operator, case: Case, dtype: torch.dtype) -> dict[str, str] | None:
+        """The parts that decide the entry's values, or None when the operator's source
+        cannot be read (then nothing is cached)."""
+        import torch
+
+        sources = _source_digest(op.reference, op.make_inputs)
+        if sources is None:
+            return None
+        return {
+            "format": FORMAT,
+            "operator": op.name,
+            "sources": sources,
+            "case": case.name,
+            "params": json.dumps(dict(case.params), sort_keys=True, default=repr),
+            "regime": case.regime,
+            "dtype": str(dtype),
+            "torch": str(torch.__version__),
+        }
+
+    def path(self, key: Mapping[str, str]) -> Path:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+        readable = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{key['case']}-{key['dtype']}")[:80]
+        operator = re.sub(r"[^A-Za-z0-9._-]+", "_", key["operator"])
+        return self.folder / operator / f"{readable}-{digest[:32]}.safetensors"
+
+    def load(self, op: Operator, case: Case, dtype: torch.dtype) -> Entry | None:
+        """The stored (rounded inputs, truth), or None on a miss. An entry that cannot be
+        read, fails its checksum or belongs to another key is a miss (and is rewritten by
+        the next ``store``)."""
+        key = self.key(op, case, dtype)
+        if key is None:
+            return None
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            self.stats["miss"] += 1
+            return None
+        entry = _decode(data, key)
+        if entry is None:
+            self.stats["rejected"] += 1
+            return None
+        self.stats["hit"] += 1
+        return entry
+
+    def store(
+        self,
+        op: Operator,
+        case: Case,
+        dtype: torch.dtype,
+        inputs: Mapping[str, Any],
+        truth: Mapping[str, Any],
+    ) -> Path | None:
+        """Writes (inputs, truth) atomically; returns the path, or None when the entry
+        cannot be cached (unreadable source, an output that is not a tensor, an input that
+        is neither a tensor nor plain JSON) or the folder cannot be written."""
+        import torch
+
+        key = self.key(op, case, dtype)
+        if key is None or not all(isinstance(v, torch.Tensor) for v in truth.values()):
+            return None
+        tensors: dict[str, torch.Tensor] = {}
+        plain: dict[str, Any] = {}
+        for name, value in inputs.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"inputs.{name}"] = value
+            elif _json_exact(value):
+                plain[name] = value
+            else:
+                return None
+        for name, value in truth.items():
+            tensors[f"truth.{name}"] = value
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        metadata = {
+            "numalign": json.dumps(key, sort_keys=True),
+            "inputs": json.dumps(list(inputs)),
+            "truth": json.dumps(list(truth)),
+            "plain": json.dumps(plain),
+            "checksum": _checksum(tensors),
+        }
+        path = self.path(key)
+        try:
+            _write_atomic(path, lambda target: _save(tensors, metadata, target))
+        except Exception:  # an unwritable folder or an unsupported dtype: just don't cache
+            return None
+        self.stats["written"] += 1
+        return path
+
+
+def _save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], target: str) -> None:
+    """safetensors.torch.save_file, on copies where tensors share memory (it refuses)."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, target, metadata=metadata)
+    except RuntimeError:
+        save_file({k: v.clone() for k, v in tensors.items()}, target, metadata=metadata)
+
+
+def _write_atomic(path: Path, write: Callable[[str], None]) -> None:
+    """Calls ``write`` on a temporary file beside ``path`` and renames it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ignore = path.parent.parent / ".gitignore"
+    if not ignore.exists():
+        ignore.write_text("# created by numalign: the truth cache is not versioned\n*\n")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _decode(data: bytes, key: Mapping[str, str]) -> Entry | None:
+    """(inputs, truth) from an entry's bytes, or None when they are not a sound entry of
+    ``key``."""
+    try:
+        from safetensors.torch import load
+
+        size = int.from_bytes(data[:8], "little")
+        metadata = json.loads(data[8 : 8 + size])["__metadata__"]
+        if json.loads(metadata["numalign"]) != dict(key):
+            return None
+        tensors = load(data)
+        if _checksum(tensors) != metadata["checksum"]:
+            return None
+        plain = json.loads(metadata["plain"])
+        inputs = {
+            name: plain[name] if name in plain else tensors[f"inputs.{name}"]
+            for name in json.loads(metadata["inputs"])
+        }
+        truth = {name: tensors[f"truth.{name}"] for name in json.loads(metadata["truth"])}
+    except Exception:  # truncated, damaged, or not an entry at all
+        return None
+    return inputs, truth
+
+
+_active: TruthCache | None = None
+
+
+def use_truth_cache(folder: Path | str | None) -> TruthCache | None:
+    """Turns the cache on in ``folder`` (off for None) for this process; returns the cache
+    that was active before."""
+    global _active
+    previous = _active
+    _active = TruthCache(Path(folder)) if folder is not None else None
+    return previous
+
+
+def restore_truth_cache(cache: TruthCache | None) -> None:
+    """Makes ``cache`` (a value ``use_truth_cache`` returned) the active one again."""
+    global _active
+    _active = cache
+
+
+def active_truth_cache() -> TruthCache | None:
+    """The cache this process uses, or None when it is off."""
+    return _active

@@ -1,0 +1,242 @@
+"""The on-disk cache of float64 truths (numalign.truths): bit-identical hits, misses on any
+change of what decides the values, damaged entries recomputed, and the plugin's option."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from numalign import opcheck
+from numalign.registry import OPERATORS, candidates, load_catalogue
+from numalign.truths import (
+    TruthCache,
+    active_truth_cache,
+    restore_truth_cache,
+    use_truth_cache,
+)
+
+load_catalogue()
+RMS = OPERATORS["rms_norm"]
+CASE = next(c for c in RMS.cases if c.name == "prime-7x1031")
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        )
+    return type(a) is type(b) and a == b
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Iterator[TruthCache]:
+    """The truth cache on in a fresh folder, with the per-worker memory emptied."""
+    previous = use_truth_cache(tmp_path / "truths")
+    opcheck._truths.clear()
+    active = active_truth_cache()
+    assert active is not None
+    yield active
+    opcheck._truths.clear()
+    restore_truth_cache(previous)
+
+
+def _fresh(op: Any = RMS, case: Any = CASE, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """inputs_and_truth with nothing in memory (it goes to the disk cache, if on)."""
+    opcheck._truths.clear()
+    return opcheck.inputs_and_truth(op, case, dtype)
+
+
+def test_a_cached_truth_is_bit_identical_to_a_recomputed_one(cache: TruthCache) -> None:
+    _fresh()
+    assert cache.stats["written"] == 1
+    cached_inputs, cached_truth = _fresh()
+    assert cache.stats["hit"] == 1
+    previous = use_truth_cache(None)
+    try:
+        recomputed_inputs, recomputed_truth = _fresh()
+    finally:
+        restore_truth_cache(previous)
+    assert list(cached_truth) == list(recomputed_truth) == ["out"]
+    assert list(cached_inputs) == list(recomputed_inputs)
+    for name in recomputed_truth:
+        assert _same_bits(cached_truth[name], recomputed_truth[name])
+    for name in recomputed_inputs:
+        assert _same_bits(cached_inputs[name], recomputed_inputs[name]), name
+    assert cached_truth["out"].dtype == torch.float64
+
+
+def test_the_suite_judges_the_same_with_a_cached_truth(cache: TruthCache) -> None:
+    cand = next(iter(candidates("rms_norm").values()))
+    first = opcheck.check_operator(RMS, cand, CASE, torch.float16, torch.device("cpu"))
+    opcheck._truths.clear()
+    second = opcheck.check_operator(RMS, cand, CASE, torch.float16, torch.device("cpu"))
+    assert cache.stats["hit"] == 1
+    assert [r.metrics for r in first] == [r.metrics for r in second]
+
+
+def _other_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
+    """The same maths, another source: a changed reference."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (offset + weight.to(xf.dtype))).to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["reference", "inputs builder", "case name", "case parameters", "regime", "dtype", "torch"],
+)
+def test_any_change_of_what_decides_the_truth_misses(
+    cache: TruthCache, change: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fresh()
+    op, case, dtype = RMS, CASE, torch.bfloat16
+    if change == "reference":
+        op = dataclasses.replace(RMS, reference=_other_reference)
+    elif change == "inputs builder":
+        op = dataclasses.replace(RMS, make_inputs=lambda c, g: RMS.make_inputs(c, g))
+    elif change == "case name":
+        case = dataclasses.replace(CASE, name="prime-7x1031-b")
+    elif change == "case parameters":
+        case = dataclasses.replace(CASE, params={**CASE.params, "tokens": 8})
+    elif change == "regime":
+        case = dataclasses.replace(CASE, regime="small")
+    elif change == "dtype":
+        dtype = torch.float16
+    else:
+        monkeypatch.setattr(torch, "__version__", "99.0.0+other")
+    assert cache.load(op, case, dtype) is None
+    assert cache.stats["hit"] == 0
+    monkeypatch.undo()
+    assert cache.load(RMS, CASE, torch.bfloat16) is not None  # the original still hits
+
+
+def test_a_reference_without_readable_source_is_not_cached(cache: TruthCache) -> None:
+    namespace: dict[str, Any] = {}
+    exec("def reference(x, weight, eps, offset=0.0):\n    return x * weight", namespace)
+    op = dataclasses.replace(RMS, reference=namespace["reference"])
+    assert cache.key(op, CASE, torch.float32) is None
+    _fresh(op, CASE, torch.float32)
+    assert cache.stats["written"] == 0
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped byte", "empty", "not safetensors"])
+def test_a_damaged_entry_is_recomputed_not_trusted(cache: TruthCache, damage: str) -> None:
+    _, truth = _fresh()
+    key = cache.key(RMS, CASE, torch.bfloat16)
+    assert key is not None
+    path = cache.path(key)
+    data = bytearray(path.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "flipped byte":
+        data[-3] ^= 0x40  # in the last tensor's values: the header still parses
+    elif damage == "empty":
+        data = bytearray()
+    else:
+        data = bytearray(b"\x80\x04not a safetensors file")
+    path.write_bytes(bytes(data))
+    assert cache.load(RMS, CASE, torch.bfloat16) is None
+    assert cache.stats["rejected"] == 1
+    _, again = _fresh()  # recomputed, and written back whole
+    assert _same_bits(again["out"], truth["out"])
+    assert cache.load(RMS, CASE, torch.bfloat16) is not None
+
+
+def test_writes_are_atomic(cache: TruthCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_replace(src: str, dst: str) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    _fresh()  # the failed write does not fail the check
+    assert cache.stats["written"] == 0
+    assert not [p for p in cache.folder.rglob("*") if p.is_file() and p.name != ".gitignore"]
+    monkeypatch.undo()
+    _fresh()
+    files = [p.name for p in cache.folder.rglob("*") if p.is_file()]
+    assert len([f for f in files if f.endswith(".safetensors")]) == 1
+    assert not [f for f in files if f.endswith(".tmp")]
+    assert (cache.folder / ".gitignore").read_text().splitlines()[-1] == "*"
+
+
+SHOWS_CACHE = """
+from numalign.truths import active_truth_cache
+
+def test_cache():
+    cache = active_truth_cache()
+    print("TRUTH-CACHE", cache.folder if cache is not None else None)
+"""
+
+
+def _shown(result: pytest.RunResult) -> str:
+    result.assert_outcomes(passed=1)
+    line = next(line for line in result.outlines if "TRUTH-CACHE" in line)
+    return line.split("TRUTH-CACHE ", 1)[1].split(" ")[0].rstrip(".")
+
+
+@pytest.mark.parametrize(
+    ("args", "ini", "env", "expected"),
+    [
+        ((), "", None, "{root}/.numalign-cache/truths"),
+        (("--truth-cache", "off"), "", None, "None"),
+        (("--truth-cache", "elsewhere"), "", None, "{root}/elsewhere"),
+        ((), "numalign_truth_cache = off\n", None, "None"),
+        ((), "numalign_truth_cache = from-ini\n", None, "{root}/from-ini"),
+        (("--truth-cache", "cli"), "numalign_truth_cache = off\n", None, "{root}/cli"),
+        ((), "", "{root}/shared", "{root}/shared/truths"),
+    ],
+)
+def test_the_option_ini_key_and_environment_choose_the_folder(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    args: tuple[str, ...],
+    ini: str,
+    env: str | None,
+    expected: str,
+) -> None:
+    root = str(pytester.path)
+    if env is None:
+        monkeypatch.delenv("NUMALIGN_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("NUMALIGN_CACHE", env.format(root=root))
+    pytester.makeini(f"[pytest]\n{ini}")
+    pytester.makepyfile(SHOWS_CACHE)
+    before = active_truth_cache()
+    result = pytester.runpytest("-s", *args)
+    assert _shown(result) == expected.format(root=root)
+    assert active_truth_cache() is before  # an in-process run leaves this process's as it was
+
+
+def test_the_suite_fills_the_cache_and_off_leaves_none(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import torch
+        from numalign.opcheck import check_operator, _truths
+        from numalign.registry import OPERATORS, candidates, load_catalogue
+
+        def test_one(numalign_device):
+            load_catalogue()
+            op = OPERATORS["rms_norm"]
+            case = next(c for c in op.cases if c.name == "tiny-3x8")
+            cand = next(iter(candidates("rms_norm").values()))
+            _truths.clear()
+            assert all(r.passed for r in check_operator(op, cand, case, torch.float16,
+                                                        numalign_device))
+        """
+    )
+    # in subprocesses: torch registers operator libraries once per process
+    pytester.runpytest_subprocess("--truth-cache", "off").assert_outcomes(passed=1)
+    assert not (pytester.path / ".numalign-cache").exists()
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+    entries = list((pytester.path / ".numalign-cache" / "truths").rglob("*.safetensors"))
+    assert len(entries) == 1 and "tiny-3x8-torch.float16" in entries[0].name
