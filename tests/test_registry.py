@@ -112,3 +112,51 @@ def silu(x):
     )  # fmt: skip
     result.stdout.fnmatch_lines(["*SKIPPED*candidate silu/only_cuda does not run on cpu*"])
     assert result.ret == 0
+
+
+def test_a_failing_catalogue_module_is_named_taken_back_and_retried(tmp_path: Path) -> None:
+    """An entry point that registers a candidate, then raises: the error names it, the
+    candidate is not kept, and the next use loads again (and succeeds once it is fixed)."""
+    (tmp_path / "broken_kernels.py").write_text(
+        textwrap.dedent(
+            """
+            import os, numalign, torch
+            @numalign.candidate("silu", name="half_loaded")
+            def silu(x):
+                return torch.nn.functional.silu(x)
+            if not os.path.exists(os.environ["FIXED"]):
+                raise ImportError("no such extension: vendor_ops")
+            """
+        )
+    )
+    dist = tmp_path / "broken-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[numalign.candidates]\nbroken = broken_kernels\n")
+    code = textwrap.dedent(
+        """
+        import os, pathlib, sys
+        from numalign.registry import RegistryError, candidates
+        try:
+            candidates("silu")
+        except RegistryError as exc:
+            print("ERROR", exc)
+        sys.modules.pop("broken_kernels", None)
+        pathlib.Path(os.environ["FIXED"]).touch()
+        print("RETRY", "half_loaded" in candidates("silu"))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={
+            "PYTHONPATH": f"{tmp_path}:{ROOT}",
+            "PATH": "/usr/bin:/bin",
+            "FIXED": str(tmp_path / "fixed"),
+        },
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    error, retry = out.stdout.strip().splitlines()
+    assert "entry point broken (broken_kernels) raised ImportError: no such extension" in error
+    assert retry == "RETRY True"  # loaded whole on the next use, without a name clash

@@ -7,6 +7,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from numalign.golden.store import DEFAULT_SETS, discover_sets
+from numalign.settings import ATTN_IMPLEMENTATIONS, DEFAULT_TIER, TIERS
+
 
 def _report(args: argparse.Namespace) -> int:
     """numalign report RUN | numalign report merge RUN... --out DIR"""
@@ -91,13 +94,7 @@ def _golden(args: argparse.Namespace) -> int:
     from numalign.golden import GoldenSet
 
     if args.action == "ls":
-        root = Path(args.target or "golden/sets")
-        sets = (
-            [root]
-            if (root / "manifest.json").is_file()
-            else sorted(p for p in root.iterdir() if (p / "manifest.json").is_file())
-        )
-        for folder in sets:
+        for folder in discover_sets([Path(args.target or DEFAULT_SETS)]):
             g = GoldenSet.open(folder)
             fresh = "fresh" if g.model_dir.is_dir() and g.fingerprint_matches() else "STALE"
             print(f"{g.name:24} {g.model.architecture:36} {len(g.points):4} points "
@@ -215,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibrate", default="bfloat16,float16", help="dtypes to calibrate ('' for none)"
     )
     cap.add_argument("--continuation", type=int, default=8, help="greedy tokens to record")
-    cap.add_argument("--attn-implementation", choices=["eager", "sdpa", "flex_attention"])
+    cap.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS)
     cap.add_argument("--trust-remote-code", action="store_true")
     cap.set_defaults(handler=_capture)
 
@@ -240,10 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
         "or a regression. Models that did not change are not recaptured.",
     )
     night.add_argument("--models", default="golden/models")
-    night.add_argument("--sets", default="golden/sets")
+    night.add_argument("--sets", default=str(DEFAULT_SETS))
     night.add_argument("--suites", nargs="+", default=["suites"])
     night.add_argument("--report-dir", default="reports/nightly")
-    night.add_argument("--tier", default="nightly", choices=["smoke", "pr", "nightly"])
+    night.add_argument("--tier", default=TIERS[-1], choices=TIERS)
     night.add_argument("--device")
     night.add_argument("--dtype")
     night.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
@@ -254,10 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="bring up a model: inventory, capture if needed, the suites, the reports",
     )
     run.add_argument("model_dir", metavar="MODEL_DIR")
-    run.add_argument("--sets", default="golden/sets")
+    run.add_argument("--sets", default=str(DEFAULT_SETS))
     run.add_argument("--suites", default="suites")
     run.add_argument("--report-dir", default="reports")
-    run.add_argument("--tier", default="pr", choices=["smoke", "pr", "nightly"])
+    run.add_argument("--tier", default=DEFAULT_TIER, choices=TIERS)
     run.add_argument("--device")
     run.add_argument("--dtype")
     run.set_defaults(handler=_run)
@@ -267,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("names", nargs="*", help="zoo models to build (default: all)")
     zoo.add_argument("--out", default="golden/models")
     zoo.add_argument(
-        "--sets", default="golden/sets", help="capture their golden sets here ('' not to)"
+        "--sets", default=str(DEFAULT_SETS), help="capture their golden sets here ('' not to)"
     )
     zoo.set_defaults(handler=_zoo)
 

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,9 +44,12 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT", "MANIFEST", "OUTPUT_POINT", "Call", "Continuation", "GoldenSet", "GoldenSetError",
     "Manifest", "ModelInfo", "Point", "ReferenceInfo", "Request", "ShardWriter",
-    "StaleGoldenSetError", "remove_abandoned", "replace_set", "sha256_file", "write_manifest",
+    "StaleGoldenSetError", "discover_sets", "remove_abandoned", "replace_set", "sha256_file",
+    "write_manifest",
 ]  # fmt: skip
 
+#: Where golden sets live, relative to a project's root.
+DEFAULT_SETS = Path("golden") / "sets"
 #: Shards are cut at this size by default: small enough to keep capture memory bounded.
 DEFAULT_SHARD_BYTES = 64 << 20
 #: Shards verified against the manifest's sha256 in this process: (path, sha256, size, mtime).
@@ -390,3 +393,14 @@ def remove_abandoned(folder: Path) -> list[Path]:
         except PermissionError:  # alive, another user's
             pass
     return removed
+
+
+def discover_sets(folders: Sequence[Path]) -> list[Path]:
+    """Golden set folders under each folder (a folder that is itself a set counts)."""
+    found: list[Path] = []
+    for folder in folders:
+        if (folder / MANIFEST).is_file():
+            found.append(folder)
+        elif folder.is_dir():
+            found += sorted(p for p in folder.iterdir() if (p / MANIFEST).is_file())
+    return found

@@ -1,13 +1,13 @@
-"""Replay on the device: device policy (and, later, layer and full-model replay)."""
+"""Replay on the device: device policy, calibration, layer and full-model replay, kernel swap,
+and the model verdict (``replay.verdict``)."""
 
 from numalign.replay.devices import (
-    DEVICE_TYPES,
     DeviceUnavailableError,
     configure_torch,
-    parse_device,
     resolve_device,
     threads_per_worker,
 )
+from numalign.settings import DEVICE_TYPES, parse_device
 
 __all__ = [
     "DEVICE_TYPES",

@@ -16,6 +16,7 @@ from numalign.compare import CompareResult, ControlErrors, compare
 from numalign.compare.logits import logits_stats
 from numalign.golden.manifest import OUTPUT_POINT, Continuation
 from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
+from numalign.golden.store import DEFAULT_SETS, discover_sets
 from numalign.replay.layer import golden_outputs, kept_positions, replay_call, request_mask
 from numalign.replay.verdict import (
     ContinuationResult,
@@ -368,7 +369,7 @@ def variant_label(settings: Settings) -> str | None:
 def suite_sets(root: Path, extra: Sequence[Path]) -> list[Path]:
     """The golden sets the model suites replay: ``root``/golden/sets and each --golden."""
     unique: dict[Path, Path] = {}
-    for path in discover_sets([root / "golden" / "sets", *extra]):
+    for path in discover_sets([root / DEFAULT_SETS, *extra]):
         unique.setdefault(path.resolve(), path)
     return list(unique.values())
 
@@ -380,14 +381,3 @@ def open_fresh(path: str | Path) -> GoldenSet:
     golden = GoldenSet.open(path)
     golden.check_fresh()
     return golden
-
-
-def discover_sets(folders: Sequence[Path]) -> list[Path]:
-    """Golden set folders under each folder (a folder that is itself a set counts)."""
-    found: list[Path] = []
-    for folder in folders:
-        if (folder / "manifest.json").is_file():
-            found.append(folder)
-        elif folder.is_dir():
-            found += sorted(p for p in folder.iterdir() if (p / "manifest.json").is_file())
-    return found
