@@ -216,3 +216,17 @@ def test_capture_then_reload_every_zoo_family(tmp_path: Path, name: str) -> None
     same = committed.tensor(next(iter(committed.point(point.name).calls.values()))[0].outputs["0"])
     torch.testing.assert_close(reopened.tensor(call.outputs["0"]), same, rtol=1e-5, atol=1e-5)
     assert golden.calibration("bfloat16")[point.name]["0"]["isolated"]["max_abs"] is not None
+
+
+def test_an_output_without_logits_or_hidden_states_is_an_error_naming_its_type() -> None:
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    from numalign.golden.reference import model_outputs
+
+    with pytest.raises(TypeError, match=r"returned SequenceClassifierOutput, which has neither "):
+        model_outputs(SequenceClassifierOutput(loss=None, logits=None))
+    hidden = torch.ones(1, 2, 4)
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    encoder = model_outputs(BaseModelOutputWithPooling(last_hidden_state=hidden))
+    assert list(encoder) == ["last_hidden_state"]  # no pooler: only what the model gave

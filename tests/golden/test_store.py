@@ -128,3 +128,31 @@ def test_the_deep_zoo_model_has_the_statistics_of_a_pretrained_checkpoint() -> N
     channel_max = early.abs().amax(dim=(0, 1))
     massive = channel_max > 20 * channel_max.median()  # far above the typical channel
     assert 1 <= int(massive.sum()) <= 4  # a few massive channels, not a scale of all
+
+
+def test_a_set_calibrated_before_the_distribution_was_stored_still_loads(tmp_path: Path) -> None:
+    """Sets captured by numalign 0.1 (no `outputs`, calibrations without norm ratio, zeros or
+    the model's outputs) open, and their controls fall back to the fixed thresholds."""
+    import json
+    import shutil
+
+    from numalign.replay.model import control_for
+
+    folder = tmp_path / "old-llama"
+    shutil.copytree(SETS / "tiny-llama", folder)
+    data = json.loads((folder / "manifest.json").read_text())
+    data["model"]["path"] = str((SETS / "tiny-llama" / data["model"]["path"]).resolve())
+    data.pop("outputs", None)
+    for table in data["calibration"].values():
+        table.pop(OUTPUT_POINT)
+        for paths in table.values():
+            for modes in paths.values():
+                for stats in modes.values():
+                    stats.pop("norm_ratio")
+                    stats.pop("zero_fraction")
+    (folder / "manifest.json").write_text(json.dumps(data))
+    golden = GoldenSet.open(folder)
+    golden.check_fresh()
+    control = control_for(golden, "bfloat16", "model.layers.0", "0", "isolated", 64, 2)
+    assert control.calibrated and not control.errors.calibrated  # budget yes, distribution no
+    assert not control_for(golden, "bfloat16", OUTPUT_POINT, "logits", "output", 64, 2).calibrated
