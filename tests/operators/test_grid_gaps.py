@@ -10,20 +10,14 @@ real suite (in a subprocess, as a vendor would) on kernels from outside the repo
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from suite_runner import run_operator_suite
 
-from numalign.record import read_records
-
-ROOT = Path(__file__).resolve().parents[2]
-SUITE = ROOT / "suites" / "operators" / "test_operators.py"
 ALL = ("float32", "bfloat16", "float16")
 
 #: (planted bug, operator) -> (the case that must expose it, the dtypes it must fail in).
@@ -67,22 +61,6 @@ TRUNCATED = (
 )
 
 
-def _run_suite(outside: Path, modules: list[str], tier: str, select: str) -> tuple[str, list]:
-    """The real suite at ``tier`` over the kernels of ``modules`` (copied to ``outside``)."""
-    reports = outside / f"reports-{tier}"
-    path = os.pathsep.join(p for p in (str(outside), str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    args = [sys.executable, "-m", "pytest", str(SUITE), "--tier", tier, "--report-dir",
-            str(reports), "-k", select, "-n", "2", "-q", "-p", "no:cacheprovider",
-            "--tb=line", "-rf"]  # fmt: skip
-    for module in modules:
-        args += ["--candidates", module]
-    proc = subprocess.run(
-        args, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, capture_output=True,
-        text=True, timeout=900,
-    )  # fmt: skip
-    return proc.stdout + proc.stderr, read_records(reports / "latest")
-
-
 @pytest.fixture(scope="module")
 def outside(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("vendor")
@@ -95,15 +73,15 @@ def outside(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def smoke_run(outside: Path) -> tuple[str, list]:
     """Tier smoke, all dtypes, over both kernel modules (every wrong and right kernel)."""
-    return _run_suite(
-        outside, ["vendor_kernels", "gap_vendor_kernels"], "smoke", "wrong_ or right_"
-    )
+    return run_operator_suite(outside, ["vendor_kernels", "gap_vendor_kernels"], tier="smoke")
 
 
 @pytest.fixture(scope="module")
 def pr_run(outside: Path) -> tuple[str, list]:
     """Tier pr, all dtypes, over the honest kernels of gap_kernels.py."""
-    return _run_suite(outside, ["gap_vendor_kernels"], "pr", "right_half or right_softcap")
+    return run_operator_suite(
+        outside, ["gap_vendor_kernels"], tier="pr", select="right_half or right_softcap"
+    )
 
 
 def _get(record: Any, key: str) -> Any:

@@ -7,24 +7,19 @@ format; the float64 forms of each operator agree; the HF module names are real."
 from __future__ import annotations
 
 import math
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from suite_runner import run_operator_suite
 
 from numalign.cases import Case
-from numalign.record import DriftRecord, read_records
+from numalign.record import DriftRecord
 from numalign.registry import OPERATORS, candidates
 from operators import fp8_block, int4, kv_quant, mla, sinks
-
-ROOT = Path(__file__).resolve().parents[2]
-SUITE = ROOT / "suites" / "operators" / "test_operators.py"
 
 #: wrong kernel -> (operator, the case that must expose it, a case where the bug is invisible
 #: and which it must therefore pass)
@@ -70,18 +65,7 @@ def suite_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[Drift
     """One run of the real suite at tier pr, all dtypes, over the vendor module's kernels."""
     outside = tmp_path_factory.mktemp("vendor")
     shutil.copy(Path(__file__).with_name("new_operator_kernels.py"), outside / "vendor_new.py")
-    reports = outside / "reports"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(outside), str(ROOT), str(ROOT / "src")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(SUITE), "--candidates", "vendor_new",
-         "--report-dir", str(reports), "-k", "wrong_ or right_", "-n", "2", "-q",
-         "-p", "no:cacheprovider", "--tb=line", "-rf"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    return proc.stdout + proc.stderr, read_records(reports / "latest")
+    return run_operator_suite(outside, ["vendor_new"])
 
 
 def _failed_cases(output: str, operator: str, name: str) -> set[str]:

@@ -9,11 +9,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from suite_runner import run_operator_suite
 
-from numalign.record import read_records
-
-ROOT = Path(__file__).resolve().parents[2]
-SUITE = ROOT / "suites" / "operators" / "test_operators.py"
+from numalign.record import DriftRecord
 
 #: wrong kernel -> (operator, a case that must expose it)
 WRONG = {
@@ -38,22 +36,11 @@ RIGHT = ("right_divide", "right_log_softmax", "right_math")
 
 
 @pytest.fixture(scope="module")
-def suite_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+def suite_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[DriftRecord]]:
     """One run of the real suite at tier pr, all dtypes, over the external module's kernels."""
-    import subprocess
-    import sys
-
     outside = tmp_path_factory.mktemp("vendor")
     shutil.copy(Path(__file__).with_name("external_kernels.py"), outside / "vendor_kernels.py")
-    reports = outside / "reports"
-    env = {**__import__("os").environ, "PYTHONPATH": f"{outside}:{ROOT}"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(SUITE), "--candidates", "vendor_kernels",
-         "--report-dir", str(reports), "-k", "wrong_ or right_", "-n", "2", "-q",
-         "-p", "no:cacheprovider", "--tb=line", "-rf"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    return proc.stdout + proc.stderr, read_records(reports / "latest")
+    return run_operator_suite(outside, ["vendor_kernels"])
 
 
 def test_there_are_at_least_twelve_distinct_wrong_kinds() -> None:
@@ -62,7 +49,7 @@ def test_there_are_at_least_twelve_distinct_wrong_kinds() -> None:
 
 @pytest.mark.parametrize("name", sorted(WRONG))
 def test_each_wrong_kernel_fails_on_a_case_that_exposes_it(
-    suite_run: tuple[str, list[dict]], name: str
+    suite_run: tuple[str, list[DriftRecord]], name: str
 ) -> None:
     output, records = suite_run
     operator, case = WRONG[name]
@@ -75,7 +62,7 @@ def test_each_wrong_kernel_fails_on_a_case_that_exposes_it(
 
 @pytest.mark.parametrize("name", RIGHT)
 def test_each_correct_but_different_kernel_passes_in_every_dtype(
-    suite_run: tuple[str, list[dict]], name: str
+    suite_run: tuple[str, list[DriftRecord]], name: str
 ) -> None:
     output, records = suite_run
     assert not re.findall(rf"FAILED \S+\[{name}-", output), output[-3000:]
@@ -85,7 +72,7 @@ def test_each_correct_but_different_kernel_passes_in_every_dtype(
 
 
 def test_failure_messages_name_the_operator_the_kernel_and_the_case(
-    suite_run: tuple[str, list[dict]],
+    suite_run: tuple[str, list[DriftRecord]],
 ) -> None:
     _, records = suite_run
     failing = next(r for r in records if r.candidate == "wrong_eps" and r.case == "small-16x4096")
