@@ -20,6 +20,13 @@ from numalign.cases import Case, values
 from numalign.registry import Operator, Output, candidate, register_operator
 from operators._common import tier_cases, up
 
+#: DeepSeek-V3's routing: sigmoid scores, top-8 of 8 groups after the best 4 groups,
+#: renormalised, scaled by 2.5 (its config's routed_scaling_factor).
+DSV3_ROUTING: dict[str, Any] = {
+    "top_k": 8, "scoring": "sigmoid", "renormalize": True, "groups": 8, "topk_groups": 4,
+    "scaling": 2.5,
+}  # fmt: skip
+
 ROUTING_CASES = tier_cases(
     Case(
         "one-1x2-top1",
@@ -33,63 +40,18 @@ ROUTING_CASES = tier_cases(
         "qwen3-33x128-top8",
         {"tokens": 33, "experts": 128, "top_k": 8, "scoring": "softmax", "renormalize": True},
     ),
-    Case(
-        "dsv3-9x64-top8-g8",
-        {
-            "tokens": 9,
-            "experts": 64,
-            "top_k": 8,
-            "scoring": "sigmoid",
-            "renormalize": True,
-            "groups": 8,
-            "topk_groups": 4,
-            "scaling": 2.5,
-        },
-    ),
-    Case(
-        "dsv3-257x256-top8-g8",
-        {
-            "tokens": 257,
-            "experts": 256,
-            "top_k": 8,
-            "scoring": "sigmoid",
-            "renormalize": True,
-            "groups": 8,
-            "topk_groups": 4,
-            "scaling": 2.5,
-        },
-        tier="pr",
-    ),
+    Case("dsv3-9x64-top8-g8", {**DSV3_ROUTING, "tokens": 9, "experts": 64}),
+    Case("dsv3-257x256-top8-g8", {**DSV3_ROUTING, "tokens": 257, "experts": 256}, tier="pr"),
     # Trained checkpoints' e_score_correction_bias sits at order 1-10 (the load balancer
     # pushes it far from its zero start): a bias of 5 +- 0.05 makes weights that wrongly
     # include it differ by orders of magnitude more than bfloat16's rounding.
     Case(
         "dsv3-bias5-9x64-top8-g8",
-        {
-            "tokens": 9,
-            "experts": 64,
-            "top_k": 8,
-            "scoring": "sigmoid",
-            "renormalize": True,
-            "groups": 8,
-            "topk_groups": 4,
-            "scaling": 2.5,
-            "bias": (5.0, 0.05),
-        },
+        {**DSV3_ROUTING, "tokens": 9, "experts": 64, "bias": (5.0, 0.05)},
     ),
     Case(
         "dsv3-bias8-257x256-top8-g8",
-        {
-            "tokens": 257,
-            "experts": 256,
-            "top_k": 8,
-            "scoring": "sigmoid",
-            "renormalize": True,
-            "groups": 8,
-            "topk_groups": 4,
-            "scaling": 2.5,
-            "bias": (8.0, 0.5),
-        },
+        {**DSV3_ROUTING, "tokens": 257, "experts": 256, "bias": (8.0, 0.5)},
         tier="pr",
     ),
     Case(
