@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.registry import CodeLayout, Operator, Output, candidate, register_operator
 from operators._common import acc, tier_cases, up
+from operators.attention import attention_mask
 from operators.fp8_block import FP8_MAX, decode_fp8, encode_fp8
-from operators.sinks import allowed_keys
 
 INT8_MAX = 127.0
 QMAX = {"fp8": FP8_MAX, "int8": INT8_MAX}
@@ -299,7 +299,7 @@ def kv_quant_attention_reference(
     k = up(kv_dequant_reference(k_codes, k_scale.to(q.dtype), fmt)).repeat_interleave(group, 1)
     v = up(kv_dequant_reference(v_codes, v_scale.to(q.dtype), fmt)).repeat_interleave(group, 1)
     scores = up(q) @ k.transpose(-1, -2) * d**-0.5
-    scores = scores.masked_fill(~allowed_keys(t, s, True, None, pad_left.to(q.device)), -math.inf)
+    scores = scores.masked_fill(~attention_mask(t, s, True, None, pad_left.to(q.device)), -math.inf)
     peak = scores.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
     weights = torch.exp(scores - peak)
     total = weights.sum(-1, keepdim=True)
@@ -334,7 +334,7 @@ def kv_quant_attention_dequant_sdpa(
     then F.scaled_dot_product_attention."""
     k = decode(k_codes, fmt, q.dtype) * k_scale.to(q.dtype)
     v = decode(v_codes, fmt, q.dtype) * v_scale.to(q.dtype)
-    mask = allowed_keys(q.shape[2], k.shape[2], True, None, pad_left.to(q.device))
+    mask = attention_mask(q.shape[2], k.shape[2], True, None, pad_left.to(q.device))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -362,7 +362,7 @@ def kv_quant_attention_fused(
     vs = v_scale.float().expand(b, -1, s, 1)[:, kv_head].transpose(-1, -2)
     per_token_v = v_scale.shape[2] != 1
     qf = q.float() * d**-0.5
-    mask = allowed_keys(t, s, True, None, pad_left.to(q.device))
+    mask = attention_mask(t, s, True, None, pad_left.to(q.device))
     run_max = torch.full((b, hq, t, 1), -math.inf, device=q.device)
     run_sum = torch.zeros(b, hq, t, 1, device=q.device)
     out = torch.zeros(b, hq, t, d, device=q.device)

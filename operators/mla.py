@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
-from operators.sinks import allowed_keys
+from operators.attention import attention_mask
 
 
 def _case(
@@ -122,7 +122,7 @@ def mla_reference(
     k_nope, v = kv[..., :nope], kv[..., nope:]
     k = torch.cat([up(k_nope), up(k_pe)[:, None].expand(b, h, s, -1)], dim=-1)
     q = torch.cat([up(q_nope), up(q_pe)], dim=-1)
-    mask = allowed_keys(t, s, causal, None, pad_left.to(q.device))
+    mask = attention_mask(t, s, causal, None, pad_left.to(q.device))
     probs = _softmax_rows(q @ k.transpose(-1, -2) * scale, mask)
     return (probs @ up(v)).to(q_nope.dtype)
 
@@ -173,7 +173,7 @@ def mla_naive_sdpa(
     k_nope, v = kv[..., :nope], kv[..., nope:]
     k = torch.cat([k_nope, k_pe[:, None].expand(b, h, s, -1)], dim=-1)
     q = torch.cat([q_nope, q_pe], dim=-1)
-    mask = allowed_keys(t, s, causal, None, pad_left.to(q.device))
+    mask = attention_mask(t, s, causal, None, pad_left.to(q.device))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
@@ -198,7 +198,7 @@ def mla_absorbed(
     q_latent = torch.einsum("bhtn,hnr->bhtr", up(q_nope), w_uk).to(q_nope.dtype)
     c = up(latent)[:, None]  # one latent for every head: [b, 1, s, rank]
     scores = up(q_latent) @ c.transpose(-1, -2) + up(q_pe) @ up(k_pe)[:, None].transpose(-1, -2)
-    mask = allowed_keys(t, s, causal, None, pad_left.to(q_nope.device))
+    mask = attention_mask(t, s, causal, None, pad_left.to(q_nope.device))
     probs = _softmax_rows(scores * scale, mask)
     o_latent = (probs @ c).to(q_nope.dtype)  # [b, h, t, rank]
     return torch.einsum("bhtr,hvr->bhtv", up(o_latent), w_uv).to(q_nope.dtype)

@@ -18,23 +18,7 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
-
-
-def allowed_keys(
-    tokens: int, keys: int, causal: bool, window: int | None, pad_left: torch.Tensor
-) -> torch.Tensor:
-    """bool [batch, 1, tokens, keys]: True where a query may attend a key. Queries are the
-    last ``tokens`` of ``keys`` positions; a window of W keeps keys with q - k < W; keys
-    before ``pad_left[b]`` are padding."""
-    device = pad_left.device
-    q_pos = torch.arange(keys - tokens, keys, device=device)[:, None]
-    k_pos = torch.arange(keys, device=device)[None, :]
-    allowed = torch.ones(tokens, keys, dtype=torch.bool, device=device)
-    if causal:
-        allowed &= k_pos <= q_pos
-    if window is not None:
-        allowed &= q_pos - k_pos < window
-    return (allowed[None] & (k_pos[None] >= pad_left[:, None, None]))[:, None]
+from operators.attention import attention_mask
 
 
 def _case(name: str, b: int, hq: int, hkv: int, t: int, s: int, d: int, **kw: Any) -> Case:
@@ -93,7 +77,7 @@ def attention_sinks_reference(
     group = hq // k.shape[1]
     kf, vf = up(k).repeat_interleave(group, 1), up(v).repeat_interleave(group, 1)
     scores = up(q) @ kf.transpose(-1, -2) * d**-0.5
-    mask = allowed_keys(t, k.shape[2], causal, window, pad_left.to(q.device))
+    mask = attention_mask(t, k.shape[2], causal, window, pad_left.to(q.device))
     scores = scores.masked_fill(~mask, -math.inf)
     sink = up(sinks).to(scores.dtype)[None, :, None, None].expand(b, hq, t, 1)
     logits = torch.cat([scores, sink], dim=-1)
@@ -134,7 +118,7 @@ def attention_sinks_eager(
     group = hq // k.shape[1]
     kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = torch.matmul(q.float(), kr.float().transpose(2, 3)) * d**-0.5
-    mask = allowed_keys(t, k.shape[2], causal, window, pad_left.to(q.device))
+    mask = attention_mask(t, k.shape[2], causal, window, pad_left.to(q.device))
     scores = scores.masked_fill(~mask, -math.inf)
     combined = torch.cat([scores, sinks.float().reshape(1, -1, 1, 1).expand(b, -1, t, 1)], -1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
@@ -162,7 +146,7 @@ def attention_sinks_tiled(
     s = k.shape[2]
     kv_head = torch.arange(hq, device=q.device) // (hq // k.shape[1])
     qf = up(q) * d**-0.5
-    mask = allowed_keys(t, s, causal, window, pad_left.to(q.device))
+    mask = attention_mask(t, s, causal, window, pad_left.to(q.device))
     run_max = up(sinks).to(qf.dtype)[None, :, None, None].expand(b, hq, t, 1).clone()
     run_sum = torch.ones(b, hq, t, 1, dtype=qf.dtype, device=q.device)
     acc = torch.zeros(b, hq, t, v.shape[-1], dtype=qf.dtype, device=q.device)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import numalign
+from operators import attention as attention_ops
 from operators import fp8_block, int4, kv_quant, mla
 from operators import sinks as sink_ops
 
@@ -51,7 +52,7 @@ def mla_absorbed_f32(q_nope, q_pe, latent, k_pe, w_kv_b, scale, causal, pad_left
     w = up(w_kv_b).view(h, -1, rank)
     q = torch.cat([torch.einsum("bhtn,hnr->bhtr", up(q_nope), w[:, :nope]), up(q_pe)], -1)
     kv = torch.cat([up(latent), up(k_pe)], -1)[:, None]  # [b, 1, s, rank + rope]
-    mask = sink_ops.allowed_keys(t, s, causal, None, pad_left)
+    mask = attention_ops.attention_mask(t, s, causal, None, pad_left)
     scores = (q @ kv.transpose(-1, -2) * scale).masked_fill(~mask, -math.inf)
     probs = torch.softmax(scores, -1).nan_to_num(0.0)
     o_latent = probs @ up(latent)[:, None]
@@ -83,7 +84,7 @@ def sinks_lse(q, k, v, sinks, causal, window, pad_left):
     _, hq, t, d = q.shape
     group = hq // k.shape[1]
     scores = up(q) @ up(k).repeat_interleave(group, 1).transpose(-1, -2) * d**-0.5
-    mask = sink_ops.allowed_keys(t, k.shape[2], causal, window, pad_left)
+    mask = attention_ops.attention_mask(t, k.shape[2], causal, window, pad_left)
     scores = scores.masked_fill(~mask, -math.inf)
     lse = torch.logsumexp(scores, -1, keepdim=True)  # -inf on fully masked rows
     plain = torch.softmax(scores, -1).nan_to_num(0.0) @ up(v).repeat_interleave(group, 1)
