@@ -141,6 +141,16 @@ def attention_mask(
     return (allowed[None] & not_pad)[:, None]
 
 
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of ``scores`` where ``mask`` is True (in ``scores``' dtype);
+    fully masked rows give zeros, not NaN."""
+    scores = scores.masked_fill(~mask, -math.inf)
+    peak = scores.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
+    weights = torch.exp(scores - peak)
+    total = weights.sum(-1, keepdim=True)
+    return torch.where(total > 0, weights / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -156,12 +166,7 @@ def attention_reference(
     scores = qf @ kf.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    mask = attention_mask(q.shape[2], k.shape[2], causal, window, pad_left)
-    scores = scores.masked_fill(~mask, -math.inf)
-    peak = scores.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
-    weights = torch.exp(scores - peak)
-    total = weights.sum(-1, keepdim=True)
-    probs = torch.where(total > 0, weights / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
+    probs = masked_softmax(scores, attention_mask(q.shape[2], k.shape[2], causal, window, pad_left))
     return (probs @ vf).to(q.dtype)
 
 

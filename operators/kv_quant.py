@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.registry import CodeLayout, Operator, Output, candidate, register_operator
 from operators._common import acc, tier_cases, up
-from operators.attention import attention_mask
+from operators.attention import attention_mask, masked_softmax
 from operators.fp8_block import FP8_MAX, decode_fp8, encode_fp8
 
 INT8_MAX = 127.0
@@ -299,11 +299,7 @@ def kv_quant_attention_reference(
     k = up(kv_dequant_reference(k_codes, k_scale.to(q.dtype), fmt)).repeat_interleave(group, 1)
     v = up(kv_dequant_reference(v_codes, v_scale.to(q.dtype), fmt)).repeat_interleave(group, 1)
     scores = up(q) @ k.transpose(-1, -2) * d**-0.5
-    scores = scores.masked_fill(~attention_mask(t, s, True, None, pad_left.to(q.device)), -math.inf)
-    peak = scores.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
-    weights = torch.exp(scores - peak)
-    total = weights.sum(-1, keepdim=True)
-    probs = torch.where(total > 0, weights / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
+    probs = masked_softmax(scores, attention_mask(t, s, True, None, pad_left.to(q.device)))
     return (probs @ v).to(q.dtype)
 
 

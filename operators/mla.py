@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
-from operators.attention import attention_mask
+from operators.attention import attention_mask, masked_softmax
 
 
 def _case(
@@ -94,15 +94,6 @@ def mla_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
     }
 
 
-def _softmax_rows(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Masked softmax over the last dim; fully masked rows give zeros."""
-    scores = scores.masked_fill(~mask, -math.inf)
-    peak = scores.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
-    weights = torch.exp(scores - peak)
-    total = weights.sum(-1, keepdim=True)
-    return torch.where(total > 0, weights / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
-
-
 def mla_reference(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -123,7 +114,7 @@ def mla_reference(
     k = torch.cat([up(k_nope), up(k_pe)[:, None].expand(b, h, s, -1)], dim=-1)
     q = torch.cat([up(q_nope), up(q_pe)], dim=-1)
     mask = attention_mask(t, s, causal, None, pad_left.to(q.device))
-    probs = _softmax_rows(q @ k.transpose(-1, -2) * scale, mask)
+    probs = masked_softmax(q @ k.transpose(-1, -2) * scale, mask)
     return (probs @ up(v)).to(q_nope.dtype)
 
 
@@ -199,6 +190,6 @@ def mla_absorbed(
     c = up(latent)[:, None]  # one latent for every head: [b, 1, s, rank]
     scores = up(q_latent) @ c.transpose(-1, -2) + up(q_pe) @ up(k_pe)[:, None].transpose(-1, -2)
     mask = attention_mask(t, s, causal, None, pad_left.to(q_nope.device))
-    probs = _softmax_rows(scores * scale, mask)
+    probs = masked_softmax(scores * scale, mask)
     o_latent = (probs @ c).to(q_nope.dtype)  # [b, h, t, rank]
     return torch.einsum("bhtr,hvr->bhtv", up(o_latent), w_uv).to(q_nope.dtype)
