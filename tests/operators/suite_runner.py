@@ -4,6 +4,7 @@ user runs it with ``--candidates``: the tests of the suite's bug-finding power s
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +33,13 @@ def run_operator_suite(
         text=True, timeout=900,
     )  # fmt: skip
     return proc.stdout + proc.stderr, read_records(reports / "latest")
+
+
+def assert_passes_in_every_dtype(output: str, records: list[DriftRecord], name: str) -> None:
+    """A correct-but-different kernel: no test of it failed, and its records cover the three
+    default dtypes, every one passed."""
+    __tracebackhide__ = True
+    assert not re.findall(rf"FAILED \S+\[{name}-", output), output[-3000:]
+    mine = [r for r in records if r.candidate == name]
+    assert {r.dtype for r in mine} == {"float32", "bfloat16", "float16"}
+    assert all(r.verdict == "passed" for r in mine)
