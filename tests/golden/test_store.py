@@ -156,3 +156,24 @@ def test_a_set_calibrated_before_the_distribution_was_stored_still_loads(tmp_pat
     control = control_for(golden, "bfloat16", "model.layers.0", "0", "isolated", 64, 2)
     assert control.calibrated and not control.errors.calibrated  # budget yes, distribution no
     assert not control_for(golden, "bfloat16", OUTPUT_POINT, "logits", "output", 64, 2).calibrated
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_zoo_rebuilds_the_committed_checkpoints_byte_for_byte(
+    name: str, tmp_path: Path
+) -> None:
+    """`numalign zoo build` gives the same class and the same weight bytes as committed."""
+    import json
+
+    from numalign.golden.zoo import build_zoo
+
+    (built,) = build_zoo(tmp_path, [name])
+    committed = ROOT / "golden" / "models" / name
+    config = json.loads((built / "config.json").read_text())
+    assert (
+        config["architectures"]
+        == json.loads((committed / "config.json").read_text())["architectures"]
+    )
+    assert (built / "model.safetensors").read_bytes() == (
+        committed / "model.safetensors"
+    ).read_bytes()

@@ -89,7 +89,7 @@ ZOO: tuple[ZooModel, ...] = (
                           "spatial_merge_size": 2, "in_channels": 3},
         "image_token_id": 500, "video_token_id": 501, "vision_start_token_id": 502,
         "vision_end_token_id": 503, "bos_token_id": 1, "eos_token_id": 2,
-    }, "image-text (Qwen2-VL)"),
+    }, "image-text (Qwen2-VL)", model_class="Qwen2VLForConditionalGeneration"),
     ZooModel("tiny-gpt2", "GPT2Config", {
         "vocab_size": 512, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256,
         "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": False,
