@@ -26,6 +26,7 @@ from numalign.compare.tolerances import (
     DTYPE_TOLERANCES,
     FLOAT_FORMATS,
     OP_CLASSES,
+    ZERO_EXCESS_COUNT,
     ZERO_EXCESS_FRACTION,
     Budget,
     Tolerance,
@@ -480,13 +481,14 @@ def _distribution(
             if control is not None:
                 expected_zero = max(expected_zero, control.zero_fraction_actual)
             excess = m.zero_fraction_actual - expected_zero
-            if excess > ZERO_EXCESS_FRACTION:
+            allowed = max(ZERO_EXCESS_FRACTION, ZERO_EXCESS_COUNT / max(m.numel, 1))
+            if excess > allowed:
                 return (
                     f"{100 * m.zero_fraction_actual:.1f}% of the values are exactly zero where the "
                     f"reference rounds to zero at {100 * expected_zero:.1f}%",
                     "outputs flushed to zero: check underflow (flush-to-zero, a missing upcast) "
                     "and skipped tiles or rows",
-                    excess / ZERO_EXCESS_FRACTION,
+                    excess / allowed,
                 )
     return None
 

@@ -145,6 +145,10 @@ CALIBRATED_DISTRIBUTION_FLOORS: Mapping[str, tuple[float, float]] = {
 #: A candidate may have at most this fraction of elements more exact zeros than the truth
 #: rounded to its dtype: 1% allows different underflow paths, not a zeroed-out tile.
 ZERO_EXCESS_FRACTION = 0.01
+#: ... and, whatever the output's size, this many: one exact cancellation (a + b == 0 in a low
+#: precision) is chance, a flushed tile or row is many values. A decode step's hidden state of a
+#: tiny model has 64 values, where one chance zero is 1.6%.
+ZERO_EXCESS_COUNT = 1
 
 
 @dataclass(frozen=True)
