@@ -7,10 +7,19 @@
 # its latest/ run is the baseline and history.jsonl the trend.
 #
 #   SHARD=1/2 ci/nightly.sh [--device cuda] [-- extra pytest arguments]
+#
+# Layer and model replay then run again through torch.compile (NUMALIGN_COMPILE, default
+# inductor; NUMALIGN_COMPILE=none skips it) into reports/nightly/compiled/, against tonight's
+# eager run (compiled against eager side by side in its drift.html). On the 2-core reference
+# machine the compiled zoo adds tens of minutes to the night, most of it Inductor compiling
+# (full-model replay alone: 19 of 27 zoo tests in 580 s at -n 2, cold; see the README).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 report_dir="${NUMALIGN_NIGHTLY_DIR:-reports/nightly}${SHARD:+/shard-${SHARD/\//-of-}}"
 extra=()
 [ -n "${SHARD:-}" ] && extra+=(--shard "$SHARD")
-exec numalign nightly --report-dir "$report_dir" --tier "${TIER:-nightly}" "$@" -- "${extra[@]}"
+compile=()
+[ "${NUMALIGN_COMPILE:-inductor}" != "none" ] && compile=(--compile "${NUMALIGN_COMPILE:-inductor}")
+exec numalign nightly --report-dir "$report_dir" --tier "${TIER:-nightly}" "${compile[@]}" "$@" \
+    -- "${extra[@]}"

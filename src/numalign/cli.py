@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from numalign.golden.decode import DEFAULT_DECODE_STEPS
 from numalign.golden.store import DEFAULT_SETS, discover_sets
 from numalign.settings import ATTN_IMPLEMENTATIONS, DEFAULT_TIER, TIERS
 
@@ -70,6 +71,8 @@ def _capture(args: argparse.Namespace) -> int:
         reference_dtype=args.reference_dtype,
         calibrate=[d for d in args.calibrate.split(",") if d],
         continuation=args.continuation,
+        decode_steps=args.decode_steps,
+        long=args.long,
         attn_implementation=args.attn_implementation,
         trust_remote_code=args.trust_remote_code,
     )
@@ -145,6 +148,7 @@ def _nightly(args: argparse.Namespace) -> int:
     return nightly(
         Path(args.models), Path(args.sets), [Path(s) for s in args.suites], Path(args.report_dir),
         tier=args.tier, device=args.device, dtypes=args.dtype, extra=args.pytest_args or [],
+        compile_backend=args.compile,
     )  # fmt: skip
 
 
@@ -197,8 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
         "capture",
         help="capture a golden set from a local Hugging Face model folder",
         description="Runs the model (loaded offline with from_pretrained) on built-in or given "
-        "prompts, records every capture point's inputs and outputs, the logits and a greedy "
-        "continuation, calibrates lower dtypes, and writes the set atomically.",
+        "prompts (and long requests past every length boundary of the model), records every "
+        "capture point's inputs and outputs, the logits, a greedy continuation and a cached "
+        "decode, calibrates lower dtypes, and writes the set atomically.",
     )
     cap.add_argument("model_dir", metavar="MODEL_DIR")
     cap.add_argument("--out", required=True, help="the golden set folder, e.g. golden/sets/NAME")
@@ -212,6 +217,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibrate", default="bfloat16,float16", help="dtypes to calibrate ('' for none)"
     )
     cap.add_argument("--continuation", type=int, default=8, help="greedy tokens to record")
+    cap.add_argument(
+        "--decode-steps",
+        type=int,
+        default=DEFAULT_DECODE_STEPS,
+        help=f"cached decode steps to record per generating request (default "
+        f"{DEFAULT_DECODE_STEPS}; 0: none)",
+    )
+    cap.add_argument(
+        "--long",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="length of the long requests (default: past the sliding window, the linear-"
+        "attention chunk and the paged replay's page size, from the config; 0: none)",
+    )
     cap.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS)
     cap.add_argument("--trust-remote-code", action="store_true")
     cap.set_defaults(handler=_capture)
@@ -243,6 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
     night.add_argument("--tier", default=TIERS[-1], choices=TIERS)
     night.add_argument("--device")
     night.add_argument("--dtype")
+    night.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        metavar="BACKEND",
+        help="then run layer and model replay through torch.compile (default backend inductor) "
+        "into REPORT_DIR/compiled, against tonight's eager run (ci/nightly.sh does)",
+    )
     night.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
     night.set_defaults(handler=_nightly)
 

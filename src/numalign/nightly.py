@@ -6,6 +6,14 @@ run against the previous nightly run as the baseline, with the history carried, 
 status is non-zero on a failure or a regression. A model that did not change is not
 recaptured.
 
+Compiled backends are part of the nightly: after the eager run, layer and full-model replay
+of the zoo run again through ``torch.compile`` (``--compile``, Inductor by default) into
+``<report-dir>/compiled/``, with tonight's eager run as the baseline, so that its drift.html
+shows compiled against eager side by side. A compiled record whose use of budget merely
+grows past eager's is not a regression there (fusion legitimately changes the rounding); a
+compiled test that fails, or a compilation error, fails the nightly. The compiled runs keep
+their own history (``compiled/history.jsonl``).
+
 ``run``: inventory, a capture when there is no fresh set, the suites, and the report paths.
 """
 
@@ -22,6 +30,13 @@ from numalign.golden import GoldenSet, GoldenSetError
 from numalign.replay.calibrate import capture_calibrated
 
 VERSIONS = ".versions"
+#: Suite files a compiled nightly run covers: layer, full-model and decode replay (decode with
+#: the KV caches; the paged engine runs its own forward). The operator suite compiled costs a
+#: compilation per candidate, dtype and shape family (minutes per operator family on CPU):
+#: run it by hand (``pytest suites/operators --compile``).
+COMPILED_SUITE_FILES = ("test_layers.py", "test_model.py", "test_decode.py")
+#: Folder of the compiled runs under the nightly report folder.
+COMPILED_DIR = "compiled"
 
 
 @dataclass
@@ -71,8 +86,11 @@ def run_suites(
     golden: Sequence[Path] = (),
     extra: Sequence[str] = (),
     workers: str = "auto",
+    fail_on_regression: bool = True,
 ) -> tuple[int, Path | None]:
-    """``pytest -n auto`` over the suites; returns its exit status and the run folder."""
+    """``pytest -n auto`` over the suites; returns its exit status and the run folder. With a
+    baseline, a regression fails the run unless ``fail_on_regression`` is False (the baseline
+    is then a comparison only: a compiled run against the eager one)."""
     cmd = [
         sys.executable,
         "-m",
@@ -95,7 +113,8 @@ def run_suites(
     if history:
         cmd += ["--history", str(history)]
     if baseline:
-        cmd += ["--drift-baseline", str(baseline), "--fail-on-regression"]
+        cmd += ["--drift-baseline", str(baseline)]
+        cmd += ["--fail-on-regression"] if fail_on_regression else []
     for folder in golden:
         cmd += ["--golden", str(folder)]
     cmd += list(extra)
@@ -114,8 +133,11 @@ def nightly(
     device: str | None = None,
     dtypes: str | None = None,
     extra: Sequence[str] = (),
+    compile_backend: str | None = None,
 ) -> int:
-    """The nightly flow; returns the exit status (non-zero on a failure or a regression)."""
+    """The nightly flow; returns the exit status (non-zero on a failure or a regression).
+    With ``compile_backend`` (None: none), layer and model replay run compiled afterwards
+    (``run_compiled``)."""
     latest = report_dir / "latest"
     baseline = latest.resolve() if latest.exists() else None
     refresh = refresh_sets(models, sets)
@@ -141,6 +163,41 @@ def nightly(
             f"numalign nightly: report {run_dir / 'drift.html'}"
             + (f" (baseline {baseline})" if baseline else " (first run: no baseline)")
         )
+    if compile_backend:
+        compiled_status = run_compiled(
+            suites, report_dir / COMPILED_DIR, compile_backend, eager_run=run_dir, tier=tier,
+            device=device, dtypes=dtypes, golden=[sets], extra=extra,
+        )  # fmt: skip
+        status = status or compiled_status
+    return status
+
+
+def run_compiled(
+    suites: Sequence[Path],
+    report_dir: Path,
+    backend: str,
+    *,
+    eager_run: Path | None,
+    tier: str,
+    device: str | None = None,
+    dtypes: str | None = None,
+    golden: Sequence[Path] = (),
+    extra: Sequence[str] = (),
+) -> int:
+    """Layer, full-model and decode replay through ``torch.compile`` with ``backend``, into
+    ``report_dir``, against ``eager_run`` as the baseline (compiled against eager side by
+    side in drift.html; growth is not a regression). Returns the exit status (0 when there
+    are no model suites to run)."""
+    files = [f for s in suites for name in COMPILED_SUITE_FILES for f in sorted(s.rglob(name))]
+    if not files:
+        return 0
+    status, run_dir = run_suites(
+        files, report_dir, tier=tier, device=device, dtypes=dtypes, baseline=eager_run,
+        history=report_dir / "history.jsonl", golden=golden,
+        extra=[*extra, "--compile", backend], fail_on_regression=False,
+    )  # fmt: skip
+    if run_dir is not None:
+        print(f"numalign nightly: compiled ({backend}) report {run_dir / 'drift.html'}")
     return status
 
 

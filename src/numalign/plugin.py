@@ -11,11 +11,14 @@ import pytest
 
 from numalign.settings import (
     ATTN_IMPLEMENTATIONS,
+    CACHE_IMPLEMENTATIONS,
+    DEFAULT_CACHE_IMPLEMENTATIONS,
     DEFAULT_DTYPES,
     DEFAULT_TIER,
     TIERS,
     Settings,
     in_shard,
+    parse_cache_implementations,
     parse_dtypes,
     parse_shard,
     parse_tier,
@@ -42,6 +45,7 @@ MARKERS = {
     "operator": "an operator alignment test (operator x candidate x dtype x case)",
     "model": "a full-model replay test over a golden set",
     "layer": "a layer replay test over one capture point of a golden set",
+    "decode": "a decode replay test (KV cache or paged serving) over a golden set",
     "smoke": "runs at every tier (smoke, pr, nightly)",
     "pr": "runs at tiers pr and nightly (deselected at smoke)",
     "nightly": "runs at tier nightly only",
@@ -165,6 +169,16 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
         "",
     ),
     (
+        "--cache-implementation",
+        "numalign_cache_implementation",
+        "comma list of what decode replay runs with: "
+        + ", ".join(CACHE_IMPLEMENTATIONS)
+        + f" (default {','.join(DEFAULT_CACHE_IMPLEMENTATIONS)})",
+        {},
+        "string",
+        ",".join(DEFAULT_CACHE_IMPLEMENTATIONS),
+    ),
+    (
         "--shard",
         "numalign_shard",
         "I/N: run only the I-th of N shards of the tests, split by a stable hash of test ids "
@@ -186,6 +200,25 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
         "numalign_truth_cache",
         "folder of the operator suite's cached float64 truths, relative to the rootdir "
         "(default .numalign-cache/truths, or $NUMALIGN_CACHE/truths); off: no cache",
+        {},
+        "string",
+        "",
+    ),
+    (
+        "--compile",
+        "numalign_compile",
+        "run candidates, layers and models through torch.compile with this backend (default "
+        "inductor when given without a value; any registered backend, a vendor's through "
+        "--device-plugin); records name it in swap",
+        {"nargs": "?", "const": "inductor", "metavar": "BACKEND"},
+        "string",
+        "",
+    ),
+    (
+        "--compile-mode",
+        "numalign_compile_mode",
+        "torch.compile mode with --compile: default, reduce-overhead, max-autotune, "
+        "max-autotune-no-cudagraphs",
         {},
         "string",
         "",
@@ -213,6 +246,7 @@ def settings_from_config(config: pytest.Config) -> Settings:
         dtypes = parse_dtypes(str(_value(config, "numalign_dtype")))
         tier = parse_tier(str(_value(config, "numalign_tier")))
         shard = parse_shard(str(_value(config, "numalign_shard") or ""))
+        caches = parse_cache_implementations(str(_value(config, "numalign_cache_implementation")))
     except ValueError as exc:
         raise pytest.UsageError(f"numalign: {exc}") from None
     golden = tuple(Path(p) for p in _value(config, "numalign_golden"))
@@ -257,9 +291,12 @@ def settings_from_config(config: pytest.Config) -> Settings:
         attn_implementation=attn or None,
         experts_implementation=str(_value(config, "numalign_experts_implementation") or "") or None,
         allow_tf32=bool(_value(config, "numalign_allow_tf32")),
+        cache_implementations=caches,
         truth_cache=resolve_truth_folder(
             str(_value(config, "numalign_truth_cache") or ""), config.rootpath
         ),
+        compile_backend=str(_value(config, "numalign_compile") or "").strip() or None,
+        compile_mode=str(_value(config, "numalign_compile_mode") or "").strip() or None,
     )
 
 
@@ -289,6 +326,8 @@ def pytest_configure(config: pytest.Config) -> None:
         except DeviceUnavailableError as exc:
             raise pytest.UsageError(f"numalign: {exc}") from None
     _import_all(settings.candidate_modules, "--candidates")
+    if settings.compile_backend or settings.compile_mode:
+        _check_compile(settings)
     if settings.swaps:
         from numalign.registry import RegistryError
         from numalign.replay.swap import SwapError, parse_swaps
@@ -303,6 +342,25 @@ def pytest_configure(config: pytest.Config) -> None:
         collector = DriftCollector(settings)
         config.stash[collector_key] = collector
         config.pluginmanager.register(collector, "numalign-drift")
+
+
+def _check_compile(settings: Settings) -> None:
+    """The --compile backend is registered (after --device-plugin imported a vendor's) and
+    the mode known; a usage error naming the registered backends otherwise."""
+    if not settings.compile_backend:
+        raise pytest.UsageError("numalign: --compile-mode needs --compile [BACKEND]")
+    from numalign.replay.compiled import validate_spec
+
+    try:
+        validate_spec(settings.compile_backend, settings.compile_mode)
+    except ValueError as exc:
+        hint = ""
+        if Path(settings.compile_backend.split("::")[0]).exists():
+            hint = (
+                f" ({settings.compile_backend!r} is a path: write --compile=BACKEND, or put "
+                "--compile after the paths)"
+            )
+        raise pytest.UsageError(f"numalign: {exc}{hint}") from None
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -46,9 +46,11 @@ class DriftRecord:
 
     ``point`` is the operator (or operator output) or the capture point (with its output path);
     ``case`` the operator case or, in the model suites, the golden request; ``swap`` names the
-    execution variant (swapped kernels, attention or experts implementation). Model suites fill
-    ``model``, ``mode`` (isolated, accumulated, logits, continuation, output), ``request``,
-    ``output`` and ``step``.
+    execution variant (swapped kernels, attention or experts implementation, the compiled
+    backend as ``compile=BACKEND[:MODE]``, decode's cache as ``cache=NAME``). Model suites fill
+    ``model``, ``mode`` (isolated, accumulated, logits, continuation, output, decode),
+    ``request``, ``output`` and ``step`` (decode: 1 for the first step, 0 for the prefill's
+    cache).
     """
 
     test_id: str
@@ -77,6 +79,11 @@ class DriftRecord:
     point_index: int | None = None
     first_divergence: dict[str, Any] | None = None
     error: str | None = None
+    #: Seconds this test spent compiling (``--compile``; the rest of ``duration_s`` ran the
+    #: compiled code; 0 where the compiled artifact was reused); None: eager.
+    compile_s: float | None = None
+    #: Graph breaks Dynamo made while compiling for this test (``--compile``).
+    graph_breaks: int | None = None
     schema: int = SCHEMA_VERSION
 
     # -- construction -------------------------------------------------------------------------
@@ -154,7 +161,8 @@ def context_from_test_id(test_id: str) -> dict[str, Any]:
     comparison (a test that raised, a worker that crashed):
 
     - ``suites/operators/...::test_OP[CANDIDATE-DTYPE-CASE]``
-    - ``suites/models/...::test_layer[SET/POINT-DTYPE]``, ``...::test_model[SET-DTYPE]``
+    - ``suites/models/...::test_layer[SET/POINT-DTYPE]``, ``...::test_model[SET-DTYPE]``,
+      ``...::test_decode[SET-DTYPE-CACHE]``
 
     Other ids give what they can (nothing, for a test outside the suites)."""
     path, _, name = test_id.partition("::")
@@ -175,7 +183,8 @@ def context_from_test_id(test_id: str) -> dict[str, Any]:
         model, _, point = before.partition("/")
         context |= {"model": model, "candidate": "transformers"}
         context["point"] = point or None
-        context["mode"] = {"test_layer": "isolated", "test_model": "accumulated"}.get(function)
+        context["mode"] = {"test_layer": "isolated", "test_model": "accumulated",
+                           "test_decode": "decode"}.get(function)  # fmt: skip
     else:
         context |= {"candidate": before or None, "case": after or None}
         context["point"] = function.removeprefix("test_") or None

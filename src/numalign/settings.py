@@ -13,6 +13,13 @@ _SPEC = re.compile(r"^(?P<type>[a-z]+)(?::(?P<index>\d+))?$")
 #: transformers' attention implementations a model replay can ask for.
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("eager", "sdpa", "flex_attention")
 
+#: KV cache implementations of a cached decode (transformers' ``cache_implementation`` names).
+KV_CACHES: tuple[str, ...] = ("dynamic", "static", "offloaded", "offloaded_static")
+#: What decode replay can run with: a KV cache, or the paged serving path (continuous
+#: batching with ``paged|sdpa`` attention).
+CACHE_IMPLEMENTATIONS: tuple[str, ...] = (*KV_CACHES, "paged")
+DEFAULT_CACHE_IMPLEMENTATIONS: tuple[str, ...] = ("dynamic", "static", "paged")
+
 #: dtypes candidates may run in, in the order of ``--dtype``'s default.
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
 DEFAULT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -45,6 +52,13 @@ class Settings:
     allow_tf32: bool = False
     #: Where the operator suite keeps its float64 truths (``numalign.truths``); None: off.
     truth_cache: Path | None = None
+    #: What decode replay runs with (--cache-implementation).
+    cache_implementations: tuple[str, ...] = DEFAULT_CACHE_IMPLEMENTATIONS
+    #: ``torch.compile`` backend the suites run candidates and models through (--compile);
+    #: None: eager.
+    compile_backend: str | None = None
+    #: ``torch.compile`` mode (--compile-mode); None: the backend's default.
+    compile_mode: str | None = None
 
     def tier_rank(self) -> int:
         return TIERS.index(self.tier)
@@ -58,6 +72,18 @@ def parse_dtypes(text: str) -> tuple[str, ...]:
         raise ValueError(
             f"unknown dtype {', '.join(unknown) or repr(text)}; allowed: {', '.join(DTYPES)} "
             "(a comma-separated list)"
+        )
+    return names
+
+
+def parse_cache_implementations(text: str) -> tuple[str, ...]:
+    """``"dynamic,paged"`` -> ``("dynamic", "paged")``; ValueError on unknown names."""
+    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    unknown = [n for n in names if n not in CACHE_IMPLEMENTATIONS]
+    if unknown or not names:
+        raise ValueError(
+            f"unknown cache implementation {', '.join(unknown) or repr(text)}; allowed: "
+            f"{', '.join(CACHE_IMPLEMENTATIONS)} (a comma-separated list)"
         )
     return names
 

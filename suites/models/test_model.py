@@ -18,9 +18,21 @@ import torch
 from numalign.golden import GoldenSetError
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
-from numalign.replay.model import ModelCache, ReplayUnsupported, replay_model, suite_sets
+from numalign.replay.compiled import CompileError, GraphBreakWarning, take_stats
+from numalign.replay.model import (
+    ModelCache,
+    ReplayUnsupported,
+    replay_model,
+    suite_sets,
+    variant_label,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
+# Graph breaks under --compile are reported (a warning with Dynamo's reasons, and the
+# records' graph_breaks), not failures: the parts between breaks still run compiled.
+pytestmark = pytest.mark.filterwarnings(
+    f"default::{GraphBreakWarning.__module__}.GraphBreakWarning"
+)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -52,7 +64,13 @@ def test_model(
         pytest.fail(str(exc), pytrace=False)
     except ReplayUnsupported as exc:  # an implementation transformers lacks for this model
         pytest.skip(str(exc))
+    except CompileError as exc:  # --compile: the backend's failure, named; the session goes on
+        record_drift.error(exc, swap=variant_label(numalign_settings))
+        pytest.fail(str(exc), pytrace=False)
     context = model_cache.record_context(golden, numalign_settings, numalign_device)
+    spent = take_stats(model)  # --compile: compile time and graph breaks, apart
+    if spent is not None:
+        context |= spent.record_fields()
     for record in verdict.records(record_drift.nodeid, **context):
         record_drift.add(record)
     if not verdict.passed:

@@ -3,6 +3,10 @@ control. One test function per operator (``test_rms_norm``), with ids such as
 ``test_rms_norm[fused-bfloat16-unaligned-33x4097]``.
 
     pytest -n auto suites/operators --candidates my_kernels --device cuda -k rms_norm
+
+With ``--compile [BACKEND]`` each candidate runs through ``torch.compile`` (compiled once per
+worker; the reference and the control stay eager); records name the backend in ``swap``
+and carry the compile time (``compile_s``) and graph breaks apart from ``duration_s``.
 """
 
 from __future__ import annotations
@@ -14,17 +18,25 @@ import pytest
 import torch
 
 from numalign.cases import Case
-from numalign.opcheck import check_operator
+from numalign.opcheck import candidate_function, check_operator
 from numalign.phases import phase
 from numalign.record import NodeRecorder
 from numalign.registry import OPERATORS, Candidate, Operator, candidates, load_catalogue
 from numalign.replay import threads_per_worker
+from numalign.replay.compiled import CompileError, GraphBreakWarning, compile_spec
+from numalign.settings import Settings
 
 load_catalogue()
 # One torch thread per core share from collection on (numalign_device sets it up again with
 # the rest of torch's configuration): xdist workers must not each spin up every core.
 torch.set_num_threads(threads_per_worker())
 _PARAMS: dict[tuple[str, str], tuple[Candidate, str, Case]] = {}
+# Graph breaks under --compile are reported (a warning with Dynamo's reasons, and the
+# records' graph_breaks), not failures, even where warnings are errors: the parts between
+# breaks still run compiled, and their numerics are what the test judges.
+pytestmark = pytest.mark.filterwarnings(
+    f"default::{GraphBreakWarning.__module__}.GraphBreakWarning"
+)
 
 
 def _make_test(op: Operator) -> Callable[..., None]:
@@ -32,27 +44,38 @@ def _make_test(op: Operator) -> Callable[..., None]:
     def test(
         op_case: str,
         numalign_device: torch.device,
+        numalign_settings: Settings,
         tolerance_policy: object,
         record_drift: NodeRecorder,
     ) -> None:
         __tracebackhide__ = True
         cand, dtype_name, case = _PARAMS[(op.name, op_case)]
+        compiled = compile_spec(numalign_settings)
         context = {"suite": "operators", "candidate": cand.name, "device": str(numalign_device),
-                   "case": case.name}  # fmt: skip
+                   "case": case.name, "swap": compiled.label if compiled else None}  # fmt: skip
         reason = cand.skip_reason(numalign_device.type, dtype_name, case)
         if reason:
             record_drift.skipped(reason, point=op.name, dtype=dtype_name, **context)
             pytest.skip(reason)
         start = time.perf_counter()
-        results = check_operator(
-            op,
-            cand,
-            case,
-            getattr(torch, dtype_name),
-            numalign_device,
-            policy=tolerance_policy,  # type: ignore[arg-type]
-        )
+        try:
+            results = check_operator(
+                op,
+                cand,
+                case,
+                getattr(torch, dtype_name),
+                numalign_device,
+                policy=tolerance_policy,  # type: ignore[arg-type]
+                compiled=compiled,
+            )
+        except CompileError as exc:  # the backend's failure, named; the session goes on
+            record_drift.error(exc, point=op.name, dtype=dtype_name, **context)
+            pytest.fail(str(exc), pytrace=False)
         duration = time.perf_counter() - start
+        if compiled is not None:  # compile time apart from the run time
+            spent = candidate_function(op, cand, compiled).stats.take()  # type: ignore[attr-defined]
+            context |= spent.record_fields()
+            duration -= spent.compile_s
         with phase("records"):
             for result in results:
                 record_drift(result, duration_s=duration, **context)

@@ -17,7 +17,8 @@ from numalign.compare.logits import logits_stats
 from numalign.golden.manifest import OUTPUT_POINT, Continuation
 from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import DEFAULT_SETS, discover_sets
-from numalign.replay.layer import golden_outputs, kept_positions, replay_call, request_mask
+from numalign.replay.compiled import compile_model, compile_spec, observe
+from numalign.replay.layer import kept_positions, replay_call, request_mask
 from numalign.replay.verdict import (
     ContinuationResult,
     Divergence,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from numalign.golden.store import GoldenSet, Point
+    from numalign.replay.compiled import CompileSpec
     from numalign.settings import Settings
 
 
@@ -63,7 +65,7 @@ def control_for(
     the error, by s**2."""
     from numalign.compare.tolerances import FLOAT_FORMATS
 
-    reduction = hidden * (depth if mode in ("accumulated", "output") else 1)
+    reduction = hidden * (depth if mode in ("accumulated", "output", "decode") else 1)
     stats, scale = _calibration(golden, dtype, point, path, mode), 1.0
     if stats is None:
         for source in ("float16", "bfloat16"):
@@ -94,7 +96,7 @@ def _calibration(golden: GoldenSet, dtype: str, point: str, path: str, mode: str
     return golden.calibrated(dtype, point, path, "accumulated" if mode == "output" else mode)
 
 
-def _hidden_and_depth(model: Any) -> tuple[int, int]:
+def hidden_and_depth(model: Any) -> tuple[int, int]:
     config = (
         model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     )
@@ -103,7 +105,7 @@ def _hidden_and_depth(model: Any) -> tuple[int, int]:
     return int(hidden), int(depth)
 
 
-def _compare(
+def compare_point(
     actual: torch.Tensor, expected: torch.Tensor, name: str, control: Control, policy: Any
 ) -> CompareResult:
     if not expected.is_floating_point():
@@ -120,7 +122,8 @@ class ReplayUnsupported(RuntimeError):
 
 @dataclass
 class ModelCache:
-    """Models loaded once per worker per (set, device, dtype, attention, swaps)."""
+    """Models loaded once per worker per (set, device, dtype, attention, swaps, compile
+    variant); a compiled model is a ``CompiledModel`` (``numalign.replay.compiled``)."""
 
     models: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
@@ -133,6 +136,7 @@ class ModelCache:
         attn_implementation: str | None = None,
         swaps: Sequence[tuple[str, str]] = (),
         experts_implementation: str | None = None,
+        compiled: CompileSpec | None = None,
     ) -> Any:
         # by default, the attention implementation the set was captured with
         attn_implementation = attn_implementation or golden.reference.attn_implementation
@@ -143,6 +147,7 @@ class ModelCache:
             attn_implementation,
             experts_implementation,
             tuple(swaps),
+            compiled,
         )
         if key not in self.models:
             from numalign.replay.swap import apply_swaps
@@ -153,6 +158,8 @@ class ModelCache:
                     experts_implementation=experts_implementation,
                 ).to(device)  # fmt: skip
                 apply_swaps(model, swaps)
+                if compiled is not None:  # after the swaps: the compiler sees the kernels
+                    model = compile_model(model, compiled, [p.name for p in golden.points])
             except ValueError as exc:
                 if "implementation" not in str(exc):
                     raise
@@ -186,6 +193,7 @@ class ModelCache:
             attn_implementation=settings.attn_implementation,
             swaps=parse_swaps(settings.swaps),
             experts_implementation=settings.experts_implementation,
+            compiled=compile_spec(settings),
         )
         return golden, model
 
@@ -202,7 +210,7 @@ def replay_layer(
     within the isolated calibration's budget."""
     import torch
 
-    hidden, depth = _hidden_and_depth(model)
+    hidden, depth = hidden_and_depth(model)
     module = model.get_submodule(point.name)
     results = []
     for request, calls in point.calls.items():
@@ -216,7 +224,7 @@ def replay_layer(
                 expected = kept_positions(golden.tensor(key), mask)
                 control = control_for(golden, dtype, point.name, path, "isolated", hidden, depth)
                 actual = kept_positions(actual.detach(), mask)
-                result = _compare(actual, expected, label(point.name, path), control, policy)
+                result = compare_point(actual, expected, label(point.name, path), control, policy)
                 results.append(
                     PointResult(point.name, point.order, request, path, result, mode="isolated")
                 )
@@ -232,7 +240,7 @@ def replay_model(
     import torch
 
     torch_dtype = getattr(torch, dtype)
-    hidden, depth = _hidden_and_depth(model)
+    hidden, depth = hidden_and_depth(model)
     points = {p.name: p for p in golden.points}
     verdict = ModelVerdict(points=[])
     for request in golden.requests:
@@ -243,13 +251,13 @@ def replay_model(
 
         def on_output(point: str, path: str, actual: Any, expected: Any, name: str = name) -> None:
             control = control_for(golden, dtype, point, path, "accumulated", hidden, depth)
-            result = _compare(actual, expected, label(point, path), control, policy)
+            result = compare_point(actual, expected, label(point, path), control, policy)
             verdict.points.append(
                 PointResult(point, points[point].order, name, path, result,
                             finished=len(verdict.points))
             )  # fmt: skip
 
-        with torch.no_grad(), golden_outputs(model, golden, name, on_output):
+        with torch.no_grad(), observe(model, golden, name, on_output):
             out = model(**inputs, **forward_kwargs(model))
         mask = request_mask(golden, name)
         finals = model_outputs(out)
@@ -263,7 +271,7 @@ def replay_model(
                 verdict.logits.append(judged)
                 logits_budget = judged.values.budget.get("max_abs", 0.0) if judged.values else 0.0
                 continue
-            result = _compare(actual.to(torch_dtype), expected, output, control, policy)
+            result = compare_point(actual.to(torch_dtype), expected, output, control, policy)
             verdict.outputs.append(PointResult(output, len(points), name, "0", result, "output"))
         continuation = golden.continuation(name)
         if continuation is not None and logits_budget > 0:
@@ -312,7 +320,7 @@ def judge_logits(
             skipped="the golden set has no logits calibration (captured by an older numalign): "
             "capture it again to judge the logits",
         )  # fmt: skip
-    values = _compare(actual, expected, "logits", control, policy)
+    values = compare_point(actual, expected, "logits", control, policy)
     near_tie = 2.0 * float(values.budget.get("max_abs", 0.0))
     stats = logits_stats(actual.flatten(0, -2), expected.flatten(0, -2), near_tie)
     dtype = str(actual.dtype).removeprefix("torch.")
@@ -363,6 +371,9 @@ def variant_label(settings: Settings) -> str | None:
         parts.append(f"attention={settings.attn_implementation}")
     if settings.experts_implementation:
         parts.append(f"experts={settings.experts_implementation}")
+    spec = compile_spec(settings)
+    if spec is not None:
+        parts.append(spec.label)
     return ",".join(parts) or None
 
 

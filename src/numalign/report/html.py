@@ -262,6 +262,17 @@ def _messages(records: list[DriftRecord], rows: list[dict[str, Any]]) -> list[di
     return out
 
 
+def _colored(variants: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The compiled-against-eager rows with the heatmap's colour of each side's use."""
+    if variants is None:
+        return None
+    rows = [
+        r | {"eager_color": budget_color(r["eager"]), "compiled_color": budget_color(r["compiled"])}
+        for r in variants["rows"]
+    ]
+    return variants | {"rows": rows}
+
+
 def _script_json(value: Any) -> str:
     """JSON for a <script type="application/json"> block: no '<', '>' or '&' survives, so
     nothing in a test id or message can close the element or open a comment."""
@@ -275,8 +286,12 @@ def render_html(
     *,
     baseline: dict[str, Any] | None = None,
     history: list[dict[str, Any]] | None = None,
+    variants: dict[str, Any] | None = None,
+    compiled: dict[str, Any] | None = None,
 ) -> str:
-    """The drift report of one run as a single HTML document."""
+    """The drift report of one run as a single HTML document. ``variants``: the compiled
+    run against the eager one, side by side (``report.variants.side_by_side``); ``compiled``:
+    a compiled run's own compile cost (``report.variants.compiled_cost``)."""
     from jinja2 import Environment, PackageLoader, select_autoescape
 
     env = Environment(
@@ -295,6 +310,8 @@ def render_html(
         end_results=_end_results(records),
         verdicts=VERDICTS[1:],
         baseline=baseline,
+        variants=_colored(variants),
+        compiled=compiled,
         trend_svg=_trend(history or []),
         rows_json=_script_json(rows),
         messages=messages,

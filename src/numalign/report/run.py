@@ -14,6 +14,7 @@ from numalign.report.baseline import DEFAULT_REGRESSION_FACTOR, BaselineDiff, di
 from numalign.report.history import append_history, history_entry, read_history
 from numalign.report.html import write_html
 from numalign.report.tables import summarize, write_tables
+from numalign.report.variants import compiled_cost, side_by_side
 
 
 @dataclass
@@ -46,8 +47,11 @@ def render_run(
     rendered = RenderedRun(run_dir=run_dir, records=records)
     summary = summarize(records, outcome_of(records), header)
     baseline_dict = None
+    variants = None  # compiled against eager, where one run of the two is compiled
     if baseline is not None:
-        rendered.diff = diff_runs(records, read_records(baseline), factor)
+        baseline_records = read_records(baseline)
+        rendered.diff = diff_runs(records, baseline_records, factor)
+        variants = side_by_side(records, baseline_records)
         baseline_dict = rendered.diff.to_dict() | {"path": str(baseline)}
         summary["regressions"] = len(rendered.diff.regressed)
         regressions = run_dir / "regressions.json"
@@ -63,7 +67,13 @@ def render_run(
         entries.append(entry)
     rendered.written.append(
         write_html(
-            run_dir / "drift.html", records, summary, baseline=baseline_dict, history=entries
+            run_dir / "drift.html",
+            records,
+            summary,
+            baseline=baseline_dict,
+            history=entries,
+            variants=variants,
+            compiled=compiled_cost(records),
         )
     )
     return rendered

@@ -44,6 +44,8 @@ TABLE_COLUMNS: tuple[str, ...] = (
     "rule",
     "budget_used",
     "duration_s",
+    "compile_s",
+    "graph_breaks",
     "swap",
     "golden_fingerprint",
     *METRIC_COLUMNS,

@@ -1,0 +1,435 @@
+"""Compiled backends: operators, modules and whole models run through ``torch.compile``.
+
+Vendors deliver Day-0 support as graph compilers behind ``torch.compile``; a compiled model
+fuses and reorders computations, so its numerics differ from eager. ``--compile [BACKEND]``
+(and ``--compile-mode``) makes the suites run what the backend compiled, judged against the
+same budgets as eager:
+
+- the operator suite compiles each candidate (:func:`compiled_function`);
+- layer replay runs each capture point's module compiled on its own
+  (:meth:`CompiledModel.get_submodule`);
+- full-model replay runs the whole model compiled (:class:`CompiledModel`), with every capture
+  point observed from inside the compiled graph.
+
+Decisions:
+
+- **Observed, not broken up.** Eager replay observes the capture points with hooks that read
+  golden tensors; run under a compiler, such hooks would break the graph at every point (and
+  hooks installed per request would recompile the model every time). A compiled model gets one
+  set of *tap* hooks, installed before it is compiled, that only append ``(point, output)`` to
+  a list: Dynamo traces them into the graph (the observed tensors become extra graph outputs,
+  their values those of the compiled kernels), and :func:`observe` compares them after the
+  forward, in the order the calls completed, as eager replay does.
+- **Compiled once per worker.** Compiled callables are kept per process by (function or model,
+  backend, mode); ``ModelCache`` keys its models by the compile variant too, so a model is
+  compiled once per (set, device, dtype, variant). Dynamo then reuses the compiled graph for
+  every call its guards accept. ``dynamic=None`` (automatic dynamic shapes) recompiles once on
+  the first new size and then treats that dimension as symbolic; a model's inputs get their
+  batch and sequence dimensions marked with ``torch._dynamo.maybe_mark_dynamic`` before the
+  first call, so other requests and every step of the greedy continuation reuse the graph.
+- **Never silently eager.** Dynamo falls back to eager when a function recompiles more than
+  ``recompile_limit`` times; the limit is raised to :data:`RECOMPILE_LIMIT` and reaching it is
+  an error (``fail_on_recompile_limit_hit``), so a record named ``compile=...`` always ran
+  compiled code. Compilation errors become :class:`CompileError` (a test failure and an
+  ``error`` record with the backend's message); graph breaks are a :class:`GraphBreakWarning`
+  with Dynamo's reasons and are counted in the record's ``graph_breaks``.
+- **Compile time apart from run time.** Dynamo's compile callbacks (``on_compile_start``
+  and ``on_compile_end``, fired around every compilation: tracing plus the backend, nested
+  ones once) add up a process-wide compile time; a call's compile time is its growth during
+  the call, its run time the rest of its wall time. A test's records all carry the test's
+  ``compile_s`` (sum it per test, not per record).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from numalign.golden.reference import flatten, hooks
+from numalign.replay.layer import golden_outputs, kept_positions, request_mask
+
+if TYPE_CHECKING:
+    import torch
+
+    from numalign.golden.store import GoldenSet
+    from numalign.settings import Settings
+
+#: Backend used by ``--compile`` without a value.
+DEFAULT_BACKEND = "inductor"
+#: ``torch.compile`` modes (``--compile-mode``).
+COMPILE_MODES: tuple[str, ...] = (
+    "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs",
+)  # fmt: skip
+#: Recompilations allowed per function before it is an error (Dynamo's default is 8, after
+#: which it runs eager silently). An operator candidate meets every case of its grid in three
+#: dtypes, strided and contiguous: automatic dynamic shapes leave about one compilation per
+#: dtype, layout and specialised Python argument (eps, causal, window), well under 64.
+RECOMPILE_LIMIT = 64
+#: Seconds this process spent compiling so far, and when the compilation under way started.
+_compile_clock: dict[str, float] = {"total": 0.0, "since": 0.0}
+#: Graph-break reasons a warning quotes (the record counts them all).
+_REASONS_SHOWN = 3
+
+
+class CompileError(RuntimeError):
+    """A backend failed to compile what a test runs: the test fails with the backend's
+    message (and gets an ``error`` record), the session goes on."""
+
+
+class GraphBreakWarning(UserWarning):
+    """Dynamo split a compiled function or model at code it cannot trace: the pieces between
+    breaks are compiled, the break itself runs eager."""
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """What ``--compile`` asks for: a registered ``torch.compile`` backend and a mode."""
+
+    backend: str = DEFAULT_BACKEND
+    mode: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How records name the variant (in ``swap``): ``compile=inductor``, or with a mode
+        ``compile=inductor:max-autotune``."""
+        return f"compile={self.backend}" + (f":{self.mode}" if self.mode else "")
+
+
+@dataclass
+class CompileStats:
+    """Compile cost seen by one test: seconds spent compiling, graph breaks and their
+    reasons (Dynamo's messages)."""
+
+    compile_s: float = 0.0
+    graph_breaks: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+    def add(self, other: CompileStats) -> None:
+        self.compile_s += other.compile_s
+        self.graph_breaks += other.graph_breaks
+        self.reasons += [r for r in other.reasons if r not in self.reasons]
+
+    def take(self) -> CompileStats:
+        """These stats, and reset to zero (what one test spent, for its records)."""
+        taken = CompileStats(self.compile_s, self.graph_breaks, list(self.reasons))
+        self.compile_s, self.graph_breaks, self.reasons = 0.0, 0, []
+        return taken
+
+    def record_fields(self) -> dict[str, Any]:
+        """The drift record's fields: ``compile_s`` and ``graph_breaks``."""
+        return {"compile_s": round(self.compile_s, 6), "graph_breaks": self.graph_breaks}
+
+
+def registered_backends() -> list[str]:
+    """Every backend name ``torch.compile`` accepts here, after ``--device-plugin`` modules
+    registered theirs: the ordinary ones first, then the debug ones (``aot_eager``, ...)."""
+    from torch._dynamo import list_backends
+
+    ordinary = list_backends()
+    return ordinary + sorted(set(list_backends(exclude_tags=())) - set(ordinary))
+
+
+def validate_spec(backend: str, mode: str | None) -> CompileSpec:
+    """The spec, or ValueError naming the registered backends and the modes."""
+    if backend not in registered_backends():
+        from torch._dynamo import list_backends
+
+        raise ValueError(
+            f"unknown --compile backend {backend!r}; registered: {', '.join(list_backends())} "
+            f"(debug: {', '.join(b for b in registered_backends() if b not in list_backends())}). "
+            "A vendor's backend registers when its module is imported: pass it with "
+            "--device-plugin"
+        )
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ValueError(f"unknown --compile-mode {mode!r}; allowed: {', '.join(COMPILE_MODES)}")
+    return CompileSpec(backend, mode)
+
+
+def compile_spec(settings: Settings) -> CompileSpec | None:
+    """The session's compile variant (None: eager), from ``--compile``/``--compile-mode``."""
+    if not settings.compile_backend:
+        return None
+    return CompileSpec(settings.compile_backend, settings.compile_mode)
+
+
+def _configure_dynamo() -> None:
+    """Raises the recompile limit and makes reaching it an error (never a silent eager
+    fallback), and starts the compile clock; idempotent."""
+    import torch._dynamo
+    from torch._dynamo import callback
+
+    with warnings.catch_warnings():
+        # Inductor's CPU passes import torch.utils.mkldnn, whose torch.jit.script_method
+        # decorators warn (DeprecationWarning) at import: torch's own, and an error in a
+        # session where warnings are errors; imported here once, quietly
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import torch.utils.mkldnn
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    config.fail_on_recompile_limit_hit = True
+    if "started" not in _compile_clock:
+        _compile_clock["started"] = 1.0
+        callback.on_compile_start(_clock_start)
+        callback.on_compile_end(_clock_end)
+
+
+def _clock_start(*_: Any) -> None:
+    _compile_clock["since"] = time.perf_counter()
+
+
+def _clock_end(*_: Any) -> None:
+    _compile_clock["total"] += time.perf_counter() - _compile_clock["since"]
+
+
+def _snapshot() -> tuple[float, dict[str, int]]:
+    from torch._dynamo.utils import counters
+
+    return _compile_clock["total"], dict(counters["graph_break"])
+
+
+def _since(before: tuple[float, dict[str, int]]) -> CompileStats:
+    seconds, breaks = _snapshot()
+    new = {k: n - before[1].get(k, 0) for k, n in breaks.items() if n > before[1].get(k, 0)}
+    return CompileStats(max(0.0, seconds - before[0]), sum(new.values()), list(new))
+
+
+def _is_compile_failure(exc: BaseException) -> bool:
+    """Errors of Dynamo or of a backend, not of the code being compiled (those propagate
+    as they are)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    names = {c.__module__ for c in type(exc).__mro__}
+    return isinstance(exc, TorchDynamoException) or "torch._inductor.exc" in names
+
+
+def _first_lines(text: str, lines: int = 12) -> str:
+    kept = [line for line in text.strip().splitlines() if line.strip()][:lines]
+    return "\n".join(kept)
+
+
+def run_compiled(
+    compiled: Callable[..., Any], spec: CompileSpec, what: str, stats: CompileStats,
+    *args: Any, **kwargs: Any,
+) -> Any:  # fmt: skip
+    """Calls ``compiled``, adding its compile time and graph breaks to ``stats``. A failure
+    of Dynamo or the backend raises CompileError naming ``what`` and the backend's message;
+    a graph break warns (GraphBreakWarning) with Dynamo's reasons."""
+    __tracebackhide__ = True
+    before = _snapshot()
+    try:
+        with warnings.catch_warnings():
+            # Dynamo's notes on what it traced ("Dynamo detected a call to a
+            # functools.lru_cache-wrapped function", raised inside the tracer where warnings
+            # are errors) are shown, not turned into a compilation failure
+            warnings.filterwarnings("default", message=r".*Dynamo", category=UserWarning)
+            out = compiled(*args, **kwargs)
+    except Exception as exc:
+        if not _is_compile_failure(exc):
+            raise
+        stats.add(_since(before))
+        raise CompileError(
+            f"{what} failed to compile with torch.compile backend {spec.backend!r}"
+            f"{f' (mode {spec.mode})' if spec.mode else ''}: {type(exc).__name__}: "
+            f"{_first_lines(str(exc))}\nHint: run it eager (without --compile) to tell the "
+            "backend's fault from the code's; TORCH_LOGS=graph_breaks,recompiles shows what "
+            "Dynamo traced"
+        ) from None
+    seen = _since(before)
+    stats.add(seen)
+    if seen.graph_breaks:
+        shown = "; ".join(_first_lines(r, 2) for r in seen.reasons[:_REASONS_SHOWN])
+        warnings.warn(
+            GraphBreakWarning(
+                f"{what}: {seen.graph_breaks} graph break(s) under {spec.label} (those parts "
+                f"run eager): {shown}"
+            ),
+            stacklevel=2,
+        )
+    return out
+
+
+# -- operators: compiled functions ----------------------------------------------------------
+
+
+@dataclass
+class CompiledFunction:
+    """A function compiled with one spec, kept per worker; ``stats`` accumulate until a test
+    takes them."""
+
+    fn: Callable[..., Any]
+    spec: CompileSpec
+    compiled: Callable[..., Any]
+    name: str
+    stats: CompileStats = field(default_factory=CompileStats)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        return run_compiled(self.compiled, self.spec, self.name, self.stats, *args, **kwargs)
+
+
+_functions: dict[tuple[Callable[..., Any], CompileSpec], CompiledFunction] = {}
+
+
+def compiled_function(fn: Callable[..., Any], spec: CompileSpec, name: str) -> CompiledFunction:
+    """``fn`` compiled with ``spec`` (``dynamic=None``: sizes that change become symbolic
+    after one recompilation), created once per worker and reused by every test of it."""
+    key = (fn, spec)
+    if key not in _functions:
+        import torch
+
+        _configure_dynamo()
+        compiled = torch.compile(fn, backend=spec.backend, mode=spec.mode, dynamic=None)
+        _functions[key] = CompiledFunction(fn, spec, compiled, name)
+    return _functions[key]
+
+
+# -- models: compiled whole model, compiled points --------------------------------------------
+
+
+class CompiledModel:
+    """A model and its compiled forms: the whole model compiled (calling this object), and
+    each capture point's module compiled alone (:meth:`get_submodule`).
+
+    Everything else (``config``, ``forward``'s signature, ``named_modules``) is the eager
+    model's. Tap hooks on the capture points, installed before anything is compiled, append
+    ``(point, output)`` to ``taps``; :func:`observe` turns them into the comparisons eager
+    replay makes with its hooks."""
+
+    def __init__(self, model: torch.nn.Module, spec: CompileSpec, points: Sequence[str]) -> None:
+        import torch
+
+        _configure_dynamo()
+        self.model = model
+        self.spec = spec
+        self.stats = CompileStats()
+        self.taps: list[tuple[str, Any]] = []
+        for name in points:
+            model.get_submodule(name).register_forward_hook(self._tap(name))
+        self._compiled = torch.compile(model, backend=spec.backend, mode=spec.mode, dynamic=None)
+        self._modules: dict[str, _CompiledPoint] = {}
+
+    def _tap(self, point: str) -> Callable[..., None]:
+        taps = self.taps
+
+        def tap(module: Any, args: Any, output: Any) -> None:
+            taps.append((point, output))
+
+        return tap
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["model"], name)
+
+    def __call__(self, **inputs: Any) -> Any:
+        """The compiled model on ``inputs``; tensors' batch and sequence dimensions are
+        marked dynamic first (where the model specialises them anyway, Dynamo keeps them
+        static: ``maybe_mark_dynamic`` never raises)."""
+        __tracebackhide__ = True
+        import torch
+
+        for value in inputs.values():
+            if isinstance(value, torch.Tensor):
+                for dim in range(min(2, value.dim())):
+                    torch._dynamo.maybe_mark_dynamic(value, dim)
+        self.taps.clear()
+        what = f"{type(self.model).__name__} (whole model)"
+        return run_compiled(self._compiled, self.spec, what, self.stats, **inputs)
+
+    def get_submodule(self, target: str) -> Callable[..., Any]:
+        """The module at ``target`` compiled alone (once per model), for layer replay."""
+        if target not in self._modules:
+            import torch
+
+            module = self.model.get_submodule(target)
+            compiled = torch.compile(module, backend=self.spec.backend, mode=self.spec.mode,
+                                     dynamic=None)  # fmt: skip
+            self._modules[target] = _CompiledPoint(self, compiled, target)
+        return self._modules[target]
+
+
+@dataclass
+class _CompiledPoint:
+    """One capture point's module compiled alone; calls add to the model's stats."""
+
+    owner: CompiledModel
+    compiled: Callable[..., Any]
+    name: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        owner = self.owner
+        try:
+            return run_compiled(self.compiled, owner.spec, self.name, owner.stats, *args, **kwargs)
+        finally:
+            owner.taps.clear()  # the point's own taps (and its children's) are not compared
+
+
+def compile_model(model: Any, spec: CompileSpec, points: Sequence[str]) -> CompiledModel:
+    """``model`` with its compiled forms (nothing compiles until the first call)."""
+    return CompiledModel(model, spec, points)
+
+
+@contextmanager
+def observe(
+    model: Any,
+    golden: GoldenSet,
+    request: str,
+    on_output: Callable[[str, str, torch.Tensor, torch.Tensor], None],
+) -> Iterator[None]:
+    """``golden_outputs`` for any model: for an eager model its hooks; for a CompiledModel
+    the tensors its taps collected from inside the compiled graph, compared after the
+    forward in the order the calls completed (the n-th call of a point against its n-th
+    recorded call, both restricted to the positions the request's mask keeps)."""
+    if not isinstance(model, CompiledModel):
+        with golden_outputs(model, golden, request, on_output):
+            yield
+        return
+    import torch
+
+    points = {p.name: p for p in golden.points}
+    mask = request_mask(golden, request)
+    model.taps.clear()
+    yield
+    seen: dict[str, int] = {}
+    taps, model.taps[:] = list(model.taps), []
+    for point, output in taps:
+        number = seen.get(point, 0)
+        seen[point] = number + 1
+        calls = points[point].calls.get(request, [])
+        if number >= len(calls):
+            continue
+        for path, tensor in flatten(output):
+            key = calls[number].outputs.get(path)
+            if key is not None and isinstance(tensor, torch.Tensor):
+                expected = kept_positions(golden.tensor(key), mask)
+                on_output(point, path, kept_positions(tensor.detach(), mask), expected)
+
+
+@contextmanager
+def observe_calls(
+    model: Any, points: Sequence[str], on_call: Callable[[str, Any, Any, Any], None]
+) -> Iterator[None]:
+    """``golden.reference.hooks`` for any model: ``on_call(point, args, kwargs, output)``
+    after each call of each point; for a CompiledModel, after the forward, from the outputs
+    its taps collected inside the compiled graph (in the order the calls completed; args and
+    kwargs are None)."""
+    if not isinstance(model, CompiledModel):
+        with hooks(model, points, on_call):
+            yield
+        return
+    wanted = set(points)
+    model.taps.clear()
+    yield
+    taps, model.taps[:] = list(model.taps), []
+    for point, output in taps:
+        if point in wanted:
+            on_call(point, None, None, output)
+
+
+def take_stats(model: Any) -> CompileStats | None:
+    """What compiling ``model`` cost since the last take (None: not compiled)."""
+    return model.stats.take() if isinstance(model, CompiledModel) else None
