@@ -98,7 +98,9 @@ def test_manifest_errors_name_the_file_and_the_remedy(small_set: GoldenSet, tmp_
     data["format"] = "numalign.golden/99"
     manifest.write_text(json.dumps(data))
     with pytest.raises(
-        GoldenSetError, match=r"format 'numalign.golden/99' is not 'numalign.golden/1'"
+        GoldenSetError,
+        match=r"format 'numalign.golden/99' is not one this numalign reads "
+        r"\(numalign.golden/1, numalign.golden/2\)",
     ):
         GoldenSet.open(small_set.path)
     with pytest.raises(GoldenSetError, match=r"no manifest; .* numalign capture MODEL_DIR --out"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from numalign.golden import GoldenSet
-from numalign.golden.store import OUTPUT_POINT
+from numalign.golden.store import CACHE_POINT, OUTPUT_POINT
 from numalign.golden.zoo import ZOO
 from numalign.replay.layer import replay_call
 
@@ -52,8 +52,13 @@ def test_reload_points_inputs_outputs_logits_and_continuation(golden: GoldenSet)
         assert golden.continuation(first_request) is None
     for dtype in ("bfloat16", "float16"):
         calibration = golden.calibration(dtype)
-        assert set(calibration) == {p.name for p in points} | {OUTPUT_POINT}
+        decoded = {CACHE_POINT} if golden.decode_requests else set()  # the KV cache's states
+        assert set(calibration) == {p.name for p in points} | {OUTPUT_POINT} | decoded
         assert set(calibration[OUTPUT_POINT]) == set(finals)
+        if decoded:  # decode steps: each step's logits and the cache, calibrated
+            assert calibration[OUTPUT_POINT]["logits"]["decode"]["kl_max"] >= 0
+            assert all(s["decode"]["max_abs"] is not None
+                       for s in calibration[CACHE_POINT].values())  # fmt: skip
         for stats in calibration[OUTPUT_POINT].values():  # the model's outputs, calibrated
             assert stats["accumulated"]["norm_ratio"] is not None
         if "logits" in finals:

@@ -80,11 +80,18 @@ def test_a_wrong_rms_norm_fails_at_the_mapped_modules_and_is_the_first_divergenc
     from numalign.record import read_records
 
     records = read_records(pytester.path / "reports" / "latest")
-    located = [r.first_divergence for r in records if r.first_divergence]
+    located = [r.first_divergence for r in records if r.first_divergence and r.mode != "decode"]
     assert located == [
         {"point": "model.layers.0.input_layernorm", "kind": "local", "request": "text-leftpad"}
     ]
-    assert all(r.swap == "rms_norm=bad_eps" for r in records if r.verdict != "skipped")
+    # decode: the norm feeds layer 0's keys, so the prefill's cache is the first divergence
+    # (the paged engine's cache is not compared: there the norm itself at step 1)
+    decode = {(d["step"], d["point"]) for r in records if (d := r.first_divergence) and
+              r.mode == "decode"}  # fmt: skip
+    assert decode == {(0, "(cache).layers.0.keys"), (1, "model.layers.0.input_layernorm")}
+    assert all(
+        (r.swap or "").startswith("rms_norm=bad_eps") for r in records if r.verdict != "skipped"
+    )
 
 
 def test_a_wrong_rotary_fails_at_the_attention_modules_and_is_the_first_divergence(
@@ -99,10 +106,10 @@ def test_a_wrong_rotary_fails_at_the_attention_modules_and_is_the_first_divergen
     from numalign.record import read_records
 
     records = read_records(pytester.path / "reports" / "latest")
-    located = {r.dtype: r.first_divergence["point"] for r in records if r.first_divergence}
+    prefill = [r for r in records if r.first_divergence and r.mode != "decode"]
+    located = {r.dtype: r.first_divergence["point"] for r in prefill}
     assert located == dict.fromkeys(("float32", "bfloat16", "float16"), "model.layers.0.self_attn")
-    kinds = {r.first_divergence["kind"] for r in records if r.first_divergence}
-    assert kinds == {"local"}
+    assert {r.first_divergence["kind"] for r in prefill} == {"local"}
 
 
 def test_a_correct_swap_passes(pytester: pytest.Pytester, on_path: None) -> None:
@@ -164,8 +171,11 @@ def test_the_deep_model_and_the_encoder_replay_in_every_dtype_with_no_false_alar
     # the regime of the false alarm: late layers' residuals in the thousands
     late = [r for r in deep if r.point == "model.layers.23" and r.mode == "accumulated"]
     assert late and all((r.metrics.get("max_expected") or 0) > 1000 for r in late)
-    logits = [r for r in deep if r.mode == "logits"]
-    assert len(logits) == 2 * 3  # two requests, three dtypes: each judged and recorded
+    logits = [r for r in deep if r.mode == "logits" and r.step is None]
+    assert len(logits) == 4 * 3  # four requests (text, long), three dtypes: each judged
+    steps = [r for r in deep if r.mode == "logits" and r.step is not None]
+    # decode: two generating requests x 4 steps, three dtypes, three cache implementations
+    assert len(steps) == 2 * 4 * 3 * 3
     bert = [r for r in records if r.model == "tiny-bert" and r.mode == "output"]
     assert {r.point for r in bert} == {"last_hidden_state", "pooler_output"}
 

@@ -4,9 +4,13 @@ Forward pre-hooks (with kwargs) and forward hooks on the capture points record e
 inputs and outputs while the reference forward runs; tensors go to safetensors shards of
 bounded size as they arrive (``store.ShardWriter``), so peak memory stays near the model plus
 one shard. A tensor two points share (one layer's output is the next one's input) is stored
-once. The set is written into a temporary folder and renamed into place; ``finish`` runs on
-the finished temporary set first (``replay.calibrate.capture_calibrated`` calibrates there),
-so a set is never seen half-written.
+once. Requests that generate also run a cached decode (``Decode``): the prefill with a
+dynamic KV cache, then ``decode_steps`` steps of one token each, recording each step's
+token, logits and the new token's outputs at every capture point, and the cache's contents
+after the prefill and after the last step. The set is written into a temporary folder and
+renamed into place; ``finish`` runs on the finished temporary set first
+(``replay.calibrate.capture_calibrated`` calibrates there), so a set is never seen
+half-written.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from numalign.golden.decode import DEFAULT_DECODE_STEPS, record_decode
 from numalign.golden.fingerprint import fingerprint
 from numalign.golden.manifest import (
     Call,
@@ -41,8 +46,16 @@ from numalign.golden.reference import (
     jsonable,
     load_model,
     model_outputs,
+    takes_cache,
 )
-from numalign.golden.requests import DEFAULT_PROMPTS, CaptureRequest, image_request, text_requests
+from numalign.golden.requests import (
+    DEFAULT_PROMPTS,
+    CaptureRequest,
+    image_request,
+    long_length,
+    long_requests,
+    text_requests,
+)
 from numalign.golden.store import (
     DEFAULT_SHARD_BYTES,
     GoldenSet,
@@ -182,6 +195,8 @@ def capture(
     image: str | None = None,
     reference_dtype: str = "float32",
     continuation: int = DEFAULT_CONTINUATION,
+    decode_steps: int = DEFAULT_DECODE_STEPS,
+    long: int | None = None,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -192,7 +207,10 @@ def capture(
     """Captures a golden set of the model in ``model_dir`` into ``out`` (replaced atomically:
     an interrupted capture leaves any previous set untouched and no partial folder).
     ``finish(golden, step)`` runs on the whole set in its temporary folder before it is moved
-    into place; ``step(text)`` advances the progress bar (``finish_steps`` steps are its)."""
+    into place; ``step(text)`` advances the progress bar (``finish_steps`` steps are its).
+
+    ``long``: the length of the long requests (None: past every length boundary of the
+    model, ``requests.long_length``; 0: none). Encoders get no long requests and no decode."""
     import torch
 
     model_dir, out = Path(model_dir).resolve(), Path(out)
@@ -207,6 +225,13 @@ def capture(
                        trust_remote_code=trust_remote_code)  # fmt: skip
     requests = text_requests(model_dir, model.config, prompts or DEFAULT_PROMPTS,
                              trust_remote_code)  # fmt: skip
+    decoder = takes_cache(model)
+    if long is None:
+        long = long_length(model.config) if decoder else 0
+    if long < 0:
+        raise ValueError(f"--long {long}: a length in tokens, or 0 for no long requests")
+    if long:
+        requests += long_requests(model_dir, model.config, long, trust_remote_code)
     extra = image_request(model_dir, model.config, image)
     requests += [extra] if extra is not None else []
     point_names = select_points(model, points)
@@ -225,6 +250,10 @@ def capture(
         for request in requests:
             bar.step(f"request {request.name}")
             _record_request(model, request, point_names, recorder, manifest, continuation)
+            if request.generate and decoder and decode_steps > 0:
+                manifest.decode[request.name] = record_decode(
+                    model, request, point_names, writer, decode_steps
+                )
         writer.flush()
         manifest.tensors, manifest.shards = dict(writer.tensors), dict(writer.shards)
         order = {name: i for i, (name, _) in enumerate(model.named_modules())}

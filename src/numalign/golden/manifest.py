@@ -1,6 +1,9 @@
-"""The golden set format, ``numalign.golden/1``, as typed objects: what ``manifest.json``
+"""The golden set format, ``numalign.golden/2``, as typed objects: what ``manifest.json``
 holds, read and written in this one module (``Manifest.from_json`` / ``Manifest.to_json``),
 so that no reader touches the JSON itself and a renamed key has one place to change.
+
+Format 2 adds ``decode``: per request, the cached decode the reference ran after its prefill
+(``Decode``). Format 1 sets are read as they are: they have no decode steps.
 """
 
 from __future__ import annotations
@@ -9,10 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FORMAT = "numalign.golden/1"
+FORMAT = "numalign.golden/2"
+#: Formats this numalign reads: format 1 sets simply have no decode steps.
+READ_FORMATS = ("numalign.golden/1", FORMAT)
 MANIFEST = "manifest.json"
 #: The calibration's name for the model's own outputs (logits, an encoder's hidden states).
 OUTPUT_POINT = "(output)"
+#: The calibration's name for the KV cache's contents (per layer: keys, values, states).
+CACHE_POINT = "(cache)"
 
 
 class GoldenSetError(RuntimeError):
@@ -60,6 +67,50 @@ class Continuation:
 
     tokens: str
     logits: str
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One decode step of a request: the token fed [batch, 1], the logits it gave
+    [batch, vocab], and per capture point the outputs of each of its calls in that step
+    (output path -> tensor key; only outputs laid out [batch, 1, ...], the new token's)."""
+
+    token: str
+    logits: str
+    points: dict[str, list[dict[str, str]]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"token": self.token, "logits": self.logits, "points": self.points}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> DecodeStep:
+        return cls(d["token"], d["logits"], {k: list(v) for k, v in d["points"].items()})
+
+
+@dataclass(frozen=True)
+class Decode:
+    """A request's cached decode: its prefill with a ``cache`` (the implementation the
+    reference used) and then ``steps``, each feeding the reference's own greedy token; the
+    cache's contents (state name, such as ``layers.0.keys``, -> tensor key) after the
+    prefill and after the last step, each a window of the most recent positions in order."""
+
+    cache: str
+    steps: list[DecodeStep]
+    prefill_cache: dict[str, str]
+    final_cache: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cache": self.cache, "steps": [s.to_json() for s in self.steps],
+                "prefill_cache": self.prefill_cache, "final_cache": self.final_cache}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Decode:
+        return cls(
+            d["cache"],
+            [DecodeStep.from_json(s) for s in d["steps"]],
+            dict(d["prefill_cache"]),
+            dict(d["final_cache"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -122,7 +173,8 @@ Calibration = dict[str, dict[str, dict[str, dict[str, float | None]]]]
 
 @dataclass
 class Manifest:
-    """Everything ``manifest.json`` holds (DESIGN.md, "Golden set, format 1")."""
+    """Everything ``manifest.json`` holds (DESIGN.md, "Golden set, format 1"; format 2 adds
+    ``decode``)."""
 
     model: ModelInfo
     reference: ReferenceInfo
@@ -135,6 +187,8 @@ class Manifest:
     #: request -> {output name -> key}: the final outputs of models without logits
     outputs: dict[str, dict[str, str]] = field(default_factory=dict)
     continuation: dict[str, Continuation] = field(default_factory=dict)
+    #: request -> its cached decode (format 2; empty in format 1 sets)
+    decode: dict[str, Decode] = field(default_factory=dict)
     #: dtype -> calibration of that dtype
     calibration: dict[str, Calibration] = field(default_factory=dict)
     created: str = ""
@@ -164,6 +218,8 @@ class Manifest:
         }
         if self.outputs:
             data["outputs"] = self.outputs
+        if self.decode:
+            data["decode"] = {k: v.to_json() for k, v in self.decode.items()}
         return data
 
     @classmethod
@@ -171,10 +227,10 @@ class Manifest:
         """The manifest of ``data`` read from ``source``; a GoldenSetError naming the file
         and the remedy when the format, version or a field is not what this numalign reads."""
         found = data.get("format") if isinstance(data, dict) else None
-        if found != FORMAT:
+        if found not in READ_FORMATS:
             raise GoldenSetError(
-                f"{source}: format {found!r} is not {FORMAT!r}; this numalign reads "
-                f"{FORMAT} only: capture the set again with this version"
+                f"{source}: format {found!r} is not one this numalign reads "
+                f"({', '.join(READ_FORMATS)}): capture the set again with this version"
             )
         for name in ("model", "reference", "requests", "points", "tensors", "shards"):
             if name not in data:
@@ -203,8 +259,10 @@ class Manifest:
                 continuation={
                     k: Continuation(**v) for k, v in data.get("continuation", {}).items()
                 },
+                decode={k: Decode.from_json(v) for k, v in data.get("decode", {}).items()},
                 calibration=dict(data.get("calibration", {})),
                 created=str(data.get("created", "")),
+                format=found,
             )
         except (KeyError, TypeError) as exc:
             raise GoldenSetError(

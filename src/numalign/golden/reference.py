@@ -1,7 +1,8 @@
 """The reference model and how numalign observes it, shared by capture (which records) and
 replay (which compares): loading a model from a local folder, the hooks that see each capture
 point's inputs and outputs, flattening nested outputs into paths, the model's own outputs,
-and the greedy step.
+the greedy step, and the cached decode (a KV cache of a named implementation, one decode
+step's inputs, and the cache's contents in one layout whatever the implementation).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from numalign.settings import KV_CACHES
 
 if TYPE_CHECKING:
     import torch
@@ -160,3 +163,104 @@ def greedy_step(model: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch
     logits [batch, vocab]."""
     logits = model(**inputs, **forward_kwargs(model)).logits[:, -1]
     return logits.argmax(-1, keepdim=True), logits
+
+
+# -- cached decode ------------------------------------------------------------------------------
+def new_cache(model: Any, implementation: str, max_len: int) -> Any:
+    """An empty KV cache of ``implementation`` (one of ``settings.KV_CACHES``, transformers'
+    ``cache_implementation`` names) for ``model``, holding at least ``max_len`` positions; its
+    layers follow the model's config (sliding window, linear attention)."""
+    from transformers import DynamicCache, StaticCache
+
+    if implementation not in KV_CACHES:
+        raise ValueError(
+            f"unknown KV cache implementation {implementation!r}; allowed: {', '.join(KV_CACHES)}"
+        )
+    offloading = implementation.startswith("offloaded")
+    if implementation.endswith("static"):
+        return StaticCache(config=model.config, max_cache_len=max_len, offloading=offloading)
+    return DynamicCache(config=model.config, offloading=offloading)
+
+
+def takes_cache(model: Any) -> bool:
+    """Whether the model's forward takes a KV cache (decoders do; encoders do not decode)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" in params and hasattr(model, "generate")
+
+
+def reset_decode_state(model: Any) -> None:
+    """Forgets what a model keeps between forwards of one generation: image-text models with
+    multimodal rotary positions keep the prefill's position offsets (``rope_deltas``), which
+    must not leak into the next request's decode."""
+    for module in model.modules():
+        if getattr(module, "rope_deltas", None) is not None:
+            module.rope_deltas = None
+
+
+def generation_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids as generation derives them from the attention mask: each real token's
+    index among the real tokens of its row, padding at 0. A left-padded row then has the
+    positions an unpadded request of its tokens has (what a serving engine, which never pads,
+    computes), so its decode is comparable with any engine's."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+def prefill_kwargs(inputs: dict[str, Any], cache: Any) -> dict[str, Any]:
+    """Keyword arguments (besides ``inputs``) of a prefill that fills ``cache``: generation's
+    positions, except for image requests, whose multimodal rotary positions the model derives
+    itself from the image grid."""
+    kwargs: dict[str, Any] = {"cache": cache, "use_cache": True}
+    if "pixel_values" not in inputs and "attention_mask" in inputs:
+        kwargs["position_ids"] = generation_positions(inputs["attention_mask"])
+    return kwargs
+
+
+def decode_inputs(
+    model: Any, inputs: dict[str, Any], token: torch.Tensor, cache: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One decode step: the whole sequence's inputs one token later (to carry on) and the
+    step's forward arguments: the new token [batch, 1], the extended attention mask, the cache,
+    and the new token's position as generation derives it (for multimodal rotary positions,
+    plus the offsets the prefill left in the model's ``rope_deltas``)."""
+    grown = append_token(inputs, token)
+    position = generation_positions(grown["attention_mask"])[:, -1:]
+    step: dict[str, Any] = {
+        "input_ids": token,
+        "attention_mask": grown["attention_mask"],
+        "cache": cache,
+        "use_cache": True,
+        "position_ids": position,
+    }
+    if "mm_token_type_ids" in grown:
+        step["mm_token_type_ids"] = grown["mm_token_type_ids"][:, -1:]
+    deltas = next(
+        (m.rope_deltas for m in model.modules() if getattr(m, "rope_deltas", None) is not None),
+        None,
+    )
+    if deltas is not None:
+        step["position_ids"] = (position + deltas.to(token.device))[None].expand(3, -1, -1)
+    return grown, step
+
+
+def cache_state(cache: Any) -> dict[str, torch.Tensor]:
+    """The cache's contents by state name, in one layout whatever the implementation: per
+    attention layer ``layers.N.keys`` and ``layers.N.values`` [batch, heads, positions, dim]
+    holding the most recent positions the layer keeps, oldest first (a static layer's unused
+    capacity cut off; a sliding-window layer's window); per linear-attention layer
+    ``layers.N.conv_states.J`` and ``layers.N.recurrent_states.J``."""
+    out: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(cache.layers):
+        for kind in ("conv_states", "recurrent_states"):
+            for j, state in (getattr(layer, kind, None) or {}).items():
+                if state is not None:
+                    out[f"layers.{i}.{kind}.{j}"] = state
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if keys is None or values is None or keys.numel() == 0:
+            continue
+        seen = int(layer.get_seq_length()) if hasattr(layer, "get_seq_length") else keys.shape[-2]
+        held = min(seen, keys.shape[-2])
+        out[f"layers.{i}.keys"] = keys[..., :held, :]
+        out[f"layers.{i}.values"] = values[..., :held, :]
+    return out

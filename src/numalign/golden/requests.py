@@ -1,5 +1,6 @@
 """The requests a capture runs: the built-in or given prompts, tokenized and padded both ways,
-and for image-text models an image request through the PIL image processor."""
+long requests that cross every length boundary the model has, and for image-text models an
+image request through the PIL image processor."""
 
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ DEFAULT_PROMPTS = (
 )
 #: Seeded token ids when the model has no tokenizer: lengths of the two padded rows.
 SEEDED_LENGTHS = (16, 9)
+#: The page (block) size of the paged KV cache that decode replay serves requests with: small,
+#: so that a long request of a tiny model crosses several pages.
+REPLAY_PAGE_SIZE = 16
+#: transformers' chunk length of the chunked linear attention (gated delta rule) prefill.
+LINEAR_ATTENTION_CHUNK = 64
+#: How far a long request goes past the last boundary it must cross.
+LONG_MARGIN = 8
 
 
 @dataclass
@@ -22,6 +30,28 @@ class CaptureRequest:
     name: str
     inputs: dict[str, Any]
     generate: bool = False
+
+
+def length_boundaries(config: Any) -> dict[str, int]:
+    """The sequence lengths where the model's computation changes regime: the sliding window,
+    the linear-attention chunk, and the page size of paged replay (every decoder has one)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    found = {"page": REPLAY_PAGE_SIZE}
+    window = getattr(text, "sliding_window", None)
+    if isinstance(window, int) and window > 0:
+        found["sliding_window"] = window
+    if "linear_attention" in (getattr(text, "layer_types", None) or ()):
+        found["linear_attention_chunk"] = LINEAR_ATTENTION_CHUNK
+    return found
+
+
+def long_length(config: Any) -> int:
+    """The length of a long request: past the largest boundary by LONG_MARGIN tokens, and
+    within the model's positions."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    length = max(length_boundaries(config).values()) + LONG_MARGIN
+    limit = getattr(text, "max_position_embeddings", None)
+    return min(length, int(limit) // 2) if limit else length
 
 
 def _tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
@@ -64,6 +94,42 @@ def text_requests(
                 ids[i, sl], mask[i, sl] = row, 1
             inputs = {"input_ids": ids, "attention_mask": mask}
         requests.append(CaptureRequest(f"text-{side}pad", inputs, generate=(side == "left")))
+    return requests
+
+
+def long_requests(
+    model_dir: Path, config: Any, length: int, trust_remote_code: bool
+) -> list[CaptureRequest]:
+    """Two requests of two rows of ``length`` and three quarters of it (so padding matters),
+    left-padded (decoded) and right-padded: the built-in prompts repeated when the model has a
+    tokenizer, seeded token ids otherwise."""
+    import torch
+
+    from numalign.cases import generator
+
+    tok = _tokenizer(model_dir, trust_remote_code)
+    lengths = (length, max(1, length * 3 // 4))
+    if tok is not None:
+        text = " ".join(DEFAULT_PROMPTS)
+        ids: list[int] = []
+        while len(ids) < length:
+            ids += tok(text, add_special_tokens=not ids)["input_ids"]
+        rows = [torch.tensor(ids[:n]) for n in lengths]
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    else:
+        vocab = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
+        gen = generator("numalign.capture", f"long-{length}")
+        rows = [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]
+        pad = 0
+    requests = []
+    for side in ("left", "right"):
+        ids_t = torch.full((2, length), int(pad), dtype=torch.long)
+        mask = torch.zeros(2, length, dtype=torch.long)
+        for i, row in enumerate(rows):
+            sl = slice(length - len(row), length) if side == "left" else slice(0, len(row))
+            ids_t[i, sl], mask[i, sl] = row, 1
+        inputs = {"input_ids": ids_t, "attention_mask": mask}
+        requests.append(CaptureRequest(f"long-{side}pad", inputs, generate=(side == "left")))
     return requests
 
 

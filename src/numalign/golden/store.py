@@ -1,5 +1,5 @@
-"""The golden set store, format 1: ``manifest.json`` plus safetensors shards, read and written
-here (the manifest's objects are in ``numalign.golden.manifest``).
+"""The golden set store, format 2 (format 1 read too): ``manifest.json`` plus safetensors
+shards, read and written here (the manifest's objects are in ``numalign.golden.manifest``).
 
 Only JSON and safetensors are read, never pickle. Every error names the file and the remedy.
 Writes are atomic: shards go to a set's temporary folder as a capture runs, the manifest is
@@ -20,12 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 from numalign.golden.fingerprint import fingerprint
 from numalign.golden.manifest import (
+    CACHE_POINT,
     FORMAT,
     MANIFEST,
     OUTPUT_POINT,
     Calibration,
     Call,
     Continuation,
+    Decode,
+    DecodeStep,
     GoldenSetError,
     Manifest,
     ModelInfo,
@@ -42,7 +45,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "FORMAT", "MANIFEST", "OUTPUT_POINT", "Call", "Continuation", "GoldenSet", "GoldenSetError",
+    "CACHE_POINT", "FORMAT", "MANIFEST", "OUTPUT_POINT", "Call", "Continuation", "Decode",
+    "DecodeStep", "GoldenSet", "GoldenSetError",
     "Manifest", "ModelInfo", "Point", "ReferenceInfo", "Request", "ShardWriter",
     "StaleGoldenSetError", "discover_sets", "remove_abandoned", "replace_set", "sha256_file",
     "write_manifest",
@@ -71,6 +75,9 @@ class GoldenSet:
         self.path = path
         self.manifest = manifest
         self._points = {p.name: p for p in manifest.points}
+        #: open shards by (name, size, modification time): a changed shard is opened (and
+        #: verified) again; opening a shard parses its whole header, once per set here
+        self._open: dict[tuple[str, int, int], tuple[Any, frozenset[str]]] = {}
 
     # -- opening and validation ---------------------------------------------------------------
     @classmethod
@@ -201,6 +208,15 @@ class GoldenSet:
         """The greedy continuation captured for ``request``, if any."""
         return self.manifest.continuation.get(request)
 
+    def decode(self, request: str) -> Decode | None:
+        """The cached decode captured for ``request``, if any (format 1 sets have none)."""
+        return self.manifest.decode.get(request)
+
+    @property
+    def decode_requests(self) -> list[str]:
+        """The requests with a cached decode, in request order."""
+        return [r.name for r in self.manifest.requests if r.name in self.manifest.decode]
+
     def calibration(self, dtype: str) -> Calibration:
         return dict(self.manifest.calibration.get(dtype, {}))
 
@@ -223,7 +239,7 @@ class GoldenSet:
     ) -> torch.Tensor:
         """Loads one tensor (only its shard is opened, lazily, after its sha256 is checked
         once per process); floating tensors are cast to ``dtype`` when given."""
-        from safetensors import SafetensorError, safe_open
+        from safetensors import SafetensorError
 
         info = self.manifest.tensors.get(key)
         if info is None:
@@ -232,14 +248,13 @@ class GoldenSet:
                 "shards: capture the set again"
             )
         shard = self.path / info.shard
-        self.verify_shard(info.shard)
         try:
-            with safe_open(str(shard), framework="pt", device="cpu") as fh:
-                if key not in fh.keys():  # noqa: SIM118 - safe_open has no __contains__
-                    raise GoldenSetError(
-                        f"{shard}: tensor {key!r} is missing from the shard; capture again"
-                    )
-                tensor = fh.get_tensor(key)
+            handle, stored = self._shard(info.shard)
+            if key not in stored:
+                raise GoldenSetError(
+                    f"{shard}: tensor {key!r} is missing from the shard; capture again"
+                )
+            tensor = handle.get_tensor(key)
         except (SafetensorError, OSError) as exc:
             raise GoldenSetError(
                 f"{shard}: unreadable ({exc}); the shard is truncated or corrupted: restore it "
@@ -249,6 +264,22 @@ class GoldenSet:
             tensor = tensor.to(dtype)
         moved: torch.Tensor = tensor.to(device)
         return moved
+
+    def _shard(self, name: str) -> tuple[Any, frozenset[str]]:
+        """The open shard ``name`` and its tensor names, verified against the manifest when
+        it is opened (again, when it changed on disk since)."""
+        from safetensors import safe_open
+
+        stat = (self.path / name).stat() if (self.path / name).is_file() else None
+        seen = (name, stat.st_size, stat.st_mtime_ns) if stat else None
+        if seen is None or seen not in self._open:
+            self.verify_shard(name)
+            stat = (self.path / name).stat()
+            seen = (name, stat.st_size, stat.st_mtime_ns)
+            handle = safe_open(str(self.path / name), framework="pt", device="cpu")
+            self._open = {k: v for k, v in self._open.items() if k[0] != name}
+            self._open[seen] = (handle, frozenset(handle.keys()))  # type: ignore[no-untyped-call]
+        return self._open[seen]
 
     def tensors(self, keys: str | list[str], **kwargs: Any) -> Any:
         if isinstance(keys, list):

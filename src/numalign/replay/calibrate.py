@@ -5,7 +5,10 @@ it lives in ``replay``; ``capture_calibrated`` composes a capture (which only re
 - accumulated: the whole model in the dtype, each point's outputs against the golden ones;
 - isolated: each point's module alone in the dtype, fed the golden inputs;
 - the model's own outputs (logits, or an encoder's hidden states) under ``OUTPUT_POINT``,
-  accumulated, with the logits' agreement statistics (KL, top-1 and top-5).
+  accumulated, with the logits' agreement statistics (KL, top-1 and top-5);
+- decode: the cached decode (``replay.decode.run_decode`` with the reference's dynamic cache)
+  in the dtype, every step's new-token outputs, logits (with their agreement statistics) and
+  the cache's states (under ``CACHE_POINT``) against the golden ones, the worst over steps.
 
 Per point, output and mode the worst over requests and calls is kept: the errors (max abs,
 relative L2, ...), the cosine (lowest), the norm ratio (farthest from 1) and the fraction of
@@ -22,9 +25,11 @@ from typing import TYPE_CHECKING, Any
 from numalign.compare import compute_metrics
 from numalign.compare.logits import logits_stats
 from numalign.golden.capture import capture
+from numalign.golden.decode import REFERENCE_CACHE
 from numalign.golden.manifest import OUTPUT_POINT, Calibration
 from numalign.golden.reference import forward_kwargs, load_model, model_outputs
 from numalign.golden.store import GoldenSet
+from numalign.replay.decode import run_decode
 from numalign.replay.layer import golden_outputs, kept_positions, replay_call, request_mask
 
 if TYPE_CHECKING:
@@ -71,8 +76,9 @@ def calibrate(
     trust_remote_code: bool = False,
     device: str = "cpu",
 ) -> Calibration:
-    """{point: {output path: {"isolated": stats, "accumulated": stats}}} for ``dtype``, and
-    {OUTPUT_POINT: {output name: {"accumulated": stats}}} for the model's own outputs."""
+    """{point: {output path: {"isolated": stats, "accumulated": stats, "decode": stats}}} for
+    ``dtype``; {OUTPUT_POINT: {output name: {"accumulated": stats, "decode": stats}}} for the
+    model's own outputs; {CACHE_POINT: {state: {"decode": stats}}} for the KV cache."""
     import torch
 
     torch_dtype = getattr(torch, dtype)
@@ -122,8 +128,21 @@ def calibrate(
                             isolated.get((point.name, path)), stats
                         )
 
+    decoded: dict[tuple[str, str], dict[str, float]] = {}
+
+    def on_pair(request: str, step: int, point: str, path: str, actual: Any, expected: Any) -> None:
+        stats = _stats(actual, expected)
+        if point == OUTPUT_POINT:
+            agreement = logits_stats(actual, expected, 0.0)
+            stats |= {k: float(getattr(agreement, k)) for k in LOGITS_STATS}
+        decoded[(point, path)] = _worst(decoded.get((point, path)), stats)
+
+    for request_name in golden.decode_requests:
+        run_decode(golden, model, request_name, REFERENCE_CACHE, torch_dtype, device, on_pair)
+
     result: Calibration = {}
-    for mode, table in (("isolated", isolated), ("accumulated", accumulated)):
+    modes = (("isolated", isolated), ("accumulated", accumulated), ("decode", decoded))
+    for mode, table in modes:
         for (point_name, path), stats in table.items():
             result.setdefault(point_name, {}).setdefault(path, {})[mode] = _json_safe(stats)
     return result

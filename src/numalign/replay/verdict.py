@@ -27,6 +27,8 @@ class PointResult:
     mode: str = "accumulated"
     #: when the point's call completed in the forward (children before their parents)
     finished: int = 0
+    #: the decode step (0: the prefill's cache) in decode replay; None elsewhere
+    step: int | None = None
 
     @property
     def label(self) -> str:
@@ -35,7 +37,8 @@ class PointResult:
     def record(self, test_id: str, **context: Any) -> DriftRecord:
         return DriftRecord.from_result(
             self.result, test_id=test_id, mode=self.mode, request=self.request,
-            output=self.path, point_index=self.order, case=self.request, **context,
+            output=self.path, point_index=self.order, case=self.request, step=self.step,
+            **context,
         )  # fmt: skip
 
 
@@ -78,6 +81,8 @@ class LogitsResult:
     stats: LogitsStats | None
     kl_budget: float = math.inf
     skipped: str | None = None
+    #: the decode step of decode replay's logits; None for the prefill's
+    step: int | None = None
 
     @property
     def problems(self) -> list[str]:
@@ -109,11 +114,12 @@ class LogitsResult:
         if self.values is None or self.stats is None:
             return DriftRecord.for_test(
                 test_id, "skipped", rule="skipped", reason=self.skipped, point="logits",
-                mode="logits", request=self.request, case=self.request, **context,
+                mode="logits", request=self.request, case=self.request, step=self.step,
+                **context,
             )  # fmt: skip
         record = DriftRecord.from_result(
             self.values, test_id=test_id, mode="logits", request=self.request,
-            case=self.request, **context,
+            case=self.request, step=self.step, **context,
         )  # fmt: skip
         kl_used = self.stats.kl_max / self.kl_budget if self.kl_budget > 0 else 0.0
         used = max(record.used or 0.0, kl_used)

@@ -1,0 +1,98 @@
+"""Capturing a request's cached decode (part of a capture, which only records): the prefill
+with a KV cache, then steps of one greedy token each; per step the token, the logits and the
+new token's outputs at every capture point; the cache's contents after the prefill and after
+the last step (``golden.manifest.Decode``).
+
+Growth per step: each capture point's new-token outputs ([batch, 1, hidden] per output) plus
+the logits [batch, vocab] and the token, deduplicated by content like every stored tensor;
+the two cache snapshots hold the keys and values (or linear-attention states) of every layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from numalign.golden.manifest import Decode, DecodeStep
+from numalign.golden.reference import (
+    cache_state,
+    decode_inputs,
+    flatten,
+    hooks,
+    new_cache,
+    prefill_kwargs,
+    reset_decode_state,
+)
+from numalign.golden.requests import CaptureRequest
+from numalign.golden.store import ShardWriter
+
+#: Decode steps a capture records per generating request: enough to see a cache grow past
+#: the prefill, small enough that a set grows by a few hidden states per step.
+DEFAULT_DECODE_STEPS = 4
+#: The cache implementation the reference decodes with.
+REFERENCE_CACHE = "dynamic"
+
+
+def record_decode(
+    model: Any, request: CaptureRequest, point_names: list[str], writer: ShardWriter, steps: int
+) -> Decode:
+    """The request's prefill with a KV cache, then ``steps`` greedy steps of one token: each
+    step's token, logits and the new token's outputs at every point, and the cache's contents
+    after the prefill and after the last step."""
+    import torch
+
+    name = request.name
+    batch = request.inputs["input_ids"].shape[0]
+    cache = new_cache(model, REFERENCE_CACHE, request.inputs["input_ids"].shape[1] + steps)
+    reset_decode_state(model)
+    recorded: list[DecodeStep] = []
+    with torch.no_grad():
+        logits = model(**request.inputs, **prefill_kwargs(request.inputs, cache)).logits[:, -1]
+        prefill = {k: writer.put(f"{name}/decode/prefill/{k}", t)
+                   for k, t in cache_state(cache).items()}  # fmt: skip
+        inputs = dict(request.inputs)
+        for number in range(1, steps + 1):
+            token = logits.argmax(-1, keepdim=True)
+            base = f"{name}/decode/{number}"
+            calls: dict[str, list[dict[str, str]]] = {}
+
+            def on_call(
+                point: str,
+                args: Any,
+                kwargs: Any,
+                output: Any,
+                base: str = base,
+                calls: dict[str, list[dict[str, str]]] = calls,
+            ) -> None:
+                outs = calls.setdefault(point, [])
+                outs.append({
+                    path: writer.put(f"{base}/{point}/{len(outs)}/{path}", t)
+                    for path, t in flatten(output)
+                    if new_token_output(t, batch)
+                })  # fmt: skip
+
+            inputs, forward = decode_inputs(model, inputs, token, cache)
+            with hooks(model, point_names, on_call):
+                logits = model(**forward).logits[:, -1]
+            recorded.append(DecodeStep(writer.put(f"{base}/token", token),
+                                       writer.put(f"{base}/logits", logits), calls))  # fmt: skip
+            writer.release()
+        final = {
+            k: writer.put(f"{name}/decode/final/{k}", t) for k, t in cache_state(cache).items()
+        }
+    reset_decode_state(model)
+    return Decode(REFERENCE_CACHE, recorded, prefill, final)
+
+
+def new_token_output(tensor: Any, batch: int) -> bool:
+    """Whether a point's output is the new token's hidden states, laid out [batch, 1, hidden]:
+    what a decode step compares. Attention weights (their key length depends on the cache
+    implementation: a static cache pads them to its capacity) and flattened router logits are
+    left out."""
+    import torch
+
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.dim() == 3
+        and tensor.shape[0] == batch
+        and tensor.shape[1] == 1
+    )

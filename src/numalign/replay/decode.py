@@ -1,0 +1,290 @@
+"""Decode replay: each golden request's prefill with a KV cache of a chosen implementation,
+then its decode steps teacher-forced with the golden tokens, every step's new-token outputs at
+every capture point, its logits, and the cache's contents after the prefill and after the last
+step, each against the golden one within the set's decode calibration. The first divergence
+is named by step and point.
+
+``run_decode`` is the one loop with a KV cache; calibration (``replay.calibrate``) feeds it the
+reference model in a lower dtype and keeps the errors, replay (``replay_decode``) judges them,
+and the paged serving engine (``replay.paged``) hands on the same pairs
+``(request, step, point, path, actual, expected)``: capture points by name, the logits under
+``OUTPUT_POINT`` and the cache's states under ``CACHE_POINT`` (step 0 is the prefill's cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
+from numalign.golden.reference import (
+    cache_state,
+    decode_inputs,
+    flatten,
+    new_cache,
+    prefill_kwargs,
+    reset_decode_state,
+)
+from numalign.replay.compiled import observe_calls
+from numalign.replay.model import compare_point, control_for, hidden_and_depth, judge_logits
+from numalign.replay.verdict import LogitsResult, PointResult, label
+
+if TYPE_CHECKING:
+    import torch
+
+    from numalign.golden.store import GoldenSet
+
+#: What ``run_decode`` hands on: (request, step, point, output path, actual, expected).
+OnPair = Callable[[str, int, str, str, "torch.Tensor", "torch.Tensor"], None]
+
+
+def run_decode(
+    golden: GoldenSet,
+    model: Any,
+    request: str,
+    implementation: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    on_pair: OnPair,
+) -> None:
+    """Replays ``request``'s cached decode with a cache of ``implementation``: the prefill,
+    then each golden step's token (teacher-forced, so every step compares like with like);
+    calls ``on_pair`` for every golden output of every step, the logits, and the cache's
+    states after the prefill (step 0) and after the last step."""
+    import torch
+
+    decode = golden.decode(request)
+    if decode is None:
+        raise ValueError(f"{golden.path}: request {request!r} has no decode steps")
+    inputs = {
+        k: golden.tensor(v, device=device, dtype=dtype)
+        for k, v in golden.request(request).inputs.items()
+    }
+    length = int(inputs["input_ids"].shape[1])
+    mask = golden.tensor(golden.request(request).inputs["attention_mask"]).bool()
+    cache = new_cache(model, implementation, length + len(decode.steps))
+    reset_decode_state(model)
+    try:
+        with torch.no_grad():
+            model(**inputs, **prefill_kwargs(inputs, cache))
+            _compare_cache(golden, request, decode.prefill_cache, cache, mask, 0, on_pair)
+            for number, step in enumerate(decode.steps, start=1):
+                token = golden.tensor(step.token, device=device)
+                inputs, forward = decode_inputs(model, inputs, token, cache)
+                mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=torch.bool)], dim=1)
+                observe = _step_observer(golden, request, step.points, number, on_pair)
+                with observe_calls(model, list(step.points), observe):
+                    logits = model(**forward).logits[:, -1]
+                on_pair(request, number, OUTPUT_POINT, "logits", logits.detach(),
+                        golden.tensor(step.logits))  # fmt: skip
+            _compare_cache(golden, request, decode.final_cache, cache, mask, len(decode.steps),
+                           on_pair)  # fmt: skip
+    finally:
+        reset_decode_state(model)
+
+
+def _step_observer(
+    golden: GoldenSet,
+    request: str,
+    points: dict[str, list[dict[str, str]]],
+    number: int,
+    on_pair: OnPair,
+) -> Callable[[str, Any, Any, Any], None]:
+    """A hook callback comparing the n-th call of each point in this step with its n-th
+    recorded call's outputs."""
+    import torch
+
+    seen: dict[str, int] = {}
+
+    def on_call(point: str, args: Any, kwargs: Any, output: Any) -> None:
+        index = seen.get(point, 0)
+        seen[point] = index + 1
+        calls = points.get(point, [])
+        if index >= len(calls):
+            return
+        for path, tensor in flatten(output):
+            key = calls[index].get(path)
+            if key is not None and isinstance(tensor, torch.Tensor):
+                on_pair(request, number, point, path, tensor.detach(), golden.tensor(key))
+
+    return on_call
+
+
+def _compare_cache(
+    golden: GoldenSet,
+    request: str,
+    recorded: dict[str, str],
+    cache: Any,
+    mask: torch.Tensor,
+    number: int,
+    on_pair: OnPair,
+) -> None:
+    """Each recorded cache state against the cache's: keys and values on the most recent
+    positions both hold (a sliding-window layer of one implementation may keep one position
+    fewer than another's), at the positions the attention mask keeps (padding's keys are
+    not defined); linear-attention states whole."""
+    actual_states = cache_state(cache)
+    for name, key in recorded.items():
+        expected = golden.tensor(key)
+        actual = actual_states.get(name)
+        if actual is None:
+            raise ValueError(
+                f"the {type(cache).__name__} holds no {name!r}, which the golden cache has; "
+                f"it holds {', '.join(actual_states) or 'nothing'}"
+            )
+        if name.endswith((".keys", ".values")):
+            held = min(actual.shape[-2], expected.shape[-2])
+            kept = mask[:, mask.shape[1] - held :]
+            expected = expected[..., -held:, :].movedim(2, 1)[kept]
+            actual = actual[..., -held:, :].movedim(2, 1)[kept.to(actual.device)]
+        on_pair(request, number, CACHE_POINT, name, actual.detach(), expected)
+
+
+@dataclass(frozen=True)
+class DecodeDivergence:
+    """The first decode step, and in it the first point in forward order, whose error leaves
+    its budget (the cache's states count after the step that wrote them)."""
+
+    step: int
+    point: str
+    request: str
+    result: Any
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"point": self.point, "step": self.step, "request": self.request,
+                "kind": "decode"}  # fmt: skip
+
+    def describe(self) -> str:
+        where = "the prefill's cache" if self.step == 0 else f"decode step {self.step}"
+        return (
+            f"first divergence at {where}, {self.point}, request {self.request}:\n"
+            f"{self.result.message()}"
+        )
+
+
+@dataclass
+class DecodeVerdict:
+    """Everything a decode replay judged: the points and cache states of every step, the
+    logits of every step, and the first divergence."""
+
+    implementation: str
+    points: list[PointResult] = field(default_factory=list)
+    logits: list[LogitsResult] = field(default_factory=list)
+
+    @property
+    def divergence(self) -> DecodeDivergence | None:
+        failing = [r for r in self.points if not r.result.passed]
+        failing += [  # a step whose logits fail with every point within budget
+            PointResult(OUTPUT_POINT, 1 << 30, lg.request, "logits", lg.values, "decode",
+                        finished=1 << 30, step=lg.step)
+            for lg in self.logits
+            if not lg.passed and lg.values is not None
+        ]  # fmt: skip
+        if not failing:
+            return None
+        first = min(failing, key=lambda r: (r.step or 0, r.finished))
+        return DecodeDivergence(first.step or 0, first.label, first.request, first.result)
+
+    @property
+    def passed(self) -> bool:
+        return self.divergence is None and all(lg.passed for lg in self.logits)
+
+    def records(self, test_id: str, **context: Any) -> list[Any]:
+        divergence = self.divergence
+        out = []
+        for r in self.points:
+            record = r.record(test_id, **context)
+            if divergence is not None and (r.step, r.label, r.request) == (
+                divergence.step, divergence.point, divergence.request,
+            ):  # fmt: skip
+                record.first_divergence = divergence.to_dict()
+            out.append(record)
+        return out + [lg.record(test_id, **context) for lg in self.logits]
+
+    def message(self, title: str) -> str:
+        problems = [self.divergence.describe()] if self.divergence is not None else []
+        problems += [
+            f"logits of {lg.request} at decode step {lg.step}: " + "; ".join(lg.problems)
+            for lg in self.logits
+            if not lg.passed
+        ]
+        return f"{title} [{self.implementation} cache]: " + "\n\n".join(problems)
+
+
+def replay_decode(
+    golden: GoldenSet,
+    model: Any,
+    dtype: str,
+    device: torch.device,
+    implementation: str,
+    policy: Any = None,
+) -> DecodeVerdict:
+    """Every request's cached decode with ``implementation`` (a KV cache, or ``paged``: the
+    paged serving engine), each step's points, cache states and logits against the golden
+    ones within the decode calibration."""
+    import torch
+
+    from numalign.replay.paged import replay_paged_requests
+
+    verdict = DecodeVerdict(implementation)
+    on_pair = _judge(golden, model, dtype, verdict, policy)
+    if implementation == "paged":
+        replay_paged_requests(golden, model, device, on_pair)
+        return verdict
+    for request in golden.decode_requests:
+        run_decode(golden, model, request, implementation, getattr(torch, dtype), device, on_pair)
+    return verdict
+
+
+def _judge(
+    golden: GoldenSet, model: Any, dtype: str, verdict: DecodeVerdict, policy: Any
+) -> OnPair:
+    """An ``OnPair`` that judges each pair within its decode calibration into ``verdict``."""
+    import torch
+
+    hidden, depth = hidden_and_depth(model)
+    order = {p.name: p.order for p in golden.points}
+    torch_dtype = getattr(torch, dtype)
+
+    def on_pair(request: str, step: int, point: str, path: str, actual: Any,
+                expected: Any) -> None:  # fmt: skip
+        control = control_for(golden, dtype, point, path, "decode", hidden, depth)
+        actual = actual.float().cpu().to(torch_dtype)
+        if point == OUTPUT_POINT:
+            judged = judge_logits(request, actual, expected, control, policy)
+            judged.step = step
+            verdict.logits.append(judged)
+            return
+        result = compare_point(actual, expected, label(point, path), control, policy)
+        verdict.points.append(
+            PointResult(point, order.get(point, len(order)), request, path, result,
+                        "decode", finished=len(verdict.points), step=step)
+        )  # fmt: skip
+
+    return on_pair
+
+
+def decode_calibrated(golden: GoldenSet, dtype: str) -> bool:
+    """Whether the set holds decode steps and a decode calibration ``dtype`` can use (its own,
+    or float16's or bfloat16's, which float32 and float64 borrow)."""
+    if not golden.decode_requests:
+        return False
+    return any(
+        golden.calibrated(source, OUTPUT_POINT, "logits", "decode") is not None
+        for source in (dtype, "float16", "bfloat16")
+    )
+
+
+def decode_unavailable(golden: GoldenSet, dtype: str) -> str | None:
+    """Why a set cannot be decode-replayed in ``dtype`` (None when it can)."""
+    if golden.manifest.format.endswith("/1"):
+        return (
+            f"{golden.name} is a format 1 golden set, which has no decode steps: capture it "
+            "again with this numalign to replay decode"
+        )
+    if not golden.decode_requests:
+        return f"{golden.name} has no decode steps (an encoder, or captured with --decode-steps 0)"
+    if not decode_calibrated(golden, dtype):
+        return f"{golden.name} has no decode calibration: capture it again to replay decode"
+    return None

@@ -1,0 +1,284 @@
+"""Decode replay through transformers' paged serving engine (continuous batching with a paged
+KV cache, ``paged|sdpa`` attention): every row of every golden decode request becomes an
+engine request of its real tokens (an engine never pads; generation's positions make a padded
+golden row comparable, see ``golden.reference.generation_positions``), all served together
+with pages of ``REPLAY_PAGE_SIZE`` tokens and a small token budget per forward, so long
+prompts are prefilled in chunks beside other requests' decode steps.
+
+The engine is teacher-forced: a hook on the model's output keeps the logits it computed and
+hands the sampler logits whose argmax is the golden token, so every step compares like with
+like. Hooks on the capture points read each decode step's new-token rows out of the engine's
+flattened batch ([1, tokens, hidden], requests concatenated in the order of the batch being
+served). The cache's contents are the engine's pages, in its own layout: paged replay judges
+the points and the logits of every step, not the cache's contents.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from numalign.golden.manifest import OUTPUT_POINT
+from numalign.golden.reference import flatten, hooks
+from numalign.golden.requests import REPLAY_PAGE_SIZE
+from numalign.replay.compiled import CompiledModel
+
+if TYPE_CHECKING:
+    import torch
+
+    from numalign.golden.store import GoldenSet
+
+#: The attention the paged engine runs (as ``paged|sdpa``); models without an SDPA path
+#: (Gemma 2) run the engine's eager kernel (``paged|eager``) instead.
+PAGED_ATTENTION = "sdpa"
+#: Tokens per forward: two pages, so a long prompt is prefilled in chunks, batched with the
+#: other requests' decode steps.
+MAX_BATCH_TOKENS = 2 * REPLAY_PAGE_SIZE
+#: How long the engine may take to serve a set's requests before the replay gives up (a
+#: hung engine must not hang the session).
+ENGINE_TIMEOUT_S = 300.0
+#: What runs one replay through the paged engine: (request, step, point, path, actual,
+#: expected), as ``replay.decode.run_decode`` hands on.
+OnPair = Callable[[str, int, str, str, "torch.Tensor", "torch.Tensor"], None]
+
+
+class PagedUnsupported(RuntimeError):
+    """transformers' paged engine cannot serve this model (linear-attention layers, MLA's
+    unequal key and value sizes): the paged replay is skipped with the reason."""
+
+
+class PagedServingError(RuntimeError):
+    """The paged engine failed, or did not finish, serving the golden requests."""
+
+
+def paged_unsupported(model: Any) -> str | None:
+    """Why transformers' paged engine cannot serve ``model`` (None when it can)."""
+    config = model.config.get_text_config(decoder=True)
+    name = type(model).__name__
+    if isinstance(model, CompiledModel):
+        return (
+            "the paged engine runs the model's own forward, not numalign's compiled one "
+            "(compile the engine with its own compile_config to serve compiled): --compile "
+            "replays decode with the KV caches only"
+        )
+    if not hasattr(model, "init_continuous_batching"):
+        return f"{name} has no continuous batching (init_continuous_batching)"
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        return (
+            f"{name} has linear-attention layers, which transformers' paged cache does not hold "
+            "(ValueError: Invalid layer type: linear_attention)"
+        )
+    if getattr(config, "kv_lora_rank", None):
+        return (
+            f"{name} uses multi-head latent attention (kv_lora_rank {config.kv_lora_rank}), whose "
+            "cache layout transformers' paged cache does not hold (its engine fails with an "
+            "index_copy_ shape error)"
+        )
+    return None
+
+
+def paged_divergence(model: Any) -> str | None:
+    """A divergence of transformers' paged engine from the reference that numalign has
+    measured and reported (the decode suite marks such a failure as an expected one, with its
+    records kept): None when the engine should agree."""
+    config = model.config.get_text_config(decoder=True)
+    if getattr(config, "attn_logit_softcapping", None):
+        return (
+            "transformers' paged attention kernels (paged|eager, paged|sdpa) do not apply "
+            f"attn_logit_softcapping ({config.attn_logit_softcapping}): the engine computes "
+            "uncapped attention scores (measured on tiny-gemma2 in float32: relative L2 error "
+            "2.5e-4 at model.layers.0.self_attn, the same as the reference with the softcap "
+            "removed)"
+        )
+    return None
+
+
+@dataclass
+class _Served:
+    """What the engine computed, by (engine request, step): the logits, and per (point, call,
+    output path) the new token's output row."""
+
+    logits: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[str, int, str, int, str], torch.Tensor] = field(default_factory=dict)
+    #: per forward: (engine request, first row, query length, step it produces, emits a token)
+    layout: list[tuple[str, int, int, int, bool]] = field(default_factory=list)
+    calls: dict[str, int] = field(default_factory=dict)
+
+
+def replay_paged_requests(
+    golden: GoldenSet,
+    model: Any,
+    device: torch.device | str,
+    on_pair: OnPair,
+) -> list[str]:
+    """Serves every row of every golden decode request (but image requests: the engine takes
+    token ids only) through the paged engine, teacher-forced, and hands on each step's point
+    outputs and logits per golden request ([batch, ...], like ``run_decode``). Returns the
+    requests served."""
+    import torch
+
+    reason = paged_unsupported(model)
+    if reason is not None:
+        raise PagedUnsupported(reason)
+    rows: dict[str, tuple[str, int, list[int], list[int]]] = {}
+    served_requests = []
+    for request in golden.decode_requests:
+        inputs = golden.request(request).inputs
+        if "pixel_values" in inputs:
+            continue
+        decode = golden.decode(request)
+        assert decode is not None
+        ids = golden.tensor(inputs["input_ids"])
+        mask = golden.tensor(inputs["attention_mask"]).bool()
+        tokens = torch.cat([golden.tensor(s.token) for s in decode.steps], dim=1)
+        for b in range(ids.shape[0]):
+            rows[f"{request}#{b}"] = (request, b, ids[b][mask[b]].tolist(), tokens[b].tolist())
+        served_requests.append(request)
+    if not rows:
+        return []
+    steps = {r: len(golden.decode(r).steps) for r in served_requests}  # type: ignore[union-attr]
+    served = _serve(model, golden, rows, max(steps.values()))
+    for request in served_requests:
+        decode = golden.decode(request)
+        assert decode is not None
+        mine = [rid for rid, (req, *_) in rows.items() if req == request]
+        for number, step in enumerate(decode.steps, start=1):
+            for point, calls in step.points.items():
+                for index, outputs in enumerate(calls):
+                    for path, key in outputs.items():
+                        found = [
+                            served.outputs.get((rid, number, point, index, path)) for rid in mine
+                        ]
+                        missing = [rid for rid, t in zip(mine, found, strict=True) if t is None]
+                        if missing:
+                            raise PagedServingError(
+                                f"the paged engine never ran {point} (call {index}, output {path}) "
+                                f"for the new token of {', '.join(missing)} at step {number}"
+                            )
+                        # [batch, 1, hidden], as the golden step stores it
+                        actual = torch.stack(found)[:, None]  # type: ignore[arg-type]
+                        on_pair(request, number, point, path, actual, golden.tensor(key))
+            logits = torch.stack([served.logits[(rid, number)] for rid in mine])
+            on_pair(request, number, OUTPUT_POINT, "logits", logits, golden.tensor(step.logits))
+    return served_requests
+
+
+def _serve(
+    model: Any,
+    golden: GoldenSet,
+    rows: dict[str, tuple[str, int, list[int], list[int]]],
+    steps: int,
+) -> _Served:
+    """Runs the engine on every row, teacher-forced with its golden tokens, and collects."""
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    served = _Served()
+    pages = sum(-(-(len(p) + steps + 1) // REPLAY_PAGE_SIZE) for _, _, p, _ in rows.values())
+    manager = model.init_continuous_batching(
+        generation_config=GenerationConfig(  # type: ignore[no-untyped-call]
+            max_new_tokens=steps + 1, do_sample=False, eos_token_id=-1
+        ),
+        continuous_batching_config=ContinuousBatchingConfig(
+            page_size=REPLAY_PAGE_SIZE, num_blocks=pages + 4, max_batch_tokens=MAX_BATCH_TOKENS,
+            allow_block_sharing=False, auto_switch_to_flash=False,
+        ),
+    )  # fmt: skip
+    forced = {rid: tokens for rid, (_, _, _, tokens) in rows.items()}
+
+    def before(module: Any, args: Any, kwargs: Any) -> None:
+        served.layout, served.calls, start = [], {}, 0
+        for future in manager.batch_processor.inputs_and_outputs.requests_in_batch:
+            q = int(future.query_length)
+            state = future.state
+            served.layout.append(
+                (state.request_id, start, q, int(state.generated_len()), bool(future.has_new_token))
+            )
+            start += q
+
+    def after(module: Any, args: Any, kwargs: Any, out: Any) -> Any:
+        keep = "logits_to_keep" in kwargs
+        emitting = [entry for entry in served.layout if entry[4]]
+        forcing = out.logits.clone()
+        for k, (rid, _, _, step, _) in enumerate(emitting):
+            row = k if keep else int(kwargs["logits_indices"][k])
+            if step >= 1:
+                served.logits[(rid, step)] = out.logits[0, row].detach().float().cpu()
+            if step < len(forced[rid]):
+                forcing[0, row] = torch.finfo(forcing.dtype).min
+                forcing[0, row, forced[rid][step]] = 0
+        out.logits = forcing
+        return out
+
+    def on_call(point: str, args: Any, kwargs: Any, output: Any) -> None:
+        index = served.calls.get(point, 0)
+        served.calls[point] = index + 1
+        for rid, start, q, step, _ in served.layout:
+            if q != 1 or step < 1:  # only decode steps' new tokens
+                continue
+            for path, tensor in flatten(output):
+                if isinstance(tensor, torch.Tensor) and tensor.dim() == 3 and tensor.shape[0] == 1:
+                    row = tensor[0, start].detach().float().cpu()
+                    served.outputs[(rid, step, point, index, path)] = row
+
+    handles = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
+    points = [p.name for p in golden.points]
+    try:
+        with _quiet(), hooks(model, points, on_call), torch.no_grad():
+            _run(manager, {rid: prompt for rid, (_, _, prompt, _) in rows.items()}, steps + 1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return served
+
+
+def _run(manager: Any, prompts: dict[str, list[int]], new_tokens: int) -> None:
+    """Serves ``prompts`` and waits for all of them (PagedServingError on an engine error or
+    after ENGINE_TIMEOUT_S); the engine's thread is always stopped."""
+    manager.start()
+    done: set[str] = set()
+    try:
+        for rid, prompt in prompts.items():
+            manager.add_request(prompt, request_id=rid, max_new_tokens=new_tokens,
+                                eos_token_id=-1)  # fmt: skip
+        deadline = time.monotonic() + ENGINE_TIMEOUT_S
+        while len(done) < len(prompts):
+            if time.monotonic() > deadline:
+                raise PagedServingError(
+                    f"the paged engine served {len(done)} of {len(prompts)} requests in "
+                    f"{ENGINE_TIMEOUT_S:.0f} s; it is stuck or far too slow"
+                )
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise PagedServingError("the paged engine's generation loop stopped early")
+                continue
+            if result.error:
+                raise PagedServingError(
+                    f"the paged engine failed request {result.request_id}: {result.error}"
+                )
+            if result.is_finished():
+                done.add(result.request_id)
+    finally:
+        manager.stop(block=True, timeout=10)
+        manager.destroy()
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """The engine's own logger at errors only while it serves (it logs every batch)."""
+    engine_log = logging.getLogger("ContinuousBatchingLogger")
+    level = engine_log.level
+    engine_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        engine_log.setLevel(level)

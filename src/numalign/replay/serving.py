@@ -1,0 +1,75 @@
+"""Decode replay as the suites run it: a set's cached decode with a KV cache implementation
+(``replay.decode``) or through the paged serving path (``replay.paged``), on the model the
+session's settings ask for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from numalign.replay.decode import DecodeVerdict, decode_unavailable, replay_decode
+from numalign.replay.model import ModelCache, open_fresh
+from numalign.replay.paged import PAGED_ATTENTION, PagedUnsupported, paged_divergence
+
+if TYPE_CHECKING:
+    import torch
+
+    from numalign.golden.store import GoldenSet
+    from numalign.settings import Settings
+
+__all__ = ["PagedUnsupported", "decode_replay", "known_divergence"]
+
+
+def decode_replay(
+    cache: ModelCache,
+    path: str | Path,
+    settings: Settings,
+    device: torch.device,
+    dtype: str,
+    implementation: str,
+    policy: Any = None,
+) -> tuple[GoldenSet, Any, DecodeVerdict | None]:
+    """The set at ``path`` (checked fresh), the model replayed and its decode verdict with
+    ``implementation`` (model and verdict None when the set has no decode steps or no decode
+    calibration: the caller skips with ``decode_unavailable``'s reason)."""
+    golden = open_fresh(path)
+    if decode_unavailable(golden, dtype) is not None:
+        return golden, None, None
+    if implementation != "paged":
+        golden, model = cache.load(path, settings, device, dtype)
+    else:
+        model = _paged_model(cache, golden, settings, device, dtype)
+    return golden, model, replay_decode(golden, model, dtype, device, implementation, policy)
+
+
+def _paged_model(
+    cache: ModelCache, golden: GoldenSet, settings: Settings, device: torch.device, dtype: str
+) -> Any:
+    """The model the paged engine serves: with the session's attention implementation, else
+    SDPA (``paged|sdpa``), else, for models without an SDPA path, the set's own (eager, which
+    the engine runs as ``paged|eager``)."""
+    from numalign.replay.compiled import compile_spec
+    from numalign.replay.model import ReplayUnsupported
+    from numalign.replay.swap import parse_swaps
+
+    def load(attention: str | None) -> Any:
+        return cache.get(golden, device, dtype, attn_implementation=attention,
+                         swaps=parse_swaps(settings.swaps),
+                         experts_implementation=settings.experts_implementation,
+                         compiled=compile_spec(settings))  # fmt: skip
+
+    if settings.attn_implementation:
+        return load(settings.attn_implementation)
+    try:
+        return load(PAGED_ATTENTION)
+    except ReplayUnsupported:
+        return load(None)
+
+
+def known_divergence(cache: ModelCache, golden: GoldenSet, implementation: str) -> str | None:
+    """A measured divergence of the serving path from the reference, where there is one
+    (``replay.paged.known_divergence``)."""
+    if implementation != "paged":
+        return None
+    model = next((m for key, m in cache.models.items() if key[0] == str(golden.path)), None)
+    return paged_divergence(model) if model is not None else None
