@@ -87,7 +87,8 @@ def test_a_changed_model_makes_the_set_stale(small_set: GoldenSet, model_copy: P
     save_file(tensors, str(weights), metadata={"format": "pt"})
     with pytest.raises(
         StaleGoldenSetError,
-        match=r"the model in .* changed since the golden set .* was captured: run numalign capture",
+        match=r"the model in .* changed since the golden set .* was captured "
+        r"\(model.safetensors \(changed\)\): run numalign capture",
     ):
         small_set.check_fresh()
 

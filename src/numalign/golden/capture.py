@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.golden.decode import DEFAULT_DECODE_STEPS, record_decode
-from numalign.golden.fingerprint import fingerprint
+from numalign.golden.fingerprint import fingerprint_and_files
 from numalign.golden.manifest import (
     Call,
     Continuation,
@@ -220,6 +220,9 @@ def capture(
     # eager attention by default: the reference implementation, whose explicit 4D masks every
     # other attention implementation accepts when a point is replayed alone
     attn_implementation = attn_implementation or "eager"
+    # first: a folder without config.json, or a sharded checkpoint missing a shard its index
+    # names, is an error naming the file before anything loads
+    model_hash = fingerprint_and_files(model_dir)
     torch.manual_seed(0)
     model = load_model(model_dir, reference_dtype, attn_implementation=attn_implementation,
                        trust_remote_code=trust_remote_code)  # fmt: skip
@@ -245,7 +248,7 @@ def capture(
     bar = _Progress(show, len(requests) + finish_steps, out.name)
     try:
         writer = ShardWriter(tmp, max_shard_bytes)
-        manifest = _manifest(model, model_dir, out, reference_dtype)
+        manifest = _manifest(model, model_dir, out, reference_dtype, model_hash)
         recorder = _Recorder(writer)
         for request in requests:
             bar.step(f"request {request.name}")
@@ -275,19 +278,28 @@ def capture(
     return GoldenSet.open(out)
 
 
-def _manifest(model: Any, model_dir: Path, out: Path, reference_dtype: str) -> Manifest:
-    """The manifest of a capture before its requests run: the model and the reference."""
+def _manifest(
+    model: Any,
+    model_dir: Path,
+    out: Path,
+    reference_dtype: str,
+    model_hash: tuple[str, dict[str, str]],
+) -> Manifest:
+    """The manifest of a capture before its requests run: the model (``model_hash``: its
+    fingerprint and each file's sha256) and the reference."""
     import torch
     import transformers
 
     config = model.config
+    digest, files = model_hash
     return Manifest(
         model=ModelInfo(
             path=os.path.relpath(model_dir, out.resolve()),
             name=model_dir.name,
             architecture=type(model).__name__,
             model_type=getattr(config, "model_type", None),
-            fingerprint=fingerprint(model_dir),
+            fingerprint=digest,
+            files=files,
         ),
         reference=ReferenceInfo(
             device="cpu",

@@ -1,11 +1,15 @@
-"""Model fingerprints: sha256 over config.json and the weight files, in name order."""
+"""Model fingerprints: sha256 over config.json and the weight files, in name order, and the
+sha256 of each file, so that a changed or missing file (one shard of a sharded checkpoint) is
+named, not only noticed."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
-#: Files that define a model's numerics: its config and its weights.
+#: Files that define a model's numerics: its config and its weights (one file, or shards
+#: with their index).
 _PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json")
 
 
@@ -16,6 +20,13 @@ def model_files(model_dir: Path) -> list[Path]:
 
 def fingerprint(model_dir: str | Path) -> str:
     """``sha256:<hex>`` over the names and bytes of config.json and the weight files."""
+    return fingerprint_and_files(model_dir)[0]
+
+
+def fingerprint_and_files(model_dir: str | Path) -> tuple[str, dict[str, str]]:
+    """The fingerprint and each file's own sha256 (by file name), in one read of the files.
+    A sharded checkpoint's index must name only shards that are there (FileNotFoundError
+    naming the missing one otherwise)."""
     folder = Path(model_dir)
     files = model_files(folder)
     if not any(p.name == "config.json" for p in files):
@@ -23,10 +34,51 @@ def fingerprint(model_dir: str | Path) -> str:
             f"{folder / 'config.json'}: not found; give a Hugging Face model folder "
             "(config.json and safetensors weights, as save_pretrained writes)"
         )
+    missing = missing_shards(folder)
+    if missing:
+        raise FileNotFoundError(
+            f"{folder / missing[0]}: a shard the checkpoint's index names is missing "
+            f"({len(missing)} missing: {', '.join(missing)}); restore it or save the model again"
+        )
     digest = hashlib.sha256()
+    each: dict[str, str] = {}
     for path in files:
         digest.update(path.name.encode() + b"\0")
+        own = hashlib.sha256()
         with path.open("rb") as fh:
             while block := fh.read(1 << 20):
                 digest.update(block)
-    return "sha256:" + digest.hexdigest()
+                own.update(block)
+        each[path.name] = own.hexdigest()
+    return "sha256:" + digest.hexdigest(), each
+
+
+def missing_shards(folder: Path) -> list[str]:
+    """The weight files each ``*.safetensors.index.json`` names that are not in ``folder``."""
+    missing: set[str] = set()
+    for index in folder.glob("*.safetensors.index.json"):
+        try:
+            names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (json.JSONDecodeError, KeyError, AttributeError):
+            raise ValueError(
+                f"{index}: not a safetensors index (no weight_map); save the model again"
+            ) from None
+        missing |= {n for n in names if not (folder / n).is_file()}
+    return sorted(missing)
+
+
+def changed_files(recorded: dict[str, str], model_dir: str | Path) -> list[str]:
+    """What differs between the files a fingerprint covered (``recorded``: name -> sha256)
+    and the folder now: ``NAME (changed)``, ``NAME (missing)``, ``NAME (new)``."""
+    folder = Path(model_dir)
+    now = {p.name: p for p in model_files(folder)}
+    out = [f"{name} (missing)" for name in sorted(set(recorded) - set(now))]
+    out += [f"{name} (new)" for name in sorted(set(now) - set(recorded))]
+    for name in sorted(set(recorded) & set(now)):
+        own = hashlib.sha256()
+        with now[name].open("rb") as fh:
+            while block := fh.read(1 << 20):
+                own.update(block)
+        if own.hexdigest() != recorded[name]:
+            out.append(f"{name} (changed)")
+    return out

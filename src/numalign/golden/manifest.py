@@ -32,13 +32,16 @@ class StaleGoldenSetError(GoldenSetError):
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """The captured model: its folder (relative to the set), name, class and fingerprint."""
+    """The captured model: its folder (relative to the set), name, class and fingerprint,
+    and each file's sha256 (config, weights, a sharded checkpoint's every shard and index;
+    empty in sets captured before it was stored)."""
 
     path: str
     name: str
     architecture: str
     model_type: str | None
     fingerprint: str
+    files: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign.golden.fingerprint import fingerprint
+from numalign.golden.fingerprint import changed_files, fingerprint
 from numalign.golden.manifest import (
     CACHE_POINT,
     FORMAT,
@@ -141,7 +141,10 @@ class GoldenSet:
 
     def fingerprint_matches(self, model_dir: str | Path | None = None) -> bool:
         folder = Path(model_dir) if model_dir else self.model_dir
-        return bool(fingerprint(folder) == self.manifest.model.fingerprint)
+        try:
+            return bool(fingerprint(folder) == self.manifest.model.fingerprint)
+        except FileNotFoundError:  # a shard the index names is gone: not the captured model
+            return False
 
     def check_fresh(self, model_dir: str | Path | None = None) -> None:
         """Raises StaleGoldenSetError when the model folder changed since the capture."""
@@ -152,9 +155,12 @@ class GoldenSet:
                 "model folder explicitly"
             )
         if not self.fingerprint_matches(folder):
+            changed = changed_files(self.model.files, folder) if self.model.files else []
+            which = f" ({', '.join(changed)})" if changed else ""
             raise StaleGoldenSetError(
-                f"the model in {folder} changed since the golden set {self.path} was captured: "
-                f"run numalign capture {folder} --out {self.path} again"
+                f"the model in {folder} changed since the golden set {self.path} was "
+                f"captured{which}: run numalign capture {folder} --out {self.path} again (or "
+                "restore the model)"
             )
 
     # -- contents -----------------------------------------------------------------------------
