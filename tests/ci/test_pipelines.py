@@ -195,3 +195,6 @@ def test_run_brings_up_a_model_in_one_command(tmp_path: Path) -> None:
     records = read_records(tmp_path / "reports" / "latest")
     assert {r.suite for r in records} == {"models", "operators"}
     assert any(r.model == "bringup-gpt2" for r in records)
+    # the capture holds a cached decode, and decode replay ran on it (every cache)
+    decode = {r.swap for r in records if r.model == "bringup-gpt2" and r.mode == "decode"}
+    assert decode == {"cache=dynamic", "cache=static", "cache=paged"}

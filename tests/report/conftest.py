@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -18,7 +20,9 @@ def operator_record(
     point: str, dtype: str, scale: float, *, candidate: str = "fused", case: str = "c"
 ) -> DriftRecord:
     """A real comparison's record: truth randn, candidate off by a relative ``scale``."""
-    gen = torch.Generator().manual_seed(abs(hash((point, dtype, case))) % 2**31)
+    # a stable seed: str hash() changes with every interpreter (PYTHONHASHSEED), which made
+    # the records, and the tests that grow their budget use, differ from run to run
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{point}|{dtype}|{case}".encode()))
     truth = torch.randn(256, generator=gen, dtype=torch.float64)
     dt = getattr(torch, dtype)
     result = compare((truth * (1 + scale)).to(dt), truth, control=truth.to(dt), name=point)

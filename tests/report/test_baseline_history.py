@@ -23,11 +23,12 @@ def test_growth_beyond_the_factor_regresses_even_while_passing(
     run_records: list[DriftRecord],
 ) -> None:
     current = copy.deepcopy(run_records)
-    grown = current[1]
-    assert grown.verdict == "passed"
+    # the passing record that used the least budget: tripled, it still passes
+    grown = min((r for r in current if r.verdict == "passed"), key=lambda r: r.budget_used or 0)
     before = grown.budget_used or 0.0
+    assert before < 0.25  # a passing record of the synthetic run uses far less than 1/4
     baseline = copy.deepcopy(run_records)
-    grown.budget_used = min(0.9, before * 3 + 0.1)  # still passing, 3x worse
+    grown.budget_used = before * 3 + 0.1  # still passing (below 0.85), over 3x worse
     diff = diff_runs(current, baseline)
     assert [r["test_id"] for r in diff.regressed] == [grown.test_id]
     assert diff.regressed[0]["verdict"] == "passed"
