@@ -86,13 +86,7 @@ def text_requests(
             vocab = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
             gen = generator("numalign.capture", "text")
             rows = [torch.randint(1, vocab, (n,), generator=gen) for n in SEEDED_LENGTHS]
-            width = max(SEEDED_LENGTHS)
-            ids = torch.zeros(len(rows), width, dtype=torch.long)
-            mask = torch.zeros(len(rows), width, dtype=torch.long)
-            for i, row in enumerate(rows):
-                sl = slice(width - len(row), width) if side == "left" else slice(0, len(row))
-                ids[i, sl], mask[i, sl] = row, 1
-            inputs = {"input_ids": ids, "attention_mask": mask}
+            inputs = padded(rows, side, pad=0)
         requests.append(CaptureRequest(f"text-{side}pad", inputs, generate=(side == "left")))
     return requests
 
@@ -121,16 +115,24 @@ def long_requests(
         gen = generator("numalign.capture", f"long-{length}")
         rows = [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]
         pad = 0
-    requests = []
-    for side in ("left", "right"):
-        ids_t = torch.full((2, length), int(pad), dtype=torch.long)
-        mask = torch.zeros(2, length, dtype=torch.long)
-        for i, row in enumerate(rows):
-            sl = slice(length - len(row), length) if side == "left" else slice(0, len(row))
-            ids_t[i, sl], mask[i, sl] = row, 1
-        inputs = {"input_ids": ids_t, "attention_mask": mask}
-        requests.append(CaptureRequest(f"long-{side}pad", inputs, generate=(side == "left")))
-    return requests
+    return [
+        CaptureRequest(f"long-{side}pad", padded(rows, side, int(pad)), generate=(side == "left"))
+        for side in ("left", "right")
+    ]
+
+
+def padded(rows: Sequence[Any], side: str, pad: int) -> dict[str, Any]:
+    """Token id rows batched to the longest, padded on ``side`` with ``pad``: the model
+    inputs ``input_ids`` and ``attention_mask``."""
+    import torch
+
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        sl = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+        ids[i, sl], mask[i, sl] = row, 1
+    return {"input_ids": ids, "attention_mask": mask}
 
 
 def test_image() -> Any:

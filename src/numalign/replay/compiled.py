@@ -49,8 +49,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from numalign.golden.reference import flatten, hooks
-from numalign.replay.layer import golden_outputs, kept_positions, request_mask
+from numalign.golden.reference import hooks
+from numalign.replay.layer import CallMatcher, golden_outputs
 
 if TYPE_CHECKING:
     import torch
@@ -388,25 +388,12 @@ def observe(
         with golden_outputs(model, golden, request, on_output):
             yield
         return
-    import torch
-
-    points = {p.name: p for p in golden.points}
-    mask = request_mask(golden, request)
+    matcher = CallMatcher(golden, request, on_output)
     model.taps.clear()
     yield
-    seen: dict[str, int] = {}
     taps, model.taps[:] = list(model.taps), []
     for point, output in taps:
-        number = seen.get(point, 0)
-        seen[point] = number + 1
-        calls = points[point].calls.get(request, [])
-        if number >= len(calls):
-            continue
-        for path, tensor in flatten(output):
-            key = calls[number].outputs.get(path)
-            if key is not None and isinstance(tensor, torch.Tensor):
-                expected = kept_positions(golden.tensor(key), mask)
-                on_output(point, path, kept_positions(tensor.detach(), mask), expected)
+        matcher(point, None, None, output)
 
 
 @contextmanager

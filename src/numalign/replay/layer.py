@@ -59,6 +59,38 @@ def request_mask(golden: GoldenSet, request: str) -> torch.Tensor | None:
     return golden.tensor(key) if key is not None else None
 
 
+class CallMatcher:
+    """A hook callback (``golden.reference.hooks``' ``on_call``) that matches the n-th call of
+    a point in a forward with its n-th recorded call of ``request`` and calls
+    ``on_output(point, path, actual, expected)`` for each of its tensor outputs the golden set
+    holds, both restricted to the positions the request's mask keeps."""
+
+    def __init__(
+        self,
+        golden: GoldenSet,
+        request: str,
+        on_output: Callable[[str, str, torch.Tensor, torch.Tensor], None],
+    ) -> None:
+        self.golden, self.request, self.on_output = golden, request, on_output
+        self.points = {p.name: p for p in golden.points}
+        self.mask = request_mask(golden, request)
+        self.seen: dict[str, int] = {}
+
+    def __call__(self, point: str, args: Any, kwargs: Any, output: Any) -> None:
+        import torch
+
+        number = self.seen.get(point, 0)
+        self.seen[point] = number + 1
+        calls = self.points[point].calls.get(self.request, [])
+        if number >= len(calls):
+            return
+        for path, tensor in flatten(output):
+            key = calls[number].outputs.get(path)
+            if key is not None and isinstance(tensor, torch.Tensor):
+                expected = kept_positions(self.golden.tensor(key), self.mask)
+                self.on_output(point, path, kept_positions(tensor.detach(), self.mask), expected)
+
+
 @contextmanager
 def golden_outputs(
     model: torch.nn.Module,
@@ -67,28 +99,9 @@ def golden_outputs(
     on_output: Callable[[str, str, torch.Tensor, torch.Tensor], None],
 ) -> Iterator[None]:
     """While the model runs ``request``, calls ``on_output(point, path, actual, expected)``
-    for every tensor output of every capture point that matches a recorded call (the
-    n-th call of a point in this forward against its n-th recorded call), both restricted to
-    the positions the request's mask keeps."""
-    import torch
-
-    points = {p.name: p for p in golden.points}
-    mask = request_mask(golden, request)
-    seen: dict[str, int] = {}
-
-    def on_call(point: str, args: Any, kwargs: Any, output: Any) -> None:
-        number = seen.get(point, 0)
-        seen[point] = number + 1
-        calls = points[point].calls.get(request, [])
-        if number >= len(calls):
-            return
-        for path, tensor in flatten(output):
-            key = calls[number].outputs.get(path)
-            if key is not None and isinstance(tensor, torch.Tensor):
-                expected = kept_positions(golden.tensor(key), mask)
-                on_output(point, path, kept_positions(tensor.detach(), mask), expected)
-
-    with hooks(model, list(points), on_call):
+    for every tensor output of every capture point that matches a recorded call
+    (``CallMatcher``)."""
+    with hooks(model, [p.name for p in golden.points], CallMatcher(golden, request, on_output)):
         yield
 
 
