@@ -48,7 +48,7 @@ OnPair = Callable[[str, int, str, str, "torch.Tensor", "torch.Tensor"], None]
 
 class PagedUnsupported(RuntimeError):
     """transformers' paged engine cannot serve this model (linear-attention layers, MLA's
-    unequal key and value sizes): the paged replay is skipped with the reason."""
+    compressed cache, a compiled model): the paged replay is skipped with the reason."""
 
 
 class PagedServingError(RuntimeError):
