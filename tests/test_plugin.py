@@ -62,6 +62,11 @@ def test_command_line_wins_over_ini(pytester: pytest.Pytester) -> None:
         ),
         (["--candidates", "no_such_kernels"], "*--candidates 'no_such_kernels' failed to import*"),
         (["--golden", "no/such/dir"], "*--golden no/such/dir: no such folder*"),
+        (
+            ["--cache-implementation", "dynamic,hybrid"],
+            "*unknown cache implementation hybrid; allowed: dynamic, static, offloaded, "
+            "offloaded_static, paged*",
+        ),
     ],
 )
 def test_bad_values_are_usage_errors(
