@@ -66,24 +66,23 @@ class Settings:
 
 def parse_dtypes(text: str) -> tuple[str, ...]:
     """``"float32,bfloat16"`` -> ``("float32", "bfloat16")``; ValueError on unknown names."""
-    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
-    unknown = [n for n in names if n not in DTYPES]
-    if unknown or not names:
-        raise ValueError(
-            f"unknown dtype {', '.join(unknown) or repr(text)}; allowed: {', '.join(DTYPES)} "
-            "(a comma-separated list)"
-        )
-    return names
+    return _parse_names(text, DTYPES, "dtype")
 
 
 def parse_cache_implementations(text: str) -> tuple[str, ...]:
     """``"dynamic,paged"`` -> ``("dynamic", "paged")``; ValueError on unknown names."""
+    return _parse_names(text, CACHE_IMPLEMENTATIONS, "cache implementation")
+
+
+def _parse_names(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """A comma-separated list of ``allowed`` names, in order, each once; ValueError naming
+    the unknown ones and the allowed ones otherwise."""
     names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
-    unknown = [n for n in names if n not in CACHE_IMPLEMENTATIONS]
+    unknown = [n for n in names if n not in allowed]
     if unknown or not names:
         raise ValueError(
-            f"unknown cache implementation {', '.join(unknown) or repr(text)}; allowed: "
-            f"{', '.join(CACHE_IMPLEMENTATIONS)} (a comma-separated list)"
+            f"unknown {what} {', '.join(unknown) or repr(text)}; allowed: "
+            f"{', '.join(allowed)} (a comma-separated list)"
         )
     return names
 

@@ -17,13 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from numalign.golden import GoldenSetError
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
-from numalign.replay.compiled import CompileError, GraphBreakWarning, take_stats
+from numalign.replay.compiled import GraphBreakWarning
 from numalign.replay.decode import decode_unavailable
-from numalign.replay.model import ModelCache, ReplayUnsupported, suite_sets, variant_label
-from numalign.replay.serving import PagedUnsupported, decode_replay, known_divergence
+from numalign.replay.model import ModelCache, suite_sets
+from numalign.replay.serving import decode_replay, known_divergence
 
 ROOT = Path(__file__).resolve().parents[2]
 # Graph breaks under --compile are reported, not failures (as in test_model).
@@ -55,36 +54,26 @@ def test_decode(
     model_cache: ModelCache,
     tolerance_policy: Any,
     record_drift: NodeRecorder,
+    replay_guard: Any,
 ) -> None:
     __tracebackhide__ = True
     path, _, rest = decode_case.partition("::")
     rest, _, implementation = rest.rpartition("-")
     dtype = rest.rpartition("-")[2]
-    try:
+    with replay_guard():
         golden, model, verdict = decode_replay(
             model_cache, path, numalign_settings, numalign_device, dtype, implementation,
             tolerance_policy,
         )  # fmt: skip
-    except GoldenSetError as exc:  # stale, broken or corrupted data: its own message
-        record_drift.error(exc)
-        pytest.fail(str(exc), pytrace=False)
-    except (ReplayUnsupported, PagedUnsupported) as exc:  # a path transformers lacks here
-        pytest.skip(str(exc))
-    except CompileError as exc:  # --compile: the backend's failure, named; the session goes on
-        record_drift.error(exc, swap=variant_label(numalign_settings))
-        pytest.fail(str(exc), pytrace=False)
     if verdict is None:
         pytest.skip(decode_unavailable(golden, dtype) or "no decode steps")
-    context = model_cache.record_context(golden, numalign_settings, numalign_device)
+    context = model_cache.record_context(golden, numalign_settings, numalign_device, model)
     context["swap"] = ",".join(filter(None, [context["swap"], f"cache={implementation}"]))
-    spent = take_stats(model)  # --compile: compile time and graph breaks, apart
-    if spent is not None:
-        context |= spent.record_fields()
     for record in verdict.records(record_drift.nodeid, **context):
         record_drift.add(record)
     if not verdict.passed:
         message = verdict.message(f"{golden.name} [{dtype}]")
-        known = known_divergence(model_cache, golden, implementation)
+        known = known_divergence(model, implementation)
         if known:  # measured and reported: expected to fail, its records kept
             pytest.xfail(f"known divergence: {known}\n{message}")
         pytest.fail(message, pytrace=False)

@@ -13,16 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from numalign.golden import GoldenSet, GoldenSetError
+from numalign.golden import GoldenSet
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
-from numalign.replay.compiled import CompileError, GraphBreakWarning, take_stats
+from numalign.replay.compiled import GraphBreakWarning
 from numalign.replay.model import (
     ModelCache,
-    ReplayUnsupported,
     replay_layer,
     suite_sets,
-    variant_label,
 )
 from numalign.replay.verdict import layer_message
 
@@ -57,26 +55,16 @@ def test_layer(
     model_cache: ModelCache,
     tolerance_policy: Any,
     record_drift: NodeRecorder,
+    replay_guard: Any,
 ) -> None:
     __tracebackhide__ = True
     path, _, rest = layer_case.partition("::")
     point_name, _, dtype = rest.partition("/")[2].rpartition("-")
-    try:
+    with replay_guard():
         golden, model = model_cache.load(path, numalign_settings, numalign_device, dtype)
         point = golden.point(point_name)
         results = replay_layer(golden, model, point, dtype, numalign_device, tolerance_policy)
-    except GoldenSetError as exc:  # stale, broken or corrupted data: its own message
-        record_drift.error(exc)
-        pytest.fail(str(exc), pytrace=False)
-    except ReplayUnsupported as exc:  # an implementation transformers lacks for this model
-        pytest.skip(str(exc))
-    except CompileError as exc:  # --compile: the backend's failure, named; the session goes on
-        record_drift.error(exc, swap=variant_label(numalign_settings))
-        pytest.fail(str(exc), pytrace=False)
-    context = model_cache.record_context(golden, numalign_settings, numalign_device)
-    spent = take_stats(model)  # --compile: compile time and graph breaks, apart
-    if spent is not None:
-        context |= spent.record_fields()
+    context = model_cache.record_context(golden, numalign_settings, numalign_device, model)
     for r in results:
         record_drift.add(r.record(record_drift.nodeid, **context))
     message = layer_message(f"{golden.name}/{point.name} [{dtype}]", results)

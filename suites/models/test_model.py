@@ -15,16 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-from numalign.golden import GoldenSetError
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
-from numalign.replay.compiled import CompileError, GraphBreakWarning, take_stats
+from numalign.replay.compiled import GraphBreakWarning
 from numalign.replay.model import (
     ModelCache,
-    ReplayUnsupported,
     replay_model,
     suite_sets,
-    variant_label,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,25 +49,15 @@ def test_model(
     model_cache: ModelCache,
     tolerance_policy: Any,
     record_drift: NodeRecorder,
+    replay_guard: Any,
 ) -> None:
     __tracebackhide__ = True
     path, _, rest = model_case.partition("::")
     dtype = rest.rpartition("-")[2]
-    try:
+    with replay_guard():
         golden, model = model_cache.load(path, numalign_settings, numalign_device, dtype)
         verdict = replay_model(golden, model, dtype, numalign_device, tolerance_policy)
-    except GoldenSetError as exc:  # stale, broken or corrupted data: its own message
-        record_drift.error(exc)
-        pytest.fail(str(exc), pytrace=False)
-    except ReplayUnsupported as exc:  # an implementation transformers lacks for this model
-        pytest.skip(str(exc))
-    except CompileError as exc:  # --compile: the backend's failure, named; the session goes on
-        record_drift.error(exc, swap=variant_label(numalign_settings))
-        pytest.fail(str(exc), pytrace=False)
-    context = model_cache.record_context(golden, numalign_settings, numalign_device)
-    spent = take_stats(model)  # --compile: compile time and graph breaks, apart
-    if spent is not None:
-        context |= spent.record_fields()
+    context = model_cache.record_context(golden, numalign_settings, numalign_device, model)
     for record in verdict.records(record_drift.nodeid, **context):
         record_drift.add(record)
     if not verdict.passed:

@@ -17,7 +17,7 @@ from numalign.compare.logits import logits_stats
 from numalign.golden.manifest import OUTPUT_POINT, Continuation
 from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import DEFAULT_SETS, discover_sets
-from numalign.replay.compiled import compile_model, compile_spec, observe
+from numalign.replay.compiled import compile_model, compile_spec, observe, take_stats
 from numalign.replay.layer import kept_positions, replay_call, request_mask
 from numalign.replay.verdict import (
     ContinuationResult,
@@ -169,14 +169,17 @@ class ModelCache:
 
     @staticmethod
     def record_context(
-        golden: GoldenSet, settings: Settings, device: torch.device
+        golden: GoldenSet, settings: Settings, device: torch.device, model: Any = None
     ) -> dict[str, Any]:
-        """The fields every record of a model-suite test shares."""
-        return {
+        """The fields every record of a model-suite test shares; for a compiled ``model``,
+        what compiling cost this test (compile time and graph breaks, apart from run time)."""
+        context = {
             "suite": "models", "candidate": "transformers", "device": str(device),
             "golden_fingerprint": golden.model.fingerprint,
             "swap": variant_label(settings), "model": golden.name,
         }  # fmt: skip
+        spent = take_stats(model) if model is not None else None
+        return context | (spent.record_fields() if spent is not None else {})
 
     def load(
         self, path: str | Path, settings: Settings, device: torch.device, dtype: str

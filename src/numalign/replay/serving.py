@@ -66,10 +66,7 @@ def _paged_model(
         return load(None)
 
 
-def known_divergence(cache: ModelCache, golden: GoldenSet, implementation: str) -> str | None:
+def known_divergence(model: Any, implementation: str) -> str | None:
     """A measured divergence of the serving path from the reference, where there is one
-    (``replay.paged.known_divergence``)."""
-    if implementation != "paged":
-        return None
-    model = next((m for key, m in cache.models.items() if key[0] == str(golden.path)), None)
-    return paged_divergence(model) if model is not None else None
+    (``replay.paged.paged_divergence``)."""
+    return paged_divergence(model) if implementation == "paged" else None
