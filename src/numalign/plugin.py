@@ -22,6 +22,7 @@ from numalign.settings import (
     parse_dtypes,
     parse_shard,
     parse_tier,
+    parse_tp,
     validate_device,
 )
 from numalign.truths import (
@@ -223,6 +224,25 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
         "string",
         "",
     ),
+    (
+        "--tp",
+        "numalign_tp",
+        "replay models tensor-parallel on N ranks of torch.distributed (transformers' "
+        "tp_plan; gloo on cpu, nccl/xccl/hccl on accelerators); each xdist worker launches its "
+        "own group of N ranks with torchrun",
+        {"metavar": "N"},
+        "string",
+        "1",
+    ),
+    (
+        "--tp-timeout",
+        "numalign_tp_timeout",
+        "seconds one replay may take on the tensor-parallel ranks before a hung rank is "
+        "stopped and its test fails",
+        {"metavar": "SECONDS"},
+        "string",
+        "600",
+    ),
 ]
 
 
@@ -247,6 +267,8 @@ def settings_from_config(config: pytest.Config) -> Settings:
         tier = parse_tier(str(_value(config, "numalign_tier")))
         shard = parse_shard(str(_value(config, "numalign_shard") or ""))
         caches = parse_cache_implementations(str(_value(config, "numalign_cache_implementation")))
+        tp = parse_tp(str(_value(config, "numalign_tp")))
+        tp_timeout = float(str(_value(config, "numalign_tp_timeout")))
     except ValueError as exc:
         raise pytest.UsageError(f"numalign: {exc}") from None
     golden = tuple(Path(p) for p in _value(config, "numalign_golden"))
@@ -297,6 +319,8 @@ def settings_from_config(config: pytest.Config) -> Settings:
         ),
         compile_backend=str(_value(config, "numalign_compile") or "").strip() or None,
         compile_mode=str(_value(config, "numalign_compile_mode") or "").strip() or None,
+        tp=tp,
+        tp_timeout=tp_timeout,
     )
 
 
@@ -328,6 +352,13 @@ def pytest_configure(config: pytest.Config) -> None:
     _import_all(settings.candidate_modules, "--candidates")
     if settings.compile_backend or settings.compile_mode:
         _check_compile(settings)
+    if settings.tp > 1 and settings.compile_backend:
+        raise pytest.UsageError(
+            "numalign: --tp and --compile together are not supported yet: replay tensor-parallel "
+            "eager (--tp N), and compiled on one process (--compile)"
+        )
+    if not settings.tp_timeout > 0:
+        raise pytest.UsageError("numalign: --tp-timeout must be a number of seconds above 0")
     if settings.swaps:
         from numalign.registry import RegistryError
         from numalign.replay.swap import SwapError, parse_swaps

@@ -316,6 +316,10 @@ class NodeRecorder:
         """Records an exception that ends the test before (or instead of) its comparisons."""
         return self.add(error_record(self.nodeid, type(exc).__name__, str(exc), **context))
 
+    def crashed(self, reason: str, message: str, **context: Any) -> DriftRecord:
+        """Records a test whose processes died or hung (a tensor-parallel rank)."""
+        return self.add(crashed_record(self.nodeid, message, reason[:500], **context))
+
     def skipped(self, reason: str, **context: Any) -> DriftRecord:
         """Records a comparison that cannot run here (so summaries count it per dtype)."""
         record = DriftRecord.for_test(
@@ -343,12 +347,17 @@ def error_record(test_id: str, exc_type: str, message: str, **context: Any) -> D
     )  # fmt: skip
 
 
-def crashed_record(test_id: str, message: str) -> DriftRecord:
-    """The record of a test whose worker died while running it."""
+def crashed_record(
+    test_id: str,
+    message: str,
+    reason: str = "the worker process died while running this test",
+    **context: Any,
+) -> DriftRecord:
+    """The record of a test whose worker (or one of its tensor-parallel ranks) died or hung
+    while running it."""
     return DriftRecord.for_test(
-        test_id, "crashed", rule="crashed",
-        reason="the worker process died while running this test", message=message,
-    )  # fmt: skip
+        test_id, "crashed", rule="crashed", reason=reason, message=message, **context
+    )
 
 
 def error_record_for(

@@ -59,6 +59,11 @@ class Settings:
     compile_backend: str | None = None
     #: ``torch.compile`` mode (--compile-mode); None: the backend's default.
     compile_mode: str | None = None
+    #: Tensor-parallel ranks the model suites replay each model on (--tp); 1: one process.
+    tp: int = 1
+    #: Seconds one replay may take on the tensor-parallel ranks before a hung rank is
+    #: stopped and the test fails (--tp-timeout).
+    tp_timeout: float = 600.0
 
     def tier_rank(self) -> int:
         return TIERS.index(self.tier)
@@ -85,6 +90,14 @@ def _parse_names(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, .
             f"{', '.join(allowed)} (a comma-separated list)"
         )
     return names
+
+
+def parse_tp(text: str) -> int:
+    """``"2"`` -> 2: a whole number of ranks, at least 1."""
+    value = text.strip() or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--tp {text!r}: give the number of tensor-parallel ranks, e.g. --tp 2")
+    return int(value)
 
 
 def parse_tier(text: str) -> str:

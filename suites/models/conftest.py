@@ -14,21 +14,32 @@ from numalign.record import NodeRecorder
 from numalign.replay.compiled import CompileError
 from numalign.replay.model import ModelCache, ReplayUnsupported, variant_label
 from numalign.replay.paged import PagedUnsupported
+from numalign.replay.tensor_parallel import (
+    NoTensorParallelPlan,
+    TensorParallelError,
+    TensorParallelUsageError,
+)
 
 
 @pytest.fixture(scope="session")
-def model_cache() -> ModelCache:
-    """Models loaded once per worker for each (set, device, dtype, swaps)."""
-    return ModelCache()
+def model_cache() -> Iterator[ModelCache]:
+    """Models loaded once per worker for each (set, device, dtype, swaps); under --tp, the
+    worker's group of ranks, stopped when the session ends."""
+    cache = ModelCache()
+    yield cache
+    cache.close()
 
 
 @pytest.fixture
 def replay_guard(
     record_drift: NodeRecorder, numalign_settings: Any
 ) -> Callable[[], AbstractContextManager[None]]:
-    """What a replay's failures become: stale, broken or corrupted golden data and a
-    compiler's failure (``--compile``) fail the test with their own message and an ``error``
-    record (the session goes on); a path transformers lacks for this model skips."""
+    """What a replay's failures become: stale, broken or corrupted golden data, a
+    compiler's failure (``--compile``), a model that does not split over ``--tp`` ranks and
+    a tensor-parallel rank that raised fail the test with their own message and an ``error``
+    record; a rank that died or hung fails it with a ``crashed`` record (the session goes on:
+    the group was stopped, the next test starts a fresh one); a path transformers lacks for
+    this model skips."""
 
     @contextmanager
     def guard() -> Iterator[None]:
@@ -38,10 +49,17 @@ def replay_guard(
         except GoldenSetError as exc:
             record_drift.error(exc)
             pytest.fail(str(exc), pytrace=False)
-        except (ReplayUnsupported, PagedUnsupported) as exc:
+        except (ReplayUnsupported, PagedUnsupported, NoTensorParallelPlan) as exc:
             pytest.skip(str(exc))
-        except CompileError as exc:
+        except (CompileError, TensorParallelUsageError) as exc:
             record_drift.error(exc, swap=variant_label(numalign_settings))
+            pytest.fail(str(exc), pytrace=False)
+        except TensorParallelError as exc:
+            swap = variant_label(numalign_settings)
+            if exc.crashed:
+                record_drift.crashed(str(exc).splitlines()[0], str(exc), swap=swap)
+            else:
+                record_drift.error(exc, swap=swap)
             pytest.fail(str(exc), pytrace=False)
 
     return guard

@@ -63,7 +63,9 @@ def test_layer(
     with replay_guard():
         golden, model = model_cache.load(path, numalign_settings, numalign_device, dtype)
         point = golden.point(point_name)
-        results = replay_layer(golden, model, point, dtype, numalign_device, tolerance_policy)
+        results = model_cache.run(
+            replay_layer, golden, model, point, dtype, numalign_device, tolerance_policy
+        )
     context = model_cache.record_context(golden, numalign_settings, numalign_device, model)
     for r in results:
         record_drift.add(r.record(record_drift.nodeid, **context))

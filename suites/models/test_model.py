@@ -56,7 +56,9 @@ def test_model(
     dtype = rest.rpartition("-")[2]
     with replay_guard():
         golden, model = model_cache.load(path, numalign_settings, numalign_device, dtype)
-        verdict = replay_model(golden, model, dtype, numalign_device, tolerance_policy)
+        verdict = model_cache.run(
+            replay_model, golden, model, dtype, numalign_device, tolerance_policy
+        )
     context = model_cache.record_context(golden, numalign_settings, numalign_device, model)
     for record in verdict.records(record_drift.nodeid, **context):
         record_drift.add(record)

@@ -29,8 +29,10 @@ def load_model(
     attn_implementation: str | None,
     trust_remote_code: bool,
     experts_implementation: str | None = None,
+    tp_plan: str | None = None,
 ) -> Any:
-    """A model from a local folder, offline, in ``dtype``, for inference."""
+    """A model from a local folder, offline, in ``dtype``, for inference; with ``tp_plan``
+    (``"auto"``), this rank's shard of it (torch.distributed must be running)."""
     import torch
     import transformers
 
@@ -51,6 +53,8 @@ def load_model(
         kwargs["attn_implementation"] = attn_implementation
     if experts_implementation:
         kwargs["experts_implementation"] = experts_implementation
+    if tp_plan:
+        kwargs["tp_plan"] = tp_plan
     model = cls.from_pretrained(model_dir, **kwargs)
     model.eval()
     return model

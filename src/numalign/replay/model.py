@@ -7,10 +7,10 @@ of ``numalign.replay.verdict``."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from numalign.compare import CompareResult, ControlErrors, compare
 from numalign.compare.logits import logits_stats
@@ -19,6 +19,7 @@ from numalign.golden.reference import append_token, forward_kwargs, load_model, 
 from numalign.golden.store import DEFAULT_SETS, discover_sets
 from numalign.replay.compiled import compile_model, compile_spec, observe, take_stats
 from numalign.replay.layer import kept_positions, replay_call, request_mask
+from numalign.replay.shards import split_reduction_zeros, whole
 from numalign.replay.verdict import (
     ContinuationResult,
     Divergence,
@@ -34,7 +35,10 @@ if TYPE_CHECKING:
 
     from numalign.golden.store import GoldenSet, Point
     from numalign.replay.compiled import CompileSpec
+    from numalign.replay.tensor_parallel import RankGroup, ShardedModel
     from numalign.settings import Settings
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -108,9 +112,12 @@ def hidden_and_depth(model: Any) -> tuple[int, int]:
 def compare_point(
     actual: torch.Tensor, expected: torch.Tensor, name: str, control: Control, policy: Any
 ) -> CompareResult:
+    actual = whole(actual, tuple(expected.shape))  # a tensor-parallel rank's shard
     if not expected.is_floating_point():
         return compare(actual, expected, name=name)
-    return compare(actual, expected, control_errors=control.errors,
+    dtype = str(actual.dtype).removeprefix("torch.")
+    errors = split_reduction_zeros(control.errors, expected, dtype)
+    return compare(actual, expected, control_errors=errors,
                    reduction_length=control.reduction, op_class="matmul", name=name,
                    policy=policy)  # fmt: skip
 
@@ -123,9 +130,15 @@ class ReplayUnsupported(RuntimeError):
 @dataclass
 class ModelCache:
     """Models loaded once per worker per (set, device, dtype, attention, swaps, compile
-    variant); a compiled model is a ``CompiledModel`` (``numalign.replay.compiled``)."""
+    variant); a compiled model is a ``CompiledModel`` (``numalign.replay.compiled``). Under
+    ``--tp N`` a model is a ``ShardedModel``, held by this worker's tensor-parallel ranks,
+    each of which keeps its own cache with ``sharded`` set (it loads its shard with
+    transformers' ``tp_plan``); replays reach either kind through ``run``."""
 
     models: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    #: This cache is a tensor-parallel rank's: models load sharded (``tp_plan="auto"``).
+    sharded: bool = False
+    groups: dict[Settings, RankGroup] = field(default_factory=dict)
 
     def get(
         self,
@@ -155,8 +168,10 @@ class ModelCache:
             try:
                 model = load_model(golden.model_dir, dtype, attn_implementation=attn_implementation,
                                    trust_remote_code=False,
-                    experts_implementation=experts_implementation,
-                ).to(device)  # fmt: skip
+                                   experts_implementation=experts_implementation,
+                                   tp_plan="auto" if self.sharded else None)  # fmt: skip
+                if not self.sharded:  # transformers places a rank's shard itself
+                    model = model.to(device)
                 apply_swaps(model, swaps)
                 if compiled is not None:  # after the swaps: the compiler sees the kernels
                     model = compile_model(model, compiled, [p.name for p in golden.points])
@@ -189,6 +204,8 @@ class ModelCache:
         from numalign.replay.swap import parse_swaps
 
         golden = open_fresh(path)
+        if settings.tp > 1 and not self.sharded:
+            return golden, self._sharded(golden, settings, dtype)
         model = self.get(
             golden,
             device,
@@ -199,6 +216,51 @@ class ModelCache:
             compiled=compile_spec(settings),
         )
         return golden, model
+
+    def _sharded(self, golden: GoldenSet, settings: Settings, dtype: str) -> ShardedModel:
+        """The handle on the set's model held by this worker's group of ``settings.tp``
+        ranks (started on first use; ReplayUnsupported or TensorParallelUsageError when the
+        model cannot be split that way)."""
+        from numalign.replay.tensor_parallel import RankGroup, ShardedModel, check_shardable
+
+        check_shardable(golden.model_dir, settings.tp)
+        group = self.groups.get(settings)
+        if group is None:
+            group = self.groups[settings] = RankGroup(settings.tp, settings, settings.tp_timeout)
+        return ShardedModel(group, str(golden.path), dtype)
+
+    @staticmethod
+    def run(fn: Callable[..., T], golden: GoldenSet, model: Any, *args: Any) -> T:
+        """``fn(golden, model, *args)``: here, or for a ``ShardedModel`` on every rank of its
+        group (each with its shard and its own device in place of a ``torch.device``
+        argument), rank 0's result. ``fn`` and ``args`` travel by pickle, between this
+        process and its own ranks."""
+        from numalign.replay.tensor_parallel import ShardedModel
+
+        if isinstance(model, ShardedModel):
+            result: T = model.group.call(replay_on_rank, fn, model.path, model.dtype, args)
+            return result
+        return fn(golden, model, *args)
+
+    def close(self) -> None:
+        """Stops this cache's tensor-parallel groups."""
+        for group in self.groups.values():
+            group.close()
+        self.groups.clear()
+
+
+def replay_on_rank(fn: Callable[..., T], path: str, dtype: str, args: tuple[Any, ...]) -> T:
+    """``fn(golden, model, *args)`` on a tensor-parallel rank (``ModelCache.run`` sends it):
+    the set at ``path`` and its model loaded sharded (once per rank, by the rank's cache); a
+    ``torch.device`` among ``args`` is replaced by the rank's device."""
+    import torch
+
+    from numalign.replay.tensor_parallel import RANK, rank_device
+
+    device = rank_device()
+    golden, model = RANK.cache.load(path, RANK.settings, device, dtype)
+    args = tuple(device if isinstance(a, torch.device) else a for a in args)
+    return fn(golden, model, *args)
 
 
 def replay_layer(
@@ -377,6 +439,8 @@ def variant_label(settings: Settings) -> str | None:
     spec = compile_spec(settings)
     if spec is not None:
         parts.append(spec.label)
+    if settings.tp > 1:
+        parts.append(f"tp={settings.tp}")
     return ",".join(parts) or None
 
 

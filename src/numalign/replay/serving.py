@@ -37,9 +37,15 @@ def decode_replay(
         return golden, None, None
     if implementation != "paged":
         golden, model = cache.load(path, settings, device, dtype)
+    elif settings.tp > 1:
+        raise PagedUnsupported(
+            "the paged serving path is not replayed tensor-parallel (--tp): its engine runs "
+            "one process here; the KV caches are"
+        )
     else:
         model = _paged_model(cache, golden, settings, device, dtype)
-    return golden, model, replay_decode(golden, model, dtype, device, implementation, policy)
+    verdict = cache.run(replay_decode, golden, model, dtype, device, implementation, policy)
+    return golden, model, verdict
 
 
 def _paged_model(

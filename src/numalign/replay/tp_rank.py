@@ -1,0 +1,81 @@
+"""One rank of a tensor-parallel replay group (``numalign.replay.tensor_parallel``), started
+by torchrun: ``python -m torch.distributed.run --nproc-per-node N -m numalign.replay.tp_rank
+--connect HOST:PORT``.
+
+It joins the process group (gloo on CPU, the device's backend elsewhere), connects back to
+the controller with the key in ``$NUMALIGN_TP_AUTHKEY``, receives the session's settings
+(and imports its ``--device-plugin`` modules), then runs every call the controller sends
+until it sends None: each call's result (rank 0's) or the error with its traceback goes back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import traceback
+from multiprocessing.connection import Client
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from numalign.settings import Settings
+
+
+def _serve(connection: Any, rank: int) -> None:
+    from numalign.replay.tensor_parallel import receive, send
+
+    while True:
+        message = receive(connection)
+        if message is None:
+            return
+        fn, args = message
+        try:
+            value = fn(*args)
+            send(connection, ("ok", value if rank == 0 else None))
+        except BaseException as exc:  # every failure goes back to the controller
+            text = "".join(traceback.format_exception(exc))
+            send(connection, ("error", f"{type(exc).__name__}: {exc}\n{text}"))
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--connect", required=True, metavar="HOST:PORT")
+    options = parser.parse_args(argv)
+    host, _, port = options.connect.rpartition(":")
+
+    import torch
+    import torch.distributed as dist
+
+    from numalign.replay.model import ModelCache
+    from numalign.replay.tensor_parallel import (
+        AUTHKEY_ENV,
+        BACKENDS,
+        RANK,
+        rank_device,
+        receive,
+        send,
+    )
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rank = int(os.environ["RANK"])
+    connection = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
+    send(connection, (rank, os.getpid()))
+    settings: Settings = receive(connection)
+    for name in settings.device_plugins:
+        importlib.import_module(name)
+    RANK.settings, RANK.cache = settings, ModelCache(sharded=True)
+    device = rank_device()
+    if device.type != "cpu":
+        getattr(torch, device.type).set_device(device)
+    dist.init_process_group(BACKENDS.get(device.type, "gloo"))
+    try:
+        _serve(connection, rank)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""The tensor-parallel group (``numalign.replay.tensor_parallel``) on two real gloo ranks
+under torchrun: calls run on every rank and rank 0 answers, shards gather whole, and a rank
+that raises, dies or hangs fails the call with the rank's error within the timeout, after
+which the next call starts a fresh group. What cannot be split is refused before any rank
+starts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import tp_calls
+
+from numalign.replay.shards import whole
+from numalign.replay.tensor_parallel import (
+    NoTensorParallelPlan,
+    RankCrashed,
+    RankFailed,
+    RankGroup,
+    RankTimeout,
+    TensorParallelUsageError,
+    check_shardable,
+)
+from numalign.settings import Settings
+
+ZOO = Path(__file__).resolve().parents[2] / "golden" / "models"
+#: Seconds a call may run in the hang test: long enough for two ranks to answer a barrier
+#: on a loaded 2-core machine, short enough to keep the test quick.
+HANG_TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def group() -> RankGroup:
+    group = RankGroup(2, Settings(device="cpu"), timeout=120.0)
+    yield group
+    group.close()
+
+
+def test_calls_run_on_every_rank_and_rank_0_answers(group: RankGroup) -> None:
+    # ranks 0 and 1 contribute 1 + 2 = 3 to the all-reduce
+    assert group.call(tp_calls.rank_and_sum) == (0, 2, 3.0)
+    assert torch.equal(group.call(tp_calls.gathered_shards), torch.arange(12.0).reshape(3, 4))
+
+
+def test_a_rank_that_raises_fails_the_call_with_its_error(group: RankGroup) -> None:
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 raised: ValueError: rank 1's kernel"):
+        group.call(tp_calls.raise_on_rank_1)
+    assert group.process is None  # stopped: rank 0 was waiting in a collective
+    assert group.call(tp_calls.rank_and_sum) == (0, 2, 3.0)  # a fresh group
+
+
+def test_a_rank_that_dies_is_a_crash(group: RankGroup) -> None:
+    with pytest.raises(RankCrashed, match=r"rank 1 of 2 died|launcher exited") as caught:
+        group.call(tp_calls.die_on_rank_1)
+    assert caught.value.crashed
+    assert group.call(tp_calls.rank_and_sum) == (0, 2, 3.0)
+
+
+def test_a_rank_that_hangs_is_stopped_at_the_timeout(group: RankGroup) -> None:
+    group.call(tp_calls.rank_and_sum)  # started, so the timeout covers the call alone
+    group.timeout = HANG_TIMEOUT_S
+    try:
+        began = time.monotonic()
+        with pytest.raises(RankTimeout, match=r"did not answer within --tp-timeout 20 s"):
+            group.call(tp_calls.hang_on_rank_1)
+        # bounded: the timeout plus the few seconds stopping the group takes, not the hour
+        # the rank sleeps
+        assert time.monotonic() - began < HANG_TIMEOUT_S + 60
+    finally:
+        group.timeout = 120.0
+    assert group.call(tp_calls.rank_and_sum) == (0, 2, 3.0)
+
+
+def test_whole_leaves_a_tensor_alone_outside_a_group() -> None:
+    shard = torch.ones(3, 2)
+    assert whole(shard, (3, 4)) is shard  # no process group: nothing to gather from
+
+
+def test_a_model_without_a_plan_is_skipped_with_the_reason() -> None:
+    with pytest.raises(NoTensorParallelPlan, match=r"no tensor-parallel plan .* GPT2LMHeadModel"):
+        check_shardable(ZOO / "tiny-gpt2", 2)
+
+
+def test_heads_that_do_not_divide_are_a_usage_error_naming_the_numbers() -> None:
+    check_shardable(ZOO / "tiny-llama", 2)  # 4 heads, 2 key/value heads
+    with pytest.raises(
+        TensorParallelUsageError,
+        match=r"tiny-llama cannot be split over --tp 3 ranks: its 4 attention heads .*, "
+        r"2 key/value heads .* do not divide by 3",
+    ):
+        check_shardable(ZOO / "tiny-llama", 3)
+    with pytest.raises(TensorParallelUsageError, match=r", 8 experts \(num_experts\) do not"):
+        check_shardable(ZOO / "tiny-qwen3-moe", 3)

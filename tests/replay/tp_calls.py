@@ -1,0 +1,43 @@
+"""Calls the tensor-parallel group tests send to their ranks (importable there by name)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from numalign.replay.shards import whole
+
+
+def rank_and_sum() -> tuple[int, int, float]:
+    """This rank, the number of ranks, and the sum over ranks of rank + 1 (an all-reduce)."""
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return dist.get_rank(), dist.get_world_size(), float(value)
+
+
+def gathered_shards() -> torch.Tensor:
+    """Each rank holds columns [2r, 2r + 2) of a 3 x 4 tensor; ``whole`` gathers them."""
+    full = torch.arange(12.0).reshape(3, 4)
+    rank = dist.get_rank()
+    return whole(full[:, 2 * rank : 2 * rank + 2], (3, 4))
+
+
+def raise_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1's kernel rejected its shard")
+    dist.barrier()  # rank 0 waits for rank 1, as in a collective
+
+
+def die_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def hang_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    dist.barrier()
