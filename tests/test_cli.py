@@ -113,3 +113,26 @@ def test_inventory_maps_the_exact_gelu_of_an_encoder_to_gelu_erf_only() -> None:
         "encoder.layer.1.intermediate.intermediate_act_fn",
     ]
     assert data["aten_ops"]["gelu"] == 2 and "gelu(approximate=tanh)" not in data["aten_ops"]
+
+
+def test_run_passes_tp_to_the_suites(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pathlib import Path
+
+    from numalign import nightly
+
+    root = Path(__file__).resolve().parents[1]
+    asked: dict[str, object] = {}
+
+    def run_suites(suites, report_dir, **kwargs):  # type: ignore[no-untyped-def]
+        asked.update(kwargs)
+        return 0, None
+
+    monkeypatch.setattr(nightly, "run_suites", run_suites)
+    # the zoo's own set is fresh: nothing is captured
+    model, sets = root / "golden" / "models" / "tiny-llama", root / "golden" / "sets"
+    status = main(
+        ["run", str(model), "--tp", "2", "--sets", str(sets), "--report-dir", str(tmp_path)]
+    )
+    assert status == 0
+    extra = list(asked["extra"])  # type: ignore[call-overload]
+    assert extra[extra.index("--tp") + 1] == "2"

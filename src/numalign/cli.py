@@ -57,8 +57,22 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _capture(args: argparse.Namespace) -> int:
+    from numalign.golden.reference import Placement, parse_max_memory
     from numalign.replay.calibrate import capture_calibrated
 
+    placement = None
+    if args.device_map:
+        try:
+            memory = parse_max_memory(args.max_memory or "")
+        except ValueError as exc:
+            raise SystemExit(f"numalign capture: {exc}") from None
+        folder = Path(args.offload_folder) if args.offload_folder else None
+        placement = Placement(args.device_map, folder, memory or None)
+    elif args.offload_folder or args.max_memory:
+        raise SystemExit(
+            "numalign capture: --offload-folder and --max-memory place a model with "
+            "--device-map (e.g. --device-map auto --offload-folder DIR)"
+        )
     prompts = None
     if args.prompts:
         prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
@@ -75,6 +89,7 @@ def _capture(args: argparse.Namespace) -> int:
         long=args.long,
         attn_implementation=args.attn_implementation,
         trust_remote_code=args.trust_remote_code,
+        placement=placement,
     )
     print(f"{golden.path}: {len(golden.points)} points, {golden.disk_bytes() / 1e6:.2f} MB")
     return 0
@@ -157,7 +172,7 @@ def _run(args: argparse.Namespace) -> int:
 
     return bring_up(
         Path(args.model_dir), Path(args.sets), Path(args.suites), Path(args.report_dir),
-        device=args.device, dtypes=args.dtype, tier=args.tier,
+        device=args.device, dtypes=args.dtype, tier=args.tier, tp=args.tp,
     )  # fmt: skip
 
 
@@ -234,6 +249,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cap.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS)
     cap.add_argument("--trust-remote-code", action="store_true")
+    cap.add_argument(
+        "--device-map",
+        metavar="MAP",
+        help="load the model with accelerate's big-model placement (auto, balanced, "
+        "sequential): for weights that do not fit in memory; the set is the same",
+    )
+    cap.add_argument(
+        "--offload-folder",
+        metavar="DIR",
+        help="with --device-map: where weights that fit nowhere are offloaded (disk)",
+    )
+    cap.add_argument(
+        "--max-memory",
+        metavar="DEVICE=SIZE,...",
+        help="with --device-map: memory each device may hold, e.g. cpu=2GiB or 0=20GiB,cpu=64GiB",
+    )
     cap.set_defaults(handler=_capture)
 
     inv = commands.add_parser(
@@ -285,6 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tier", default=DEFAULT_TIER, choices=TIERS)
     run.add_argument("--device")
     run.add_argument("--dtype")
+    run.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="replay the model tensor-parallel on N ranks of torch.distributed (default 1)",
+    )
     run.set_defaults(handler=_run)
 
     zoo = commands.add_parser("zoo", help="the embedded tiny model zoo")

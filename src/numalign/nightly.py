@@ -210,9 +210,10 @@ def bring_up(
     device: str | None = None,
     dtypes: str | None = None,
     tier: str = "pr",
+    tp: int = 1,
 ) -> int:
-    """Inventory, a capture when there is no fresh set, the suites on this model and on the
-    operators it uses, and the report paths."""
+    """Inventory, a capture when there is no fresh set, the suites on this model (on ``tp``
+    tensor-parallel ranks when above 1) and on the operators it uses, and the report paths."""
     from numalign.inventory import inventory
 
     inv = inventory(model_dir)
@@ -236,7 +237,7 @@ def bring_up(
         device=device,
         dtypes=dtypes,
         golden=[target],
-        extra=["-k", selection],
+        extra=["-k", selection, *(["--tp", str(tp)] if tp > 1 else [])],
     )
     if run_dir is not None:
         print(f"numalign run: report {run_dir / 'drift.html'}, records {run_dir / 'records.jsonl'}")

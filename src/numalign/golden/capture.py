@@ -38,6 +38,7 @@ from numalign.golden.manifest import (
     Request,
 )
 from numalign.golden.reference import (
+    Placement,
     append_token,
     flatten,
     forward_kwargs,
@@ -199,6 +200,7 @@ def capture(
     long: int | None = None,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    placement: Placement | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool | None = None,
     finish: Callable[[GoldenSet, Callable[[str], None]], None] | None = None,
@@ -210,7 +212,11 @@ def capture(
     into place; ``step(text)`` advances the progress bar (``finish_steps`` steps are its).
 
     ``long``: the length of the long requests (None: past every length boundary of the
-    model, ``requests.long_length``; 0: none). Encoders get no long requests and no decode."""
+    model, ``requests.long_length``; 0: none). Encoders get no long requests and no decode.
+
+    ``placement``: big-model loading (``reference.Placement``: accelerate's device map and
+    disk offload), for a model whose weights do not fit in memory; the set is the same as an
+    in-memory capture's."""
     import torch
 
     model_dir, out = Path(model_dir).resolve(), Path(out)
@@ -225,7 +231,7 @@ def capture(
     model_hash = fingerprint_and_files(model_dir)
     torch.manual_seed(0)
     model = load_model(model_dir, reference_dtype, attn_implementation=attn_implementation,
-                       trust_remote_code=trust_remote_code)  # fmt: skip
+                       trust_remote_code=trust_remote_code, placement=placement)  # fmt: skip
     requests = text_requests(model_dir, model.config, prompts or DEFAULT_PROMPTS,
                              trust_remote_code)  # fmt: skip
     decoder = takes_cache(model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,43 @@ if TYPE_CHECKING:
 ENCODER_OUTPUTS = ("last_hidden_state", "pooler_output")
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Big-model loading (accelerate, through from_pretrained's ``device_map``): modules
+    placed by ``device_map`` (``auto``: accelerators first, then CPU memory, then disk) within
+    ``max_memory`` per device (``{"cpu": "200MB"}``), the rest offloaded to
+    ``offload_folder`` and loaded module by module as the forward reaches it. A model whose
+    weights do not fit in memory is captured this way."""
+
+    device_map: str = "auto"
+    offload_folder: Path | None = None
+    max_memory: dict[str, str] | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"device_map": self.device_map}
+        if self.offload_folder is not None:
+            kwargs["offload_folder"] = str(self.offload_folder)
+        if self.max_memory:
+            kwargs["max_memory"] = {
+                int(k) if k.isdigit() else k: v for k, v in self.max_memory.items()
+            }
+        return kwargs
+
+
+def parse_max_memory(text: str) -> dict[str, str]:
+    """``"cpu=200MB,0=20GiB"`` -> ``{"cpu": "200MB", "0": "20GiB"}``; ValueError otherwise."""
+    memory = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        device, sep, size = part.partition("=")
+        if not sep or not device or not size or not size[0].isdigit():
+            raise ValueError(
+                f"--max-memory {text!r}: write DEVICE=SIZE pairs, e.g. cpu=200MB or "
+                "0=20GiB,cpu=64GiB"
+            )
+        memory[device.strip()] = size.strip()
+    return memory
+
+
 def load_model(
     model_dir: Path,
     dtype: str,
@@ -30,9 +68,11 @@ def load_model(
     trust_remote_code: bool,
     experts_implementation: str | None = None,
     tp_plan: str | None = None,
+    placement: Placement | None = None,
 ) -> Any:
     """A model from a local folder, offline, in ``dtype``, for inference; with ``tp_plan``
-    (``"auto"``), this rank's shard of it (torch.distributed must be running)."""
+    (``"auto"``), this rank's shard of it (torch.distributed must be running); with
+    ``placement``, placed and offloaded by accelerate (``Placement``)."""
     import torch
     import transformers
 
@@ -55,6 +95,8 @@ def load_model(
         kwargs["experts_implementation"] = experts_implementation
     if tp_plan:
         kwargs["tp_plan"] = tp_plan
+    if placement is not None:
+        kwargs.update(placement.kwargs())
     model = cls.from_pretrained(model_dir, **kwargs)
     model.eval()
     return model

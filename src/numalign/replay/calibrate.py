@@ -27,7 +27,7 @@ from numalign.compare.logits import logits_stats
 from numalign.golden.capture import capture
 from numalign.golden.decode import REFERENCE_CACHE
 from numalign.golden.manifest import OUTPUT_POINT, Calibration
-from numalign.golden.reference import forward_kwargs, load_model, model_outputs
+from numalign.golden.reference import Placement, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import GoldenSet
 from numalign.replay.decode import run_decode
 from numalign.replay.layer import golden_outputs, kept_positions, replay_call, request_mask
@@ -75,6 +75,7 @@ def calibrate(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     device: str = "cpu",
+    placement: Placement | None = None,
 ) -> Calibration:
     """{point: {output path: {"isolated": stats, "accumulated": stats, "decode": stats}}} for
     ``dtype``; {OUTPUT_POINT: {output name: {"accumulated": stats, "decode": stats}}} for the
@@ -83,7 +84,9 @@ def calibrate(
 
     torch_dtype = getattr(torch, dtype)
     model = load_model(model_dir, dtype, attn_implementation=attn_implementation,
-                       trust_remote_code=trust_remote_code).to(device)  # fmt: skip
+                       trust_remote_code=trust_remote_code, placement=placement)  # fmt: skip
+    if placement is None:  # else accelerate placed it
+        model = model.to(device)
     points = {p.name: p for p in golden.points}
     accumulated: dict[tuple[str, str], dict[str, float]] = {}
     isolated: dict[tuple[str, str], dict[str, float]] = {}
@@ -155,14 +158,16 @@ def calibrate_set(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     step: Callable[[str], None] | None = None,
+    placement: Placement | None = None,
 ) -> None:
-    """Calibrates ``golden`` in each of ``dtypes`` with its own model and stores it."""
+    """Calibrates ``golden`` in each of ``dtypes`` with its own model (loaded as
+    ``placement`` says, where given) and stores it."""
     attn = attn_implementation or golden.reference.attn_implementation
     for dtype in dtypes:
         if step is not None:
             step(f"calibrating {dtype}")
         table = calibrate(golden, golden.model_dir, dtype, attn_implementation=attn,
-                          trust_remote_code=trust_remote_code)  # fmt: skip
+                          trust_remote_code=trust_remote_code, placement=placement)  # fmt: skip
         golden.write_calibration(dtype, table)
 
 
@@ -178,9 +183,11 @@ def capture_calibrated(
     calibrated in ``calibrate`` before it is moved into place, so a set never appears without
     its calibration."""
     dtypes = tuple(calibrate)
+    placement = options.get("placement")
 
     def finish(golden: GoldenSet, step: Callable[[str], None]) -> None:
-        calibrate_set(golden, dtypes, trust_remote_code=trust_remote_code, step=step)
+        calibrate_set(golden, dtypes, trust_remote_code=trust_remote_code, step=step,
+                      placement=placement)  # fmt: skip
 
     return capture(model_dir, out, trust_remote_code=trust_remote_code, finish=finish,
                    finish_steps=len(dtypes), **options)  # fmt: skip
