@@ -235,6 +235,17 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
         "1",
     ),
     (
+        "--tp-launcher",
+        "numalign_tp_launcher",
+        "the command that starts the --tp ranks, for several machines (e.g. srun ... torchrun "
+        "--nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29500); "
+        "numalign appends '-m numalign.replay.tp_rank --connect HOST:PORT'. Default: torchrun "
+        "--standalone with N processes on this machine",
+        {"metavar": "COMMAND"},
+        "string",
+        "",
+    ),
+    (
         "--tp-timeout",
         "numalign_tp_timeout",
         "seconds one replay may take on the tensor-parallel ranks before a hung rank is "
@@ -321,6 +332,7 @@ def settings_from_config(config: pytest.Config) -> Settings:
         compile_mode=str(_value(config, "numalign_compile_mode") or "").strip() or None,
         tp=tp,
         tp_timeout=tp_timeout,
+        tp_launcher=str(_value(config, "numalign_tp_launcher") or "").strip() or None,
     )
 
 

@@ -64,6 +64,9 @@ class Settings:
     #: Seconds one replay may take on the tensor-parallel ranks before a hung rank is
     #: stopped and the test fails (--tp-timeout).
     tp_timeout: float = 600.0
+    #: The command that starts the tensor-parallel ranks (--tp-launcher; None: torchrun
+    #: --standalone on this machine); numalign appends the rank program and its arguments.
+    tp_launcher: str | None = None
 
     def tier_rank(self) -> int:
         return TIERS.index(self.tier)

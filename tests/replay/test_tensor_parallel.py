@@ -93,3 +93,30 @@ def test_heads_that_do_not_divide_are_a_usage_error_naming_the_numbers() -> None
         check_shardable(ZOO / "tiny-llama", 3)
     with pytest.raises(TensorParallelUsageError, match=r", 8 experts \(num_experts\) do not"):
         check_shardable(ZOO / "tiny-qwen3-moe", 3)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_launcher_of_its_own_starts_the_ranks() -> None:
+    """--tp-launcher: the command of a multi-machine launch (c10d rendezvous at an endpoint,
+    as torchrun runs on each node), here with one node of two processes."""
+    import sys
+
+    torchrun = f"{sys.executable} -m torch.distributed.run --nnodes 1 --rdzv-backend c10d"
+    endpoint = f"--rdzv-endpoint 127.0.0.1:{free_port()}"
+    settings = Settings(device="cpu", tp_launcher=f"{torchrun} --nproc-per-node 2 {endpoint}")
+    group = RankGroup(2, settings, timeout=120.0)
+    try:
+        assert group.call(tp_calls.rank_and_sum) == (0, 2, 3.0)
+    finally:
+        group.close()
+    # a launcher that starts another number of ranks than --tp is a usage error
+    settings = Settings(device="cpu", tp_launcher=f"{torchrun} --nproc-per-node 1 {endpoint}")
+    with pytest.raises(TensorParallelUsageError, match="started 1 ranks where --tp asks for 2"):
+        RankGroup(2, settings, timeout=120.0).call(tp_calls.rank_and_sum)

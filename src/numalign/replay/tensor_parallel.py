@@ -22,7 +22,9 @@ import atexit
 import os
 import pickle
 import secrets
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +53,9 @@ LOG_LINES = 30
 #: torch.distributed backends by device type.
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl", "npu": "hccl"}
 AUTHKEY_ENV = "NUMALIGN_TP_AUTHKEY"
+#: The address ranks connect back to, where the default (this machine's name for a
+#: --tp-launcher, loopback otherwise) does not reach it.
+HOST_ENV = "NUMALIGN_TP_HOST"
 
 
 def send(connection: Connection, message: Any) -> None:
@@ -181,7 +186,10 @@ class RankGroup:
     def start(self) -> None:
         self.close()
         authkey = secrets.token_bytes(16)
-        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        launcher = self.settings.tp_launcher
+        # ranks on this machine connect over loopback; a launcher's may run elsewhere
+        bind = "0.0.0.0" if launcher else "127.0.0.1"
+        listener = Listener((bind, 0), authkey=authkey)
         handle, log = tempfile.mkstemp(prefix="numalign-tp-", suffix=".log")
         self.log = Path(log)
         env = dict(os.environ)
@@ -190,12 +198,13 @@ class RankGroup:
         # the ranks import what this process can (plugins, candidates, test helpers)
         paths = [p for p in sys.path if p]
         env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).strip(os.pathsep)
-        host, port = listener.address
-        command = [
+        port = listener.address[1]
+        host = os.environ.get(HOST_ENV) or (socket.getfqdn() if launcher else "127.0.0.1")
+        start = shlex.split(launcher) if launcher else [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={self.size}", "-m", "numalign.replay.tp_rank",
-            "--connect", f"{host}:{port}",
+            f"--nproc-per-node={self.size}",
         ]  # fmt: skip
+        command = [*start, "-m", "numalign.replay.tp_rank", "--connect", f"{host}:{port}"]
         with os.fdopen(handle, "wb") as out:
             self.process = subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -212,12 +221,16 @@ class RankGroup:
         """The ranks' connections in rank order; RankCrashed when the group did not come up
         within START_TIMEOUT_S."""
         accepted: dict[int, Connection] = {}
+        wrong: list[int] = []
 
         def accept_all() -> None:
             try:
                 while len(accepted) < self.size:
                     connection = listener.accept()
-                    rank, _ = receive(connection)
+                    rank, world = receive(connection)
+                    if int(world) != self.size:
+                        wrong.append(int(world))
+                        return
                     accepted[int(rank)] = connection
             except (OSError, EOFError):  # the listener closed on a timeout
                 return
@@ -229,6 +242,13 @@ class RankGroup:
             thread.join(0.2)
             if self.process is not None and self.process.poll() is not None:
                 break
+        if wrong:
+            listener.close()
+            self.close()
+            raise TensorParallelUsageError(
+                f"the tensor-parallel launcher started {wrong[0]} ranks where --tp asks for "
+                f"{self.size}: make its process count (nodes x processes per node) {self.size}"
+            )
         if len(accepted) < self.size:
             listener.close()
             message = (

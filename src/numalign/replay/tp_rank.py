@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = int(os.environ["RANK"])
     connection = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
-    send(connection, (rank, os.getpid()))
+    send(connection, (rank, int(os.environ["WORLD_SIZE"])))
     settings: Settings = receive(connection)
     for name in settings.device_plugins:
         importlib.import_module(name)
