@@ -120,3 +120,9 @@ def test_a_launcher_of_its_own_starts_the_ranks() -> None:
     settings = Settings(device="cpu", tp_launcher=f"{torchrun} --nproc-per-node 1 {endpoint}")
     with pytest.raises(TensorParallelUsageError, match="started 1 ranks where --tp asks for 2"):
         RankGroup(2, settings, timeout=120.0).call(tp_calls.rank_and_sum)
+
+
+def test_a_launcher_that_is_not_there_says_so() -> None:
+    settings = Settings(device="cpu", tp_launcher="/nonexistent/srun -N2 torchrun")
+    with pytest.raises(TensorParallelUsageError, match="'/nonexistent/srun' cannot start"):
+        RankGroup(2, settings, timeout=10.0).call(tp_calls.rank_and_sum)

@@ -180,8 +180,9 @@ class RankGroup:
             self.close()
             raise
         except (OSError, EOFError) as exc:
+            message = f"the tensor-parallel group went away: {exc}{self._log()}"
             self.close()
-            raise RankCrashed(f"the tensor-parallel group went away: {exc}{self._log()}") from None
+            raise RankCrashed(message) from None
 
     def start(self) -> None:
         self.close()
@@ -206,9 +207,17 @@ class RankGroup:
         ]  # fmt: skip
         command = [*start, "-m", "numalign.replay.tp_rank", "--connect", f"{host}:{port}"]
         with os.fdopen(handle, "wb") as out:
-            self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+            try:
+                self.process = subprocess.Popen(
+                    command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+            except OSError as exc:
+                listener.close()
+                self.close()
+                raise TensorParallelUsageError(
+                    f"the tensor-parallel launcher {command[0]!r} cannot start: {exc}; check "
+                    "--tp-launcher"
+                ) from None
         _GROUPS.append(self)
         try:
             self.ranks = self._accept(listener)
