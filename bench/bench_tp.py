@@ -41,16 +41,19 @@ def _best(fn: Callable[[], Any], repeat: int) -> float:
     return min(times)
 
 
-def replay_all(golden: Any, model: Any, cache: Any, dtype: str) -> None:
-    """Full-model replay and every capture point's layer replay, as the suites run them."""
+def replay_all(path: Path, settings: Any, cache: Any, dtype: str) -> None:
+    """Full-model replay and every capture point's layer replay, as the suites run them:
+    each test loads its set (checked fresh) and model from the worker's cache, then replays."""
     import torch
 
     from numalign.replay.model import replay_layer, replay_model
 
     device = torch.device("cpu")
+    golden, model = cache.load(path, settings, device, dtype)
     cache.run(replay_model, golden, model, dtype, device)
     for point in golden.points:
-        cache.run(replay_layer, golden, model, point, dtype, device)
+        golden, model = cache.load(path, settings, device, dtype)
+        cache.run(replay_layer, golden, model, golden.point(point.name), dtype, device)
 
 
 def main() -> None:
@@ -67,7 +70,6 @@ def main() -> None:
     from numalign.settings import Settings
 
     torch.set_num_threads(1)
-    device = torch.device("cpu")
     single = Settings(device="cpu", dtypes=(args.dtype,))
     sharded = Settings(device="cpu", dtypes=(args.dtype,), tp=args.tp)
     cache = ModelCache()
@@ -77,14 +79,12 @@ def main() -> None:
     try:
         for name in args.models:
             path = Path("golden/sets") / name
-            golden, model = cache.load(path, single, device, args.dtype)
-            replay_all(golden, model, cache, args.dtype)  # warm: golden tensors read once
-            one = _best(lambda g=golden, m=model: replay_all(g, m, cache, args.dtype), args.repeat)
+            replay_all(path, single, cache, args.dtype)  # warm: loaded, tensors read once
+            one = _best(lambda p=path: replay_all(p, single, cache, args.dtype), args.repeat)
             start = time.perf_counter()
-            golden, remote = cache.load(path, sharded, device, args.dtype)
-            replay_all(golden, remote, cache, args.dtype)  # the group starts, loads, runs
+            replay_all(path, sharded, cache, args.dtype)  # the group starts, loads, runs
             first = time.perf_counter() - start
-            tp = _best(lambda g=golden, m=remote: replay_all(g, m, cache, args.dtype), args.repeat)
+            tp = _best(lambda p=path: replay_all(p, sharded, cache, args.dtype), args.repeat)
             totals[0] += one
             totals[1] += tp
             print(f"{name:<18}{one:>14.3f}{tp:>10.3f}{tp / one:>8.2f}x{first - tp:>10.2f}")
