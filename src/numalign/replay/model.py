@@ -219,7 +219,7 @@ class ModelCache:
 
     def _sharded(self, golden: GoldenSet, settings: Settings, dtype: str) -> ShardedModel:
         """The handle on the set's model held by this worker's group of ``settings.tp``
-        ranks (started on first use; ReplayUnsupported or TensorParallelUsageError when the
+        ranks (started on first use; NoTensorParallelPlan or TensorParallelUsageError when the
         model cannot be split that way)."""
         from numalign.replay.tensor_parallel import RankGroup, ShardedModel, check_shardable
 
