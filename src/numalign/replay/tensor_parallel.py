@@ -5,7 +5,9 @@ How it coexists with pytest (and ``pytest -n auto``): the process that runs a te
 session, or each xdist worker) is the group's controller. On its first tensor-parallel
 replay it starts ``torchrun --standalone --nproc-per-node N -m numalign.replay.tp_rank``
 (the real launcher and rendezvous; gloo on CPU, nccl/xccl/hccl where the device provides
-them), and every rank connects back to the controller over a local authenticated socket.
+them; ``--tp-launcher`` replaces it with a launcher of several machines), and every rank
+connects back to the controller over a socket authenticated with a random key per group
+(calls and results travel pickled over it, between the controller and its own ranks only).
 The group stays up for the controller's session: each replay is one call that every rank
 runs (``numalign.replay.model.replay_on_rank``: the same replay functions as one process,
 on the rank's shard of the model); rank 0's result comes back and the controller records
