@@ -67,6 +67,9 @@ def test_command_line_wins_over_ini(pytester: pytest.Pytester) -> None:
             "*unknown cache implementation hybrid; allowed: dynamic, static, offloaded, "
             "offloaded_static, paged*",
         ),
+        (["--tp", "two"], "*--tp 'two': give the number of tensor-parallel ranks*"),
+        (["--tp-timeout", "soon"], "*--tp-timeout 'soon': give a number of seconds above 0*"),
+        (["--tp", "2", "--compile"], "*--tp and --compile together are not supported yet*"),
     ],
 )
 def test_bad_values_are_usage_errors(

@@ -20,6 +20,7 @@ from numalign.settings import (
     in_shard,
     parse_cache_implementations,
     parse_dtypes,
+    parse_seconds,
     parse_shard,
     parse_tier,
     parse_tp,
@@ -279,7 +280,7 @@ def settings_from_config(config: pytest.Config) -> Settings:
         shard = parse_shard(str(_value(config, "numalign_shard") or ""))
         caches = parse_cache_implementations(str(_value(config, "numalign_cache_implementation")))
         tp = parse_tp(str(_value(config, "numalign_tp")))
-        tp_timeout = float(str(_value(config, "numalign_tp_timeout")))
+        tp_timeout = parse_seconds(str(_value(config, "numalign_tp_timeout")), "--tp-timeout")
     except ValueError as exc:
         raise pytest.UsageError(f"numalign: {exc}") from None
     golden = tuple(Path(p) for p in _value(config, "numalign_golden"))
@@ -369,8 +370,6 @@ def pytest_configure(config: pytest.Config) -> None:
             "numalign: --tp and --compile together are not supported yet: replay tensor-parallel "
             "eager (--tp N), and compiled on one process (--compile)"
         )
-    if not settings.tp_timeout > 0:
-        raise pytest.UsageError("numalign: --tp-timeout must be a number of seconds above 0")
     if settings.swaps:
         from numalign.registry import RegistryError
         from numalign.replay.swap import SwapError, parse_swaps

@@ -103,6 +103,17 @@ def parse_tp(text: str) -> int:
     return int(value)
 
 
+def parse_seconds(text: str, option: str) -> float:
+    """``"600"`` -> 600.0: a number of seconds above 0; ValueError naming ``option``."""
+    try:
+        value = float(text.strip())
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError(f"{option} {text!r}: give a number of seconds above 0, e.g. {option} 600")
+    return value
+
+
 def parse_tier(text: str) -> str:
     tier = text.strip()
     if tier not in TIERS:
