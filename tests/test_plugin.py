@@ -69,7 +69,6 @@ def test_command_line_wins_over_ini(pytester: pytest.Pytester) -> None:
         ),
         (["--tp", "two"], "*--tp 'two': give the number of tensor-parallel ranks*"),
         (["--tp-timeout", "soon"], "*--tp-timeout 'soon': give a number of seconds above 0*"),
-        (["--tp", "2", "--compile"], "*--tp and --compile together are not supported yet*"),
     ],
 )
 def test_bad_values_are_usage_errors(
@@ -79,6 +78,15 @@ def test_bad_values_are_usage_errors(
     result = pytester.runpytest(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
+
+
+def test_tp_with_compile_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    # in a subprocess: checking --compile imports Inductor's backends, which register torch
+    # libraries that an in-process pytester run would import a second time
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest_subprocess("--tp", "2", "--compile")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--tp and --compile together are not supported yet*"])
 
 
 def test_an_absent_accelerator_is_a_usage_error(pytester: pytest.Pytester) -> None:
