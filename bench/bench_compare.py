@@ -10,21 +10,11 @@ and the ratio is printed. Target: 2.0x or less.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
+from timing import best_of
 
 import numalign
-
-
-def best_of(fn: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:

@@ -21,22 +21,11 @@ import argparse
 import os
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+
+from timing import best_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def _best(fn: Callable[[], Any], repeat: int) -> float:
-    """The fastest of ``repeat`` runs of ``fn``, in seconds (the least disturbed by other
-    work on a shared machine)."""
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def bench_model(name: str, dtype: str, backend: str, repeat: int) -> dict[str, float]:
@@ -52,13 +41,13 @@ def bench_model(name: str, dtype: str, backend: str, repeat: int) -> dict[str, f
     eager = cache.get(golden, device, dtype)
     compiled = cache.get(golden, device, dtype, compiled=CompileSpec(backend))
     replay_model(golden, eager, dtype, device)  # warm: the golden tensors read once
-    eager_s = _best(lambda: replay_model(golden, eager, dtype, device), repeat)
+    eager_s = best_of(lambda: replay_model(golden, eager, dtype, device), repeat)
     start = time.perf_counter()
     verdict = replay_model(golden, compiled, dtype, device)
     cold_s = time.perf_counter() - start
     stats = take_stats(compiled)
     compile_s = stats.compile_s if stats else 0.0
-    run_s = _best(lambda: replay_model(golden, compiled, dtype, device), repeat)
+    run_s = best_of(lambda: replay_model(golden, compiled, dtype, device), repeat)
     return {"eager": eager_s, "compiled": run_s, "compile": compile_s, "cold": cold_s,
             "passed": float(verdict.passed)}  # fmt: skip
 
@@ -81,12 +70,12 @@ def bench_operator(op_name: str, candidate: str, backend: str, repeat: int) -> d
             check_operator(op, cand, case, dtype, device, compiled=compiled)
 
     run(None)  # truths and controls cached, as in the suite
-    eager_s = _best(lambda: run(None), repeat)
+    eager_s = best_of(lambda: run(None), repeat)
     start = time.perf_counter()
     run(spec)
     cold_s = time.perf_counter() - start
     stats = candidate_function(op, cand, spec).stats.take()  # type: ignore[attr-defined]
-    run_s = _best(lambda: run(spec), repeat)
+    run_s = best_of(lambda: run(spec), repeat)
     return {"eager": eager_s, "compiled": run_s, "compile": stats.compile_s, "cold": cold_s,
             "passed": 1.0}  # fmt: skip
 

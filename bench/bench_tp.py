@@ -22,23 +22,14 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from timing import best_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DEFAULT_MODELS = ("tiny-llama", "tiny-deep-llama", "tiny-qwen3-moe", "tiny-gemma2")
-
-
-def _best(fn: Callable[[], Any], repeat: int) -> float:
-    """The fastest of ``repeat`` runs of ``fn``, in seconds."""
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def replay_all(path: Path, settings: Any, cache: Any, dtype: str) -> None:
@@ -80,11 +71,11 @@ def main() -> None:
         for name in args.models:
             path = Path("golden/sets") / name
             replay_all(path, single, cache, args.dtype)  # warm: loaded, tensors read once
-            one = _best(lambda p=path: replay_all(p, single, cache, args.dtype), args.repeat)
+            one = best_of(lambda p=path: replay_all(p, single, cache, args.dtype), args.repeat)
             start = time.perf_counter()
             replay_all(path, sharded, cache, args.dtype)  # the group starts, loads, runs
             first = time.perf_counter() - start
-            tp = _best(lambda p=path: replay_all(p, sharded, cache, args.dtype), args.repeat)
+            tp = best_of(lambda p=path: replay_all(p, sharded, cache, args.dtype), args.repeat)
             totals[0] += one
             totals[1] += tp
             print(f"{name:<18}{one:>14.3f}{tp:>10.3f}{tp / one:>8.2f}x{first - tp:>10.2f}")

@@ -226,22 +226,33 @@ class ModelCache:
         self, path: str | Path, settings: Settings, device: torch.device, dtype: str
     ) -> tuple[GoldenSet, Any]:
         """The set, checked fresh (StaleGoldenSetError otherwise), and its model as the
-        session's settings ask (swaps, attention and experts implementations)."""
-        from numalign.replay.swap import parse_swaps
-
+        session's settings ask (``model_for``; under ``--tp``, held by the ranks)."""
         golden = open_fresh(path)
         if settings.tp > 1 and not self.sharded:
             return golden, self._sharded(golden, settings, dtype)
-        model = self.get(
+        return golden, self.model_for(golden, settings, device, dtype)
+
+    def model_for(
+        self,
+        golden: GoldenSet,
+        settings: Settings,
+        device: torch.device,
+        dtype: str,
+        attn_implementation: str | None = None,
+    ) -> Any:
+        """The set's model as the session's settings ask (swaps, attention and experts
+        implementations, compile variant); ``attn_implementation`` overrides the settings'."""
+        from numalign.replay.swap import parse_swaps
+
+        return self.get(
             golden,
             device,
             dtype,
-            attn_implementation=settings.attn_implementation,
+            attn_implementation=attn_implementation or settings.attn_implementation,
             swaps=parse_swaps(settings.swaps),
             experts_implementation=settings.experts_implementation,
             compiled=compile_spec(settings),
         )
-        return golden, model
 
     def _sharded(self, golden: GoldenSet, settings: Settings, dtype: str) -> ShardedModel:
         """The handle on the set's model held by this worker's group of ``settings.tp``
@@ -277,14 +288,16 @@ class ModelCache:
 
 def replay_on_rank(fn: Callable[..., T], path: str, dtype: str, args: tuple[Any, ...]) -> T:
     """``fn(golden, model, *args)`` on a tensor-parallel rank (``ModelCache.run`` sends it):
-    the set at ``path`` and its model loaded sharded (once per rank, by the rank's cache); a
-    ``torch.device`` among ``args`` is replaced by the rank's device."""
+    the set at ``path`` (opened once per rank while its manifest stays the same) and its
+    model loaded sharded (once per rank, by the rank's cache); a ``torch.device`` among
+    ``args`` is replaced by the rank's device."""
     import torch
 
     from numalign.replay.tensor_parallel import RANK, rank_device
 
     device = rank_device()
-    golden, model = RANK.cache.load(path, RANK.settings, device, dtype)
+    golden = RANK.golden(path)  # the controller checked it fresh for this call
+    model = RANK.cache.model_for(golden, RANK.settings, device, dtype)
     args = tuple(device if isinstance(a, torch.device) else a for a in args)
     return fn(golden, model, *args)
 

@@ -54,22 +54,14 @@ def _paged_model(
     """The model the paged engine serves: with the session's attention implementation, else
     SDPA (``paged|sdpa``), else, for models without an SDPA path, the set's own (eager, which
     the engine runs as ``paged|eager``)."""
-    from numalign.replay.compiled import compile_spec
     from numalign.replay.model import ReplayUnsupported
-    from numalign.replay.swap import parse_swaps
-
-    def load(attention: str | None) -> Any:
-        return cache.get(golden, device, dtype, attn_implementation=attention,
-                         swaps=parse_swaps(settings.swaps),
-                         experts_implementation=settings.experts_implementation,
-                         compiled=compile_spec(settings))  # fmt: skip
 
     if settings.attn_implementation:
-        return load(settings.attn_implementation)
+        return cache.model_for(golden, settings, device, dtype)
     try:
-        return load(PAGED_ATTENTION)
+        return cache.model_for(golden, settings, device, dtype, attn_implementation=PAGED_ATTENTION)
     except ReplayUnsupported:
-        return load(None)
+        return cache.model_for(golden, settings, device, dtype)
 
 
 def known_divergence(model: Any, implementation: str) -> str | None:

@@ -21,6 +21,7 @@ are killed) and fails the call with the launcher's log; the next call starts a f
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import pickle
 import secrets
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from numalign.golden.store import GoldenSet
     from numalign.settings import Settings
 
 #: Seconds the ranks may take to start (import torch and transformers, rendezvous) and
@@ -105,10 +107,24 @@ class NoTensorParallelPlan(RuntimeError):
 @dataclass
 class RankState:
     """What a rank of a group holds (``numalign.replay.tp_rank`` fills it): the session's
-    settings and its model cache (a ``ModelCache`` that loads shards)."""
+    settings, its model cache (a ``ModelCache`` that loads shards) and the sets it opened."""
 
     settings: Settings | None = None
     cache: Any = None
+    sets: dict[str, tuple[tuple[int, int], GoldenSet]] = field(default_factory=dict)
+
+    def golden(self, path: str) -> GoldenSet:
+        """The set at ``path``, opened once while its manifest keeps its size and
+        modification time (the controller checks it fresh before every call; the set
+        verifies its shards as it reads them)."""
+        from numalign.golden.store import GoldenSet
+
+        stat = (Path(path) / "manifest.json").stat()
+        version = (stat.st_size, stat.st_mtime_ns)
+        held = self.sets.get(path)
+        if held is None or held[0] != version:
+            held = self.sets[path] = (version, GoldenSet.open(path))
+        return held[1]
 
 
 #: This process's rank state (empty outside a rank).
@@ -128,6 +144,7 @@ def rank_device() -> torch.device:
     return torch.device("cpu") if kind == "cpu" else torch.device(kind, local)
 
 
+@functools.lru_cache(maxsize=64)
 def check_shardable(model_dir: str | Path, ranks: int) -> None:
     """That transformers has a tensor-parallel plan for the model and that its attention
     heads, key/value heads and experts divide by ``ranks``: NoTensorParallelPlan (the suites
@@ -315,7 +332,6 @@ class RankGroup:
         few seconds (a rank that died), or None: they are alive (waiting, or still busy)."""
         for connection in wait(list(pending), timeout=DEATH_GRACE_S):
             try:
-                connection.poll()  # type: ignore[union-attr]
                 receive(connection)  # type: ignore[arg-type]
             except (EOFError, OSError):
                 return pending[connection]  # type: ignore[index]

@@ -17,13 +17,13 @@ import traceback
 from multiprocessing.connection import Client
 from typing import TYPE_CHECKING, Any
 
+from numalign.replay.tensor_parallel import AUTHKEY_ENV, BACKENDS, RANK, rank_device, receive, send
+
 if TYPE_CHECKING:
     from numalign.settings import Settings
 
 
 def _serve(connection: Any, rank: int) -> None:
-    from numalign.replay.tensor_parallel import receive, send
-
     while True:
         message = receive(connection)
         if message is None:
@@ -49,14 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from numalign.replay.model import ModelCache
-    from numalign.replay.tensor_parallel import (
-        AUTHKEY_ENV,
-        BACKENDS,
-        RANK,
-        rank_device,
-        receive,
-        send,
-    )
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = int(os.environ["RANK"])
