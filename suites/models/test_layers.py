@@ -39,7 +39,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     sets = suite_sets(ROOT, settings.golden_dirs)
     ids = []
     for path in sets:
-        golden = GoldenSet.open(path)
+        golden = GoldenSet.open_shared(path)
         for point in golden.points:
             for dtype in settings.dtypes:
                 ids.append(f"{path}::{golden.name}/{point.name}-{dtype}")

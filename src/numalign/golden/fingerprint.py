@@ -6,7 +6,32 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import time
 from pathlib import Path
+
+#: A file modified less than this many seconds ago is hashed on every call, never trusted
+#: from its stat: filesystem timestamps are coarse (a few milliseconds on Linux, 2 s on FAT),
+#: so a write within the same tick as the hash would leave size and times unchanged (git's
+#: "racily clean" entries, handled the same way).
+SETTLE_S = 2.0
+#: Fingerprints computed in this process, by the stat of every file they covered.
+_FINGERPRINTS: dict[tuple[object, ...], str] = {}
+
+
+def settled_stat(path: Path) -> tuple[object, ...] | None:
+    """What identifies ``path``'s content without reading it (resolved path, inode, size,
+    modification and change times), or None when the file changed too recently for its stat
+    to be trusted (``SETTLE_S``) or is not there: the caller reads it."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    newest = max(stat.st_mtime_ns, stat.st_ctime_ns)
+    if time.time_ns() - newest < SETTLE_S * 1e9:
+        return None
+    return (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
 
 #: Files that define a model's numerics: its config and its weights (one file, or shards
 #: with their index).
@@ -19,8 +44,18 @@ def model_files(model_dir: Path) -> list[Path]:
 
 
 def fingerprint(model_dir: str | Path) -> str:
-    """``sha256:<hex>`` over the names and bytes of config.json and the weight files."""
-    return fingerprint_and_files(model_dir)[0]
+    """``sha256:<hex>`` over the names and bytes of config.json and the weight files; once
+    per process while no file changes (every suite test checks its set fresh: hashing a
+    0.5 GB checkpoint each time would cost more than the test)."""
+    files = model_files(Path(model_dir))
+    stats = tuple(settled_stat(p) for p in files)
+    key = (os.path.realpath(model_dir), *stats)
+    if files and None not in stats and key in _FINGERPRINTS:
+        return _FINGERPRINTS[key]
+    digest = fingerprint_and_files(model_dir)[0]
+    if files and None not in stats:
+        _FINGERPRINTS[key] = digest
+    return digest
 
 
 def fingerprint_and_files(model_dir: str | Path) -> tuple[str, dict[str, str]]:

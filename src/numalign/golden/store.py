@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign.golden.fingerprint import changed_files, fingerprint
+from numalign.golden.fingerprint import changed_files, fingerprint, settled_stat
 from numalign.golden.manifest import (
     CACHE_POINT,
     FORMAT,
@@ -56,8 +56,10 @@ __all__ = [
 DEFAULT_SETS = Path("golden") / "sets"
 #: Shards are cut at this size by default: small enough to keep capture memory bounded.
 DEFAULT_SHARD_BYTES = 64 << 20
-#: Shards verified against the manifest's sha256 in this process: (path, sha256, size, mtime).
-_VERIFIED: set[tuple[str, str, int, int]] = set()
+#: Shards verified against the manifest's sha256 in this process: (sha256, settled stat).
+_VERIFIED: set[tuple[object, ...]] = set()
+#: Sets opened with ``GoldenSet.open_shared``, by manifest path: (its settled stat, the set).
+_SHARED: dict[str, tuple[tuple[object, ...], GoldenSet]] = {}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -102,6 +104,22 @@ class GoldenSet:
             ) from None
         return cls(folder, Manifest.from_json(data, manifest_path))
 
+    @classmethod
+    def open_shared(cls, path: str | Path) -> GoldenSet:
+        """The set at ``path`` opened once per process while its manifest stays the same file
+        (``settled_stat``): suites replay one set in hundreds of tests, and a set keeps its
+        shards open and verified. A manifest rewritten since (a recalibration, a new capture)
+        opens the set again."""
+        manifest_path = Path(path) / MANIFEST
+        key = settled_stat(manifest_path)
+        held = _SHARED.get(str(manifest_path))
+        if key is not None and held is not None and held[0] == key:
+            return held[1]
+        golden = cls.open(path)
+        if key is not None:
+            _SHARED[str(manifest_path)] = (key, golden)
+        return golden
+
     def verify(self) -> None:
         """Checks every shard's size and sha256 against the manifest."""
         for name in self.manifest.shards:
@@ -110,7 +128,7 @@ class GoldenSet:
     def verify_shard(self, name: str, *, cached: bool = True) -> None:
         """Checks one shard's size and sha256 against the manifest (GoldenSetError naming the
         shard otherwise). With ``cached``, a shard verified before in this process and not
-        changed since (same size and modification time) is not hashed again."""
+        changed since (the same file, size and times: ``settled_stat``) is not hashed again."""
         info = self.manifest.shards.get(name)
         shard = self.path / name
         if info is None:
@@ -121,8 +139,9 @@ class GoldenSet:
         if not shard.is_file():
             raise GoldenSetError(f"{shard}: shard missing; capture the set again")
         stat = shard.stat()
-        seen = (str(shard.resolve()), info.sha256, stat.st_size, stat.st_mtime_ns)
-        if cached and seen in _VERIFIED:
+        settled = settled_stat(shard)
+        seen = (info.sha256, settled)
+        if cached and settled is not None and seen in _VERIFIED:
             return
         if stat.st_size != info.bytes:
             raise GoldenSetError(
@@ -137,7 +156,8 @@ class GoldenSet:
                 "the set again. Its tensors are not used: a corrupted golden value would blame "
                 "the device for the disk's error"
             )
-        _VERIFIED.add(seen)
+        if settled is not None:
+            _VERIFIED.add(seen)
 
     def fingerprint_matches(self, model_dir: str | Path | None = None) -> bool:
         folder = Path(model_dir) if model_dir else self.model_dir

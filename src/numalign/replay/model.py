@@ -492,9 +492,11 @@ def suite_sets(root: Path, extra: Sequence[Path]) -> list[Path]:
 
 
 def open_fresh(path: str | Path) -> GoldenSet:
-    """Opens a set and checks its model did not change (StaleGoldenSetError otherwise)."""
+    """The set (opened once per process while its manifest stays the same), checked that its
+    model did not change (StaleGoldenSetError otherwise; the model's fingerprint is hashed
+    again only when a file of it changed)."""
     from numalign.golden.store import GoldenSet
 
-    golden = GoldenSet.open(path)
+    golden = GoldenSet.open_shared(path)
     golden.check_fresh()
     return golden

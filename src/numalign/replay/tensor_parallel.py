@@ -107,24 +107,18 @@ class NoTensorParallelPlan(RuntimeError):
 @dataclass
 class RankState:
     """What a rank of a group holds (``numalign.replay.tp_rank`` fills it): the session's
-    settings, its model cache (a ``ModelCache`` that loads shards) and the sets it opened."""
+    settings and its model cache (a ``ModelCache`` that loads shards)."""
 
     settings: Settings | None = None
     cache: Any = None
-    sets: dict[str, tuple[tuple[int, int], GoldenSet]] = field(default_factory=dict)
 
     def golden(self, path: str) -> GoldenSet:
-        """The set at ``path``, opened once while its manifest keeps its size and
-        modification time (the controller checks it fresh before every call; the set
-        verifies its shards as it reads them)."""
+        """The set at ``path``, opened once per manifest version (``GoldenSet.open_shared``;
+        the controller checks it fresh before every call, the set verifies its shards as it
+        reads them)."""
         from numalign.golden.store import GoldenSet
 
-        stat = (Path(path) / "manifest.json").stat()
-        version = (stat.st_size, stat.st_mtime_ns)
-        held = self.sets.get(path)
-        if held is None or held[0] != version:
-            held = self.sets[path] = (version, GoldenSet.open(path))
-        return held[1]
+        return GoldenSet.open_shared(path)
 
 
 #: This process's rank state (empty outside a rank).
