@@ -28,11 +28,17 @@ Decisions:
   batch and sequence dimensions marked with ``torch._dynamo.maybe_mark_dynamic`` before the
   first call, so other requests and every step of the greedy continuation reuse the graph.
 - **Never silently eager.** Dynamo falls back to eager when a function recompiles more than
-  ``recompile_limit`` times; the limit is raised to :data:`RECOMPILE_LIMIT` and reaching it is
-  an error (``fail_on_recompile_limit_hit``), so a record named ``compile=...`` always ran
-  compiled code. Compilation errors become :class:`CompileError` (a test failure and an
-  ``error`` record with the backend's message); graph breaks are a :class:`GraphBreakWarning`
-  with Dynamo's reasons and are counted in the record's ``graph_breaks``.
+  ``recompile_limit`` times; reaching a limit here is an error instead
+  (``fail_on_recompile_limit_hit``), so a record named ``compile=...`` always ran compiled
+  code. Limits are per ``torch.compile`` call: :data:`RECOMPILE_LIMIT` for an operator
+  candidate and for a whole model (compiled in its own region, ``isolate_recompiles``);
+  :data:`SHARED_RECOMPILE_LIMIT` for the capture points' modules, which share their entry
+  code (``Module.__call__``, transformers' ``GradientCheckpointingLayer.__call__``) with
+  every other compiled point of the worker, so that identical layers reuse one compiled graph
+  and the entries there grow with every point, dtype and model the worker replays.
+  Compilation errors become :class:`CompileError` (a test failure and an ``error`` record
+  with the backend's message); graph breaks are a :class:`GraphBreakWarning` with Dynamo's
+  reasons and are counted in the record's ``graph_breaks``.
 - **Compile time apart from run time.** Dynamo's compile callbacks (``on_compile_start``
   and ``on_compile_end``, fired around every compilation: tracing plus the backend, nested
   ones once) add up a process-wide compile time; a call's compile time is its growth during
@@ -69,6 +75,13 @@ COMPILE_MODES: tuple[str, ...] = (
 #: dtypes, strided and contiguous: automatic dynamic shapes leave about one compilation per
 #: dtype, layout and specialised Python argument (eps, causal, window), well under 64.
 RECOMPILE_LIMIT = 64
+#: Compilations allowed on the code a compiled point's module enters through, which every
+#: compiled point of a worker shares: one entry per distinct module configuration (class,
+#: constants such as its layer index, dtype, static or dynamic sizes). The zoo's layer replay
+#: compiles 759 points (253 over three dtypes), up to about 1500 entries on one worker (a
+#: static compilation, then a dynamic one); SmolLM2-135M's 153 points about 900. 4096 leaves
+#: room for deeper checkpoints and still ends a runaway.
+SHARED_RECOMPILE_LIMIT = 4096
 #: Seconds this process spent compiling so far, and when the compilation under way started.
 _compile_clock: dict[str, float] = {"total": 0.0, "since": 0.0}
 #: Graph-break reasons a warning quotes (the record counts them all).
@@ -171,6 +184,11 @@ def _configure_dynamo() -> None:
 
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    # Dynamo's cap over every region of one code object (default 256), which the points'
+    # shared entry code and the models' isolated regions add up to
+    config.accumulated_recompile_limit = max(
+        config.accumulated_recompile_limit, 2 * SHARED_RECOMPILE_LIMIT
+    )
     config.fail_on_recompile_limit_hit = True
     if "started" not in _compile_clock:
         _compile_clock["started"] = 1.0
@@ -201,10 +219,26 @@ def _since(before: tuple[float, dict[str, int]]) -> CompileStats:
 def _is_compile_failure(exc: BaseException) -> bool:
     """Errors of Dynamo or of a backend, not of the code being compiled (those propagate
     as they are)."""
-    from torch._dynamo.exc import TorchDynamoException
+    from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
     names = {c.__module__ for c in type(exc).__mro__}
-    return isinstance(exc, TorchDynamoException) or "torch._inductor.exc" in names
+    dynamo = (TorchDynamoException, FailOnRecompileLimitHit)
+    return isinstance(exc, dynamo) or "torch._inductor.exc" in names
+
+
+def _explain(exc: BaseException) -> str:
+    """The backend's message, and for a recompile limit what it means."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    if isinstance(exc, FailOnRecompileLimitHit):
+        cause = exc.__cause__
+        return (
+            "it recompiled on call after call until it reached its recompile limit (a guard "
+            "that fails every time: a changing Python value, a new shape each call); it "
+            "would otherwise run eager, silently. TORCH_LOGS=recompiles names the guard"
+            + (f" ({_first_lines(str(cause), 2)})" if cause else "")
+        )
+    return f"{type(exc).__name__}: {_first_lines(str(exc))}"
 
 
 def _first_lines(text: str, lines: int = 12) -> str:
@@ -234,8 +268,8 @@ def run_compiled(
         stats.add(_since(before))
         raise CompileError(
             f"{what} failed to compile with torch.compile backend {spec.backend!r}"
-            f"{f' (mode {spec.mode})' if spec.mode else ''}: {type(exc).__name__}: "
-            f"{_first_lines(str(exc))}\nHint: run it eager (without --compile) to tell the "
+            f"{f' (mode {spec.mode})' if spec.mode else ''}: {_explain(exc)}"
+            "\nHint: run it eager (without --compile) to tell the "
             "backend's fault from the code's; TORCH_LOGS=graph_breaks,recompiles shows what "
             "Dynamo traced"
         ) from None
@@ -283,7 +317,8 @@ def compiled_function(fn: Callable[..., Any], spec: CompileSpec, name: str) -> C
         import torch
 
         _configure_dynamo()
-        compiled = torch.compile(fn, backend=spec.backend, mode=spec.mode, dynamic=None)
+        compiled = torch.compile(fn, backend=spec.backend, mode=spec.mode, dynamic=None,
+                                 recompile_limit=RECOMPILE_LIMIT)  # fmt: skip
         _functions[key] = CompiledFunction(fn, spec, compiled, name)
     return _functions[key]
 
@@ -310,7 +345,10 @@ class CompiledModel:
         self.taps: list[tuple[str, Any]] = []
         for name in points:
             model.get_submodule(name).register_forward_hook(self._tap(name))
-        self._compiled = torch.compile(model, backend=spec.backend, mode=spec.mode, dynamic=None)
+        self._compiled = torch.compile(
+            model, backend=spec.backend, mode=spec.mode, dynamic=None,
+            recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True,
+        )  # fmt: skip
         self._modules: dict[str, _CompiledPoint] = {}
 
     def _tap(self, point: str) -> Callable[..., None]:
@@ -345,8 +383,10 @@ class CompiledModel:
             import torch
 
             module = self.model.get_submodule(target)
-            compiled = torch.compile(module, backend=self.spec.backend, mode=self.spec.mode,
-                                     dynamic=None)  # fmt: skip
+            compiled = torch.compile(
+                module, backend=self.spec.backend, mode=self.spec.mode, dynamic=None,
+                recompile_limit=SHARED_RECOMPILE_LIMIT,
+            )  # fmt: skip
             self._modules[target] = _CompiledPoint(self, compiled, target)
         return self._modules[target]
 
