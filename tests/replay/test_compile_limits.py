@@ -55,7 +55,7 @@ def test_a_function_recompiling_on_every_call_is_an_error() -> None:
     fn = compiled_function(runaway, SPEC, "runaway candidate")
     x = torch.randn(2)
     calls: list[Any] = []
-    with pytest.raises(CompileError, match=r"runaway candidate failed to compile .*recompile limit"):
+    with pytest.raises(CompileError, match=r"runaway candidate .*recompile limit"):
         for i in range(RECOMPILE_LIMIT + 1):
             calls.append(fn(x, "t" * (i + 1)))
     assert len(calls) == RECOMPILE_LIMIT  # every call before the limit ran compiled
