@@ -37,7 +37,8 @@ def replay_guard(
     """What a replay's failures become: stale, broken or corrupted golden data, a
     compiler's failure (``--compile``), a model that does not split over ``--tp`` ranks and
     a tensor-parallel rank that raised fail the test with their own message and an ``error``
-    record; a rank that died or hung fails it with a ``crashed`` record (the session goes on:
+    record (a known compiler bug is an expected failure, its record kept); a rank that died
+    or hung fails it with a ``crashed`` record (the session goes on:
     the group was stopped, the next test starts a fresh one); a path transformers lacks for
     this model skips."""
 
@@ -51,7 +52,12 @@ def replay_guard(
             pytest.fail(str(exc), pytrace=False)
         except (ReplayUnsupported, PagedUnsupported, NoTensorParallelPlan) as exc:
             pytest.skip(str(exc))
-        except (CompileError, TensorParallelUsageError) as exc:
+        except CompileError as exc:
+            record_drift.error(exc, swap=variant_label(numalign_settings))
+            if exc.known:  # an upstream compiler bug: expected while it lasts, recorded
+                pytest.xfail(f"known compiler bug: {exc.known}\n{exc}")
+            pytest.fail(str(exc), pytrace=False)
+        except TensorParallelUsageError as exc:
             record_drift.error(exc, swap=variant_label(numalign_settings))
             pytest.fail(str(exc), pytrace=False)
         except TensorParallelError as exc:

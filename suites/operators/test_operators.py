@@ -70,6 +70,8 @@ def _make_test(op: Operator) -> Callable[..., None]:
             )
         except CompileError as exc:  # the backend's failure, named; the session goes on
             record_drift.error(exc, point=op.name, dtype=dtype_name, **context)
+            if exc.known:  # an upstream compiler bug: expected while it lasts, recorded
+                pytest.xfail(f"known compiler bug: {exc.known}\n{exc}")
             pytest.fail(str(exc), pytrace=False)
         duration = time.perf_counter() - start
         if compiled is not None:  # compile time apart from the run time

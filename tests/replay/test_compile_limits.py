@@ -1,6 +1,7 @@
-"""Recompile limits under ``--compile``: a worker compiles hundreds of capture points whose
-modules enter through the same code, and that must not read as a runaway; a function that
-recompiles on every call still ends in a CompileError, never in silent eager code.
+"""Recompile limits and known compiler bugs under ``--compile``: a worker compiles hundreds
+of capture points whose modules enter through the same code, and that must not read as a
+runaway; a function that recompiles on every call still ends in a CompileError, never in
+silent eager code; a known upstream compiler bug is named as such, and only that one.
 
 Dynamo's own ``eager`` backend keeps each compilation to milliseconds (tracing, no code
 generation): what is tested is Dynamo's cache bookkeeping, which every backend shares."""
@@ -59,3 +60,38 @@ def test_a_function_recompiling_on_every_call_is_an_error() -> None:
         for i in range(RECOMPILE_LIMIT + 1):
             calls.append(fn(x, "t" * (i + 1)))
     assert len(calls) == RECOMPILE_LIMIT  # every call before the limit ran compiled
+
+
+def _backend_failing_with(name: str, output: str) -> CompileSpec:
+    """A backend (registered as ``name``) whose C++ compiler rejects the generated kernel
+    with ``output``, as Inductor's does when its code generation is wrong."""
+    from torch._dynamo import register_backend
+    from torch._inductor.exc import CppCompileError
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        raise CppCompileError(["g++", "kernel.cpp"], output)
+
+    register_backend(backend, name=name)
+    return CompileSpec(name)
+
+
+def test_a_known_compiler_bug_is_named_and_nothing_else_is() -> None:
+    known = _backend_failing_with(
+        "numalign_known_cpp_bug",
+        "kernel.cpp:331:49: error: \u2018tmp6\u2019 was not declared in this scope; did you "
+        "mean \u2018tmp1\u2019?",
+    )
+    other = _backend_failing_with(
+        "numalign_other_cpp_bug",
+        "kernel.cpp:12:3: error: expected \u2018;\u2019 before \u2018}\u2019",
+    )
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    with pytest.raises(CompileError) as caught:
+        compiled_function(double, known, "candidate")(torch.ones(2))
+    assert caught.value.known is not None and "Inductor's C++ code generation" in caught.value.known
+    with pytest.raises(CompileError) as caught:
+        compiled_function(double, other, "candidate")(torch.ones(2))
+    assert caught.value.known is None

@@ -48,6 +48,7 @@ Decisions:
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -90,7 +91,39 @@ _REASONS_SHOWN = 3
 
 class CompileError(RuntimeError):
     """A backend failed to compile what a test runs: the test fails with the backend's
-    message (and gets an ``error`` record), the session goes on."""
+    message (and gets an ``error`` record), the session goes on. ``known``: the upstream
+    compiler bug it is (:data:`KNOWN_COMPILER_BUGS`), where it is one; such a test is an
+    expected failure, its error record kept."""
+
+    def __init__(self, message: str, known: str | None = None) -> None:
+        super().__init__(message)
+        self.known = known
+
+
+@dataclass(frozen=True)
+class KnownCompilerBug:
+    """A compiler bug outside numalign, recognised by the compiler's own error text (never
+    by what was compiled, so that it cannot hide a kernel's fault)."""
+
+    pattern: str
+    what: str
+
+    def matches(self, text: str) -> bool:
+        return re.search(self.pattern, text) is not None
+
+
+#: Compiler bugs met on the zoo. Each is an expected failure while it lasts; once the
+#: compiler is fixed the test passes as any other.
+KNOWN_COMPILER_BUGS: tuple[KnownCompilerBug, ...] = (
+    KnownCompilerBug(
+        # gcc's message on Inductor's generated kernel: the variable is quoted with typographic
+        # or plain quotes depending on the locale
+        r"CppCompileError[\s\S]*error: [‘'`]tmp\d+[’'`] was not declared in this scope",
+        "Inductor's C++ code generation (CPU) uses a temporary outside the scope that declares "
+        "it, here in an indirect-indexing bounds check (the class of pytorch/pytorch#181621 and "
+        "#193581; met on tiny-qwen3-next's decode with torch 2.13)",
+    ),
+)
 
 
 class GraphBreakWarning(UserWarning):
@@ -226,6 +259,12 @@ def _is_compile_failure(exc: BaseException) -> bool:
     return isinstance(exc, dynamo) or "torch._inductor.exc" in names
 
 
+def known_bug(exc: BaseException) -> str | None:
+    """What known compiler bug ``exc`` is (:data:`KNOWN_COMPILER_BUGS`), or None."""
+    text = f"{type(exc).__name__}: {exc}"
+    return next((bug.what for bug in KNOWN_COMPILER_BUGS if bug.matches(text)), None)
+
+
 def _explain(exc: BaseException) -> str:
     """The backend's message, and for a recompile limit what it means."""
     from torch._dynamo.exc import FailOnRecompileLimitHit
@@ -271,7 +310,8 @@ def run_compiled(
             f"{f' (mode {spec.mode})' if spec.mode else ''}: {_explain(exc)}"
             "\nHint: run it eager (without --compile) to tell the "
             "backend's fault from the code's; TORCH_LOGS=graph_breaks,recompiles shows what "
-            "Dynamo traced"
+            "Dynamo traced",
+            known=known_bug(exc),
         ) from None
     seen = _since(before)
     stats.add(seen)
