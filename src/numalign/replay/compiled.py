@@ -357,8 +357,12 @@ def compiled_function(fn: Callable[..., Any], spec: CompileSpec, name: str) -> C
         import torch
 
         _configure_dynamo()
-        compiled = torch.compile(fn, backend=spec.backend, mode=spec.mode, dynamic=None,
-                                 recompile_limit=RECOMPILE_LIMIT)  # fmt: skip
+        # torch 2.13 takes recompile_limit and isolate_recompiles; its typed overloads of
+        # torch.compile do not list them yet (here and below)
+        compiled = torch.compile(  # type: ignore[call-overload]
+            fn, backend=spec.backend, mode=spec.mode, dynamic=None,
+            recompile_limit=RECOMPILE_LIMIT,
+        )  # fmt: skip
         _functions[key] = CompiledFunction(fn, spec, compiled, name)
     return _functions[key]
 
@@ -385,7 +389,7 @@ class CompiledModel:
         self.taps: list[tuple[str, Any]] = []
         for name in points:
             model.get_submodule(name).register_forward_hook(self._tap(name))
-        self._compiled = torch.compile(
+        self._compiled = torch.compile(  # type: ignore[call-overload]
             model, backend=spec.backend, mode=spec.mode, dynamic=None,
             recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True,
         )  # fmt: skip
@@ -423,7 +427,7 @@ class CompiledModel:
             import torch
 
             module = self.model.get_submodule(target)
-            compiled = torch.compile(
+            compiled = torch.compile(  # type: ignore[call-overload]
                 module, backend=self.spec.backend, mode=self.spec.mode, dynamic=None,
                 recompile_limit=SHARED_RECOMPILE_LIMIT,
             )  # fmt: skip
