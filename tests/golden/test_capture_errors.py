@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,14 +19,6 @@ from numalign.golden.capture import capture
 from numalign.replay.calibrate import capture_calibrated
 
 ROOT = Path(__file__).resolve().parents[2]
-LLAMA = ROOT / "golden" / "models" / "tiny-llama"
-
-
-@pytest.fixture
-def model_copy(tmp_path: Path) -> Path:
-    folder = tmp_path / "models" / "tiny-llama"
-    shutil.copytree(LLAMA, folder)
-    return folder
 
 
 @pytest.fixture

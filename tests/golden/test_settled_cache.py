@@ -18,14 +18,15 @@ from numalign.golden import GoldenSet, StaleGoldenSetError, store
 fp = import_module("numalign.golden.fingerprint")
 
 ROOT = Path(__file__).resolve().parents[2]
-LLAMA = ROOT / "golden" / "models" / "tiny-llama"
 LLAMA_SET = ROOT / "golden" / "sets" / "tiny-llama"
 
 
 @pytest.fixture
-def model_copy(tmp_path: Path) -> Path:
-    folder = tmp_path / "models" / "tiny-llama"
-    shutil.copytree(LLAMA, folder)
+def set_copy(tmp_path: Path) -> Path:
+    """tiny-llama's golden set copied under ``tmp_path`` (only its model path, relative, no
+    longer resolves: these tests never check it fresh)."""
+    folder = tmp_path / "set"
+    shutil.copytree(LLAMA_SET, folder)
     return folder
 
 
@@ -77,7 +78,7 @@ def test_a_recently_changed_model_is_hashed_every_time(
 
 
 def test_a_set_goes_stale_when_its_model_changes_after_a_cached_check(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model_copy: Path
+    monkeypatch: pytest.MonkeyPatch, model_copy: Path
 ) -> None:
     monkeypatch.setattr(fp, "SETTLE_S", 0.0)
     golden = GoldenSet.open(LLAMA_SET)
@@ -89,11 +90,10 @@ def test_a_set_goes_stale_when_its_model_changes_after_a_cached_check(
 
 
 def test_a_verified_shard_is_hashed_again_only_when_it_changed(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, set_copy: Path
 ) -> None:
     monkeypatch.setattr(fp, "SETTLE_S", 0.0)
-    folder = tmp_path / "set"
-    shutil.copytree(LLAMA_SET, folder)
+    folder = set_copy
     golden = GoldenSet.open(folder)
     shard = next(iter(golden.manifest.shards))
     hashed = counting(monkeypatch, store, "sha256_file")
@@ -111,11 +111,10 @@ def test_a_verified_shard_is_hashed_again_only_when_it_changed(
 
 
 def test_a_shared_set_is_opened_again_when_its_manifest_is_replaced(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, set_copy: Path
 ) -> None:
     monkeypatch.setattr(fp, "SETTLE_S", 0.0)
-    folder = tmp_path / "set"
-    shutil.copytree(LLAMA_SET, folder)
+    folder = set_copy
     first = GoldenSet.open_shared(folder)
     assert GoldenSet.open_shared(folder) is first
     calibration = first.calibration("float32")

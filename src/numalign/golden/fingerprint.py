@@ -50,10 +50,11 @@ def fingerprint(model_dir: str | Path) -> str:
     files = model_files(Path(model_dir))
     stats = tuple(settled_stat(p) for p in files)
     key = (os.path.realpath(model_dir), *stats)
-    if files and None not in stats and key in _FINGERPRINTS:
+    trusted = bool(files) and None not in stats
+    if trusted and key in _FINGERPRINTS:
         return _FINGERPRINTS[key]
     digest = fingerprint_and_files(model_dir)[0]
-    if files and None not in stats:
+    if trusted:
         _FINGERPRINTS[key] = digest
     return digest
 
