@@ -13,6 +13,7 @@ from numalign.cases import Case, values
 from numalign.compare import Budget
 from numalign.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
+from operators._tiles import split_softmax
 
 ACT_CASES = tier_cases(
     Case("one-1", {"shape": (1,)}),
@@ -220,20 +221,9 @@ ONLINE_BLOCK = 128
 
 @candidate("softmax", name="online")
 def softmax_online(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One pass over column blocks keeping a running max and a rescaled running sum
-    (float32), then a normalizing pass: the flash-attention recurrence."""
-    xf = up(x).masked_fill(mask, -math.inf)
-    rows = xf.shape[:-1]
-    running_max = torch.full((*rows, 1), -math.inf, dtype=xf.dtype, device=x.device)
-    running_sum = torch.zeros((*rows, 1), dtype=xf.dtype, device=x.device)
-    for start in range(0, xf.shape[-1], ONLINE_BLOCK):
-        block = xf[..., start : start + ONLINE_BLOCK]
-        new_max = torch.maximum(running_max, block.amax(-1, keepdim=True))
-        safe = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
-        running_sum = running_sum * torch.exp(running_max - safe).nan_to_num(0.0) + torch.exp(
-            block - safe
-        ).sum(-1, keepdim=True)
-        running_max = new_max
-    safe = torch.where(torch.isfinite(running_max), running_max, torch.zeros_like(running_max))
-    out = torch.exp(xf - safe) / running_sum
-    return out.nan_to_num(0.0).to(x.dtype)
+    """Column blocks of 128, each exponentiated against its own max and summed in float32,
+    the blocks merged by rescaling to the row max (the online softmax's merge, every block
+    at once)."""
+    weights, total, _ = split_softmax(up(x).masked_fill(mask, -math.inf), ONLINE_BLOCK)
+    out = torch.where(total > 0, weights / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
+    return out.to(x.dtype)

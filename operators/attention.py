@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
+from operators._tiles import split_softmax
 
 
 def _case(
@@ -209,7 +210,7 @@ def attention_sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-#: KV tile of the online-softmax candidate.
+#: KV tile of the tiled candidate.
 KV_TILE = 64
 
 
@@ -224,30 +225,18 @@ def attention_tiled(
     scale: float | None,
     pad_left: torch.Tensor,
 ) -> torch.Tensor:
-    """Flash-attention style: KV tiles of 64 with a running max and sum in float32; query
-    head h reads KV head h // (q_heads / kv_heads)."""
-    b, hq, t, d = q.shape
-    s = k.shape[2]
-    kv_head = torch.arange(hq, device=q.device) // (hq // k.shape[1])
+    """Flash-decoding style: KV tiles of 64, each with its own max and float32 sum, p rounded
+    to the input dtype before the PV product as fused kernels do, tiles merged by rescaling
+    to the overall max; query head h reads KV head h // (q_heads / kv_heads)."""
+    d = q.shape[-1]
+    kv_head = torch.arange(q.shape[1], device=q.device) // (q.shape[1] // k.shape[1])
     qf = up(q) * (scale if scale is not None else d**-0.5)
-    mask = attention_mask(t, s, causal, window, pad_left.to(q.device))
-    acc = torch.zeros(b, hq, t, v.shape[-1], dtype=qf.dtype, device=q.device)
-    run_max = torch.full((b, hq, t, 1), -math.inf, dtype=qf.dtype, device=q.device)
-    run_sum = torch.zeros(b, hq, t, 1, dtype=qf.dtype, device=q.device)
-    for start in range(0, s, KV_TILE):
-        kt = up(k[:, kv_head, start : start + KV_TILE])
-        vt = up(v[:, kv_head, start : start + KV_TILE])
-        scores = qf @ kt.transpose(-1, -2)
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
-        scores = scores.masked_fill(~mask[..., start : start + KV_TILE], -math.inf)
-        new_max = torch.maximum(run_max, scores.amax(-1, keepdim=True))
-        safe = new_max.nan_to_num(0.0, neginf=0.0)
-        correction = torch.exp(run_max - safe)
-        p = torch.exp(scores - safe)
-        run_sum = run_sum * correction + p.sum(-1, keepdim=True)
-        # p is rounded to the input dtype before the PV product, as fused kernels do
-        acc = acc * correction + up(p.to(q.dtype)) @ vt
-        run_max = new_max
-    out = torch.where(run_sum > 0, acc / run_sum.clamp_min(torch.finfo(acc.dtype).tiny), 0.0)
+    scores = qf @ up(k[:, kv_head]).transpose(-1, -2)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    mask = attention_mask(q.shape[2], k.shape[2], causal, window, pad_left.to(q.device))
+    scores = scores.masked_fill(~mask, -math.inf)
+    weights, total, _ = split_softmax(scores, KV_TILE, p_dtype=q.dtype)
+    out = weights @ up(v[:, kv_head])
+    out = torch.where(total > 0, out / total.clamp_min(torch.finfo(out.dtype).tiny), 0.0)
     return out.to(q.dtype)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.registry import CodeLayout, Operator, Output, candidate, register_operator
 from operators._common import acc, tier_cases, up
+from operators._tiles import tiles
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 #: DeepSeek-V3's block edge: 128x128 weight blocks, 1x128 activation groups.
@@ -304,12 +305,11 @@ def fp8_block_gemm_k_blocks(
 ) -> torch.Tensor:
     """DeepSeek's fp8_gemm: per K block, the product of the raw E4M3 values (exact in
     float32 accumulators), then scaled by a_scale[:, kb] * b_scale[n // 128, kb] and summed."""
-    m, k = a.shape
     n = b.shape[0]
-    af, bf = decode_fp8(a, torch.float32), decode_fp8(b, torch.float32)
+    # every K block's product at once: [k blocks, m, n]
+    at = tiles(decode_fp8(a, torch.float32), BLOCK).transpose(0, 1)
+    bt = tiles(decode_fp8(b, torch.float32), BLOCK).transpose(0, 1)
+    partials = at @ bt.transpose(-1, -2)
     b_rows = b_scale.float().repeat_interleave(BLOCK, 0)[:n]  # [n, kb]
-    out = torch.zeros(m, n, dtype=torch.float32, device=a.device)
-    for kb, start in enumerate(range(0, k, BLOCK)):
-        partial = af[:, start : start + BLOCK] @ bf[:, start : start + BLOCK].T
-        out += partial * a_scale[:, kb : kb + 1].float() * b_rows[None, :, kb]
-    return out.to(a_scale.dtype)
+    scaled = partials * a_scale.float().T[:, :, None] * b_rows.T[:, None, :]
+    return scaled.sum(0).to(a_scale.dtype)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.registry import Operator, candidate, register_operator
 from operators._common import acc, tier_cases, up
+from operators._tiles import tiles
 
 INT4_MAX = 15
 #: GPTQ's and AWQ's default group.
@@ -256,12 +257,10 @@ def int4_gemm_grouped(
 ) -> torch.Tensor:
     """Marlin-style: per group, x times the integer (q - z) (exact in float32), scaled by the
     group's scale per output and accumulated in float32."""
-    m, n = x.shape[0], scales.shape[0]
-    q = unpack_int4(qweight, in_features).float()
-    z = unpack_int4(qzeros, scales.shape[-1]).float()
-    out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    for grp, start in enumerate(range(0, in_features, group_size)):
-        stop = min(start + group_size, in_features)
-        partial = x[:, start:stop].float() @ (q[:, start:stop] - z[:, grp : grp + 1]).T
-        out += partial * scales[:, grp].float()
-    return out.to(x.dtype)
+    q = unpack_int4(qweight, in_features).float()  # [n, k]
+    z = unpack_int4(qzeros, scales.shape[-1]).float()  # [n, groups]
+    # every group's product at once: [groups, m, n]
+    xt = tiles(x.float(), group_size).transpose(0, 1)
+    wt = (tiles(q, group_size) - z[..., None]).transpose(0, 1)
+    partials = xt @ wt.transpose(-1, -2)
+    return (partials * scales.float().T[:, None, :]).sum(0).to(x.dtype)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.registry import CodeLayout, Operator, Output, candidate, register_operator
 from operators._common import acc, tier_cases, up
+from operators._tiles import split_softmax
 from operators.attention import attention_mask, masked_softmax
 from operators.fp8_block import FP8_MAX, decode_fp8, encode_fp8
 
@@ -349,33 +350,22 @@ def kv_quant_attention_fused(
     pad_left: torch.Tensor,
 ) -> torch.Tensor:
     """A fused decode kernel: tiles of 64 raw codes in float32; the key scale multiplies
-    the scores and the value scale the probabilities (per token) or the accumulator (per
-    head or tensor), never the cache; online softmax."""
+    the scores and the value scale the probabilities (per token) or the output (per head
+    or tensor), never the cache; each tile's softmax against its own max, the tiles merged
+    by rescaling (split-KV)."""
     b, hq, t, d = q.shape
     s = k_codes.shape[2]
     kv_head = torch.arange(hq, device=q.device) // (hq // k_codes.shape[1])
     ks = k_scale.float().expand(b, -1, s, 1)[:, kv_head].transpose(-1, -2)  # [b, hq, 1, s]
     vs = v_scale.float().expand(b, -1, s, 1)[:, kv_head].transpose(-1, -2)
     per_token_v = v_scale.shape[2] != 1
-    qf = q.float() * d**-0.5
+    kf = decode(k_codes[:, kv_head], fmt, torch.float32)
+    vf = decode(v_codes[:, kv_head], fmt, torch.float32)
+    scores = ((q.float() * d**-0.5) @ kf.transpose(-1, -2)) * ks
     mask = attention_mask(t, s, True, None, pad_left.to(q.device))
-    run_max = torch.full((b, hq, t, 1), -math.inf, device=q.device)
-    run_sum = torch.zeros(b, hq, t, 1, device=q.device)
-    out = torch.zeros(b, hq, t, d, device=q.device)
-    for start in range(0, s, KV_TILE):
-        tile = slice(start, start + KV_TILE)
-        kt = decode(k_codes[:, kv_head, tile], fmt, torch.float32)
-        vt = decode(v_codes[:, kv_head, tile], fmt, torch.float32)
-        scores = (qf @ kt.transpose(-1, -2)) * ks[..., tile]
-        scores = scores.masked_fill(~mask[..., tile], -math.inf)
-        new_max = torch.maximum(run_max, scores.amax(-1, keepdim=True))
-        safe = new_max.nan_to_num(0.0, neginf=0.0)
-        correction = torch.exp(run_max - safe)
-        p = torch.exp(scores - safe)
-        run_sum = run_sum * correction + p.sum(-1, keepdim=True)
-        out = out * correction + (p * vs[..., tile] if per_token_v else p) @ vt
-        run_max = new_max
+    weights, total, _ = split_softmax(scores.masked_fill(~mask, -math.inf), KV_TILE)
+    out = (weights * vs if per_token_v else weights) @ vf
     if not per_token_v:
         out = out * vs[..., :1].transpose(-1, -2)
-    out = torch.where(run_sum > 0, out / run_sum.clamp_min(torch.finfo(out.dtype).tiny), 0.0)
+    out = torch.where(total > 0, out / total.clamp_min(torch.finfo(out.dtype).tiny), 0.0)
     return out.to(q.dtype)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
+from operators._tiles import tiles
 
 LINEAR_CASES = tier_cases(
     Case("one-1x1x1", {"tokens": 1, "k": 1, "n": 1}),
@@ -73,11 +74,11 @@ SPLIT_K = 256
 def linear_split_k(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """Split-K: partial products over slices of K, summed in float32."""
-    out = torch.zeros(x.shape[0], weight.shape[0], dtype=up(x).dtype, device=x.device)
-    for start in range(0, x.shape[1], SPLIT_K):
-        stop = start + SPLIT_K
-        out += up(x[:, start:stop]) @ up(weight[:, start:stop]).T
+    """Split-K: one float32 partial product per slice of K (a split-K kernel's thread
+    blocks), then the partials summed in float32."""
+    xs = tiles(up(x), SPLIT_K).transpose(0, 1)  # [slices, tokens, SPLIT_K]
+    ws = tiles(up(weight), SPLIT_K).transpose(0, 1)  # [slices, n, SPLIT_K]
+    out = (xs @ ws.transpose(-1, -2)).sum(0)
     if bias is not None:
         out += up(bias)
     return out.to(x.dtype)
@@ -147,24 +148,14 @@ def matmul_torch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a, b)
 
 
-#: Output tile of the tiled candidate.
+#: K tile of the tiled candidate.
 TILE = 64
 
 
 @candidate("matmul", name="tiled")
 def matmul_tiled(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Output tiles of 64x64, each accumulating K in float32 slices of 64."""
-    out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
-    for i in range(0, a.shape[1], TILE):
-        for j in range(0, b.shape[2], TILE):
-            acc = torch.zeros(
-                a.shape[0],
-                min(TILE, a.shape[1] - i),
-                min(TILE, b.shape[2] - j),
-                dtype=up(a).dtype,
-                device=a.device,
-            )
-            for k in range(0, a.shape[2], TILE):
-                acc += up(a[:, i : i + TILE, k : k + TILE]) @ up(b[:, k : k + TILE, j : j + TILE])
-            out[:, i : i + TILE, j : j + TILE] = acc.to(a.dtype)
-    return out
+    """K in tiles of 64: each tile's product in float32 (a tiled kernel's inner step), the
+    tiles' products summed in float32, then rounded once to the output dtype."""
+    at = tiles(up(a), TILE).transpose(1, 2)  # [batch, k tiles, m, TILE]
+    bt = tiles(up(b).transpose(-1, -2), TILE).permute(0, 2, 3, 1)  # [batch, k tiles, TILE, n]
+    return (at @ bt).sum(1).to(a.dtype)

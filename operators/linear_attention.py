@@ -16,6 +16,7 @@ from numalign.cases import Case, values
 from numalign.compare import Budget
 from numalign.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
+from operators._tiles import tiles, untile
 
 RECURRENT_CASES = tier_cases(
     Case("one-1x1x1x4", {"batch": 1, "heads": 1, "tokens": 1, "dim": 4}),
@@ -69,20 +70,21 @@ register_operator(
 )
 
 
+def _chunks(x: torch.Tensor) -> torch.Tensor:
+    """[b, h, t, d] -> [b, h, chunks, CHUNK, d], the last chunk padded with zeros."""
+    return tiles(x, CHUNK, dim=2)
+
+
 @candidate("linear_attention", name="chunked")
 def linear_attention_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Within a chunk: causal (Q K^T) V; across chunks: Q S with S the sum of earlier K^T V."""
-    qf, kf, vf = up(q), up(k), up(v)
-    state = torch.zeros(*q.shape[:2], q.shape[-1], v.shape[-1], dtype=qf.dtype, device=q.device)
-    out = torch.empty(*v.shape, dtype=qf.dtype, device=q.device)
-    for start in range(0, q.shape[2], CHUNK):
-        qc, kc, vc = (x[:, :, start : start + CHUNK] for x in (qf, kf, vf))
-        n = qc.shape[2]
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        intra = (qc @ kc.transpose(-1, -2)).masked_fill(~causal, 0.0) @ vc
-        out[:, :, start : start + n] = intra + qc @ state
-        state = state + kc.transpose(-1, -2) @ vc
-    return out.to(q.dtype)
+    """Within a chunk: causal (Q K^T) V; across chunks: Q S with S the sum of earlier K^T V
+    (every chunk's K^T V at once, then an exclusive prefix sum over chunks)."""
+    qc, kc, vc = (_chunks(up(x)) for x in (q, k, v))
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    intra = (qc @ kc.transpose(-1, -2)).masked_fill(~causal, 0.0) @ vc
+    states = (kc.transpose(-1, -2) @ vc).cumsum(2)  # the state after each chunk
+    entering = torch.cat([torch.zeros_like(states[:, :, :1]), states[:, :, :-1]], 2)
+    return untile(intra + qc @ entering, q.shape[2], dim=2).to(q.dtype)
 
 
 def delta_rule_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
@@ -142,36 +144,37 @@ register_operator(
 def gated_delta_rule_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
 ) -> torch.Tensor:
-    """Chunks of 64. With G_i the cumulative log decay inside a chunk and S0 the entering
-    state, the chunk's updates U solve the unit lower-triangular system
-    (I + L) U = beta (V - exp(G) K S0), L_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i);
-    then O = exp(G) Q S0 + (Q K^T o exp(G_i - G_j))_{j<=i} U and the state leaving is
-    exp(G_last) S0 + (K exp(G_last - G))^T U."""
-    qf, kf, vf, gf, bf = up(q), up(k), up(v), up(g), up(beta)
-    scale = q.shape[-1] ** -0.5
-    state = torch.zeros(*q.shape[:2], q.shape[-1], v.shape[-1], dtype=qf.dtype, device=q.device)
-    out = torch.empty(*v.shape, dtype=qf.dtype, device=q.device)
-    for start in range(0, q.shape[2], CHUNK):
-        qc, kc, vc = (x[:, :, start : start + CHUNK] for x in (qf, kf, vf))
-        gc, bc = gf[:, :, start : start + CHUNK].cumsum(-1), bf[:, :, start : start + CHUNK]
-        n = qc.shape[2]
-        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        diff = (gc[..., :, None] - gc[..., None, :]).masked_fill(~lower, -math.inf)
-        decay = torch.exp(diff)  # exp(G_i - G_j) for j <= i, else 0
-        strict = (kc @ kc.transpose(-1, -2)) * decay * bc[..., None]
-        system = torch.eye(n, dtype=qf.dtype, device=q.device) + strict.tril(-1)
-        rhs = bc[..., None] * (vc - torch.exp(gc)[..., None] * (kc @ state))
-        updates = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        out[:, :, start : start + n] = scale * (
-            torch.exp(gc)[..., None] * (qc @ state)
-            + ((qc @ kc.transpose(-1, -2)) * decay) @ updates
-        )
-        last = gc[..., -1:]
-        state = (
-            torch.exp(last)[..., None] * state
-            + (kc * torch.exp(last - gc)[..., None]).transpose(-1, -2) @ updates
-        )
-    return out.to(q.dtype)
+    """Chunks of 64 in the WY form of the fast kernels. With G_i the cumulative log decay
+    inside a chunk and S0 the entering state, the chunk's updates U solve the unit
+    lower-triangular system (I + L) U = beta (V - exp(G) K S0), L_ij = beta_i exp(G_i - G_j)
+    k_i.k_j (j < i); U = W - Y S0 splits into parts free of S0, solved for every chunk at
+    once. O = exp(G) Q S0 + (Q K^T o exp(G_i - G_j))_{j<=i} U; the state leaving is
+    exp(G_last) S0 + (K exp(G_last - G))^T U, so only that affine map of the state runs
+    chunk after chunk."""
+    qc, kc, vc = (_chunks(up(x)) for x in (q, k, v))
+    # zero padding: no decay, no update (beta 0) past the last token
+    gc, bc = tiles(up(g), CHUNK).cumsum(-1), tiles(up(beta), CHUNK)  # [b, h, chunks, CHUNK]
+    lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    decay = torch.exp((gc[..., :, None] - gc[..., None, :]).masked_fill(~lower, -math.inf))
+    strict = (kc @ kc.transpose(-1, -2)) * decay * bc[..., None]
+    system = torch.eye(CHUNK, dtype=qc.dtype, device=q.device) + strict.tril(-1)
+    w = torch.linalg.solve_triangular(system, bc[..., None] * vc, upper=False, unitriangular=True)
+    y = torch.linalg.solve_triangular(
+        system, (bc * torch.exp(gc))[..., None] * kc, upper=False, unitriangular=True
+    )
+    last = gc[..., -1:]
+    kd = (kc * torch.exp(last - gc)[..., None]).transpose(-1, -2)  # [b, h, chunks, dk, CHUNK]
+    eye = torch.eye(k.shape[-1], dtype=qc.dtype, device=q.device)
+    transition = torch.exp(last)[..., None] * eye - kd @ y  # S1 = transition S0 + inject
+    inject = kd @ w
+    entering = torch.empty_like(inject)
+    state = torch.zeros_like(inject[:, :, 0])
+    for c in range(inject.shape[2]):
+        entering[:, :, c] = state
+        state = transition[:, :, c] @ state + inject[:, :, c]
+    scores = (qc @ kc.transpose(-1, -2)) * decay
+    out = scores @ w + (torch.exp(gc)[..., None] * qc - scores @ y) @ entering
+    return untile(out * q.shape[-1] ** -0.5, q.shape[2], dim=2).to(q.dtype)
 
 
 CONV_CASES = tier_cases(

@@ -7,7 +7,6 @@ cross-entropy is transformers' ``loss.loss_utils.fixed_cross_entropy`` (called b
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.registry import Operator, Output, candidate, register_operator
 from operators._common import tier_cases, up
+from operators._tiles import split_softmax
 
 #: Gemma 2's final_logit_softcapping (Gemma 3 keeps the key; 30 is the value that ships).
 FINAL_SOFTCAP = 30.0
@@ -121,18 +121,10 @@ VOCAB_BLOCK = 4096
 
 
 def _online_logsumexp(lf: torch.Tensor) -> torch.Tensor:
-    """logsumexp over the last dim in one pass over VOCAB_BLOCK blocks: a running max and a
-    running sum rescaled when the max grows; [..., 1]."""
-    run_max = torch.full((*lf.shape[:-1], 1), -math.inf, dtype=lf.dtype, device=lf.device)
-    run_sum = torch.zeros_like(run_max)
-    for start in range(0, lf.shape[-1], VOCAB_BLOCK):
-        block = lf[..., start : start + VOCAB_BLOCK]
-        new_max = torch.maximum(run_max, block.amax(-1, keepdim=True))
-        run_sum = run_sum * torch.exp(run_max - new_max) + torch.exp(block - new_max).sum(
-            -1, keepdim=True
-        )
-        run_max = new_max
-    return run_max + torch.log(run_sum)
+    """logsumexp over the last dim from VOCAB_BLOCK blocks: each block's sum of exponentials
+    against its own max, the blocks merged by rescaling to the row max; [..., 1]."""
+    _, total, peak = split_softmax(lf, VOCAB_BLOCK)
+    return peak + torch.log(total)
 
 
 @candidate("log_softmax", name="online")
@@ -229,5 +221,5 @@ def cross_entropy_online(
     else:
         picked = lf.gather(-1, torch.where(counted, labels, 0)[:, None])[:, 0]
         loss = torch.where(counted, _online_logsumexp(lf)[:, 0] - picked, 0.0)
-    mean = loss.sum() / max(int(counted.sum()), 1)
+    mean = loss.sum() / counted.sum().clamp_min(1)  # on the device: no host round trip
     return loss.to(logits.dtype), mean.to(logits.dtype)

@@ -9,6 +9,7 @@ import torch
 from numalign.cases import Case, values
 from numalign.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
+from operators._tiles import tiles, untile
 
 CUMSUM_CASES = tier_cases(
     Case("one-1x1", {"rows": 1, "length": 1}),
@@ -58,14 +59,9 @@ CHUNK = 64
 def cumsum_chunked(x: torch.Tensor) -> torch.Tensor:
     """Two-level scan: prefix sums inside chunks of 64, then a scan of the chunk totals
     added back as carries (the Blelloch-style layout of GPU scans)."""
-    xf = up(x)
-    n = xf.shape[-1]
-    pad = (-n) % CHUNK
-    padded = torch.nn.functional.pad(xf, (0, pad))
-    chunks = padded.view(*xf.shape[:-1], -1, CHUNK)
-    local = chunks.cumsum(-1)
+    local = tiles(up(x), CHUNK).cumsum(-1)  # [..., chunks, CHUNK]
     carries = local[..., -1].cumsum(-1) - local[..., -1]
-    return (local + carries[..., None]).reshape(*xf.shape[:-1], -1)[..., :n].to(x.dtype)
+    return untile(local + carries[..., None], x.shape[-1]).to(x.dtype)
 
 
 SEGMENT_CASES = tier_cases(

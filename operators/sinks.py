@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
+from operators._tiles import split_softmax
 from operators.attention import attention_mask
 
 
@@ -126,7 +127,7 @@ def attention_sinks_eager(
     return torch.matmul(probs.to(v.dtype), vr)
 
 
-#: KV tile of the online-softmax candidate.
+#: KV tile of the tiled candidate.
 KV_TILE = 64
 
 
@@ -140,26 +141,14 @@ def attention_sinks_tiled(
     window: int | None,
     pad_left: torch.Tensor,
 ) -> torch.Tensor:
-    """Flash-attention style: the running max starts at the sink and the running sum at 1
-    (the sink's own term); KV tiles of 64 in float32, p rounded to q's dtype before PV."""
-    b, hq, t, d = q.shape
-    s = k.shape[2]
-    kv_head = torch.arange(hq, device=q.device) // (hq // k.shape[1])
+    """Flash-decoding style: KV tiles of 64, each with its own max and float32 sum, p rounded
+    to q's dtype before PV, tiles merged by rescaling to the overall max, the sink joining
+    the max and the sum (its own term, with no value)."""
+    d = q.shape[-1]
+    kv_head = torch.arange(q.shape[1], device=q.device) // (q.shape[1] // k.shape[1])
     qf = up(q) * d**-0.5
-    mask = attention_mask(t, s, causal, window, pad_left.to(q.device))
-    run_max = up(sinks).to(qf.dtype)[None, :, None, None].expand(b, hq, t, 1).clone()
-    run_sum = torch.ones(b, hq, t, 1, dtype=qf.dtype, device=q.device)
-    acc = torch.zeros(b, hq, t, v.shape[-1], dtype=qf.dtype, device=q.device)
-    for start in range(0, s, KV_TILE):
-        kt = up(k[:, kv_head, start : start + KV_TILE])
-        vt = up(v[:, kv_head, start : start + KV_TILE])
-        scores = (qf @ kt.transpose(-1, -2)).masked_fill(
-            ~mask[..., start : start + KV_TILE], -math.inf
-        )
-        new_max = torch.maximum(run_max, scores.amax(-1, keepdim=True))
-        correction = torch.exp(run_max - new_max)
-        p = torch.exp(scores - new_max)
-        run_sum = run_sum * correction + p.sum(-1, keepdim=True)
-        acc = acc * correction + up(p.to(q.dtype)) @ vt
-        run_max = new_max
-    return (acc / run_sum).to(q.dtype)
+    mask = attention_mask(q.shape[2], k.shape[2], causal, window, pad_left.to(q.device))
+    scores = (qf @ up(k[:, kv_head]).transpose(-1, -2)).masked_fill(~mask, -math.inf)
+    sink = up(sinks)[None, :, None, None]
+    weights, total, _ = split_softmax(scores, KV_TILE, sink=sink, p_dtype=q.dtype)
+    return (weights @ up(v[:, kv_head]) / total).to(q.dtype)
