@@ -8,6 +8,7 @@ generation): what is tested is Dynamo's cache bookkeeping, which every backend s
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -95,3 +96,28 @@ def test_a_known_compiler_bug_is_named_and_nothing_else_is() -> None:
     with pytest.raises(CompileError) as caught:
         compiled_function(double, other, "candidate")(torch.ones(2))
     assert caught.value.known is None
+
+
+def test_a_note_the_compiler_warns_is_shown_not_a_compile_error() -> None:
+    # Inductor warns from its lowering module when it leaves complex operators to eager
+    # (rotary embeddings in complex form met it); where warnings are errors, as in these
+    # tests, that note must not fail the compilation
+    from torch._dynamo import register_backend
+
+    def noting_backend(gm: Any, example_inputs: Any) -> Any:
+        warnings.warn_explicit(
+            "Torchinductor does not support code generation for complex operators.",
+            UserWarning, "lowering.py", 1, module="torch._inductor.lowering",
+        )  # fmt: skip
+        return gm.forward
+
+    register_backend(noting_backend, name="numalign_noting_backend")
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    fn = compiled_function(double, CompileSpec("numalign_noting_backend"), "candidate")
+    with pytest.warns(UserWarning, match="complex operators"):
+        warnings.simplefilter("error")  # as the ini does (pytest.warns would record them all)
+        out = fn(torch.ones(2))
+    torch.testing.assert_close(out, torch.full((2,), 2.0))

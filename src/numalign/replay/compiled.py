@@ -285,6 +285,10 @@ def _first_lines(text: str, lines: int = 12) -> str:
     return "\n".join(kept)
 
 
+#: Modules whose warnings are the compiler's notes (``warnings.filterwarnings`` ``module=``).
+_COMPILER_MODULES = r"torch\._(dynamo|inductor)(\.|$)"
+
+
 def run_compiled(
     compiled: Callable[..., Any], spec: CompileSpec, what: str, stats: CompileStats,
     *args: Any, **kwargs: Any,
@@ -296,10 +300,13 @@ def run_compiled(
     before = _snapshot()
     try:
         with warnings.catch_warnings():
-            # Dynamo's notes on what it traced ("Dynamo detected a call to a
-            # functools.lru_cache-wrapped function", raised inside the tracer where warnings
-            # are errors) are shown, not turned into a compilation failure
+            # The compiler's own notes are shown, not turned into a compilation failure
+            # where warnings are errors: Dynamo's on what it traced ("Dynamo detected a call
+            # to a functools.lru_cache-wrapped function", raised inside the tracer), and
+            # what Dynamo or Inductor warn from their modules ("Torchinductor does not
+            # support code generation for complex operators": it runs them eager)
             warnings.filterwarnings("default", message=r".*Dynamo", category=UserWarning)
+            warnings.filterwarnings("default", category=UserWarning, module=_COMPILER_MODULES)
             out = compiled(*args, **kwargs)
     except Exception as exc:
         if not _is_compile_failure(exc):
