@@ -98,6 +98,32 @@ def test_a_known_compiler_bug_is_named_and_nothing_else_is() -> None:
     assert caught.value.known is None
 
 
+def test_inductors_dynamic_stride_check_bug_is_known_only_as_inductors() -> None:
+    # Inductor wraps the ValueError of its stride-order check (pytorch/pytorch#188323) in an
+    # InductorError; the same message raised by the code being compiled is that code's own
+    # error and propagates as it is
+    from torch._dynamo import register_backend
+    from torch._inductor.exc import InductorError
+
+    def failing_backend(gm: Any, example_inputs: Any) -> Any:
+        raise InductorError(ValueError("Exponent must be non-negative."), None)
+
+    register_backend(failing_backend, name="numalign_stride_check_bug")
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    def own_error(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("Exponent must be non-negative.")
+
+    spec = CompileSpec("numalign_stride_check_bug")
+    with pytest.raises(CompileError) as caught:
+        compiled_function(double, spec, "candidate")(torch.ones(2))
+    assert caught.value.known is not None and "stride-order check" in caught.value.known
+    with pytest.raises(ValueError, match="Exponent must be non-negative"):
+        compiled_function(own_error, CompileSpec("eager"), "candidate")(torch.ones(2))
+
+
 def test_a_note_the_compiler_warns_is_shown_not_a_compile_error() -> None:
     # Inductor warns from its lowering module when it leaves complex operators to eager
     # (rotary embeddings in complex form met it); where warnings are errors, as in these

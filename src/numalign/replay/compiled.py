@@ -123,6 +123,13 @@ KNOWN_COMPILER_BUGS: tuple[KnownCompilerBug, ...] = (
         "it, here in an indirect-indexing bounds check (the class of pytorch/pytorch#181621 and "
         "#193581; met on tiny-qwen3-next's decode with torch 2.13)",
     ),
+    KnownCompilerBug(
+        # Inductor's own wrapper around the failure of its stride-order check
+        r"InductorError: ValueError: Exponent must be non-negative",
+        "Inductor's stride-order check under dynamic shapes bounds a power of a symbolic size "
+        "with a negative exponent (pytorch/pytorch#188323 and #188423, torch 2.13; met on the "
+        "mla candidates in float32 once their sizes went dynamic)",
+    ),
 )
 
 
