@@ -53,7 +53,7 @@ def replay_guard(
         except (ReplayUnsupported, PagedUnsupported, NoTensorParallelPlan) as exc:
             pytest.skip(str(exc))
         except CompileError as exc:
-            record_drift.error(exc, swap=variant_label(numalign_settings))
+            record_drift.error(exc, swap=variant_label(numalign_settings), **exc.record_fields())
             if exc.known:  # an upstream compiler bug: expected while it lasts, recorded
                 pytest.xfail(f"known compiler bug: {exc.known}\n{exc}")
             pytest.fail(str(exc), pytrace=False)

@@ -90,9 +90,13 @@ def test_a_known_compiler_bug_is_named_and_nothing_else_is() -> None:
     def double(x: torch.Tensor) -> torch.Tensor:
         return x * 2
 
+    fn = compiled_function(double, known, "candidate")
     with pytest.raises(CompileError) as caught:
-        compiled_function(double, known, "candidate")(torch.ones(2))
+        fn(torch.ones(2))
     assert caught.value.known is not None and "Inductor's C++ code generation" in caught.value.known
+    # the failed compilation's cost goes with its error, not to the next test of the candidate
+    assert caught.value.spent is not None and caught.value.spent.compile_s > 0
+    assert fn.stats.compile_s == 0
     with pytest.raises(CompileError) as caught:
         compiled_function(double, other, "candidate")(torch.ones(2))
     assert caught.value.known is None

@@ -93,11 +93,19 @@ class CompileError(RuntimeError):
     """A backend failed to compile what a test runs: the test fails with the backend's
     message (and gets an ``error`` record), the session goes on. ``known``: the upstream
     compiler bug it is (:data:`KNOWN_COMPILER_BUGS`), where it is one; such a test is an
-    expected failure, its error record kept."""
+    expected failure, its error record kept. ``spent``: what compiling cost the failed test
+    (taken from the compiled artifact's stats, so the next test does not inherit it)."""
 
-    def __init__(self, message: str, known: str | None = None) -> None:
+    def __init__(
+        self, message: str, known: str | None = None, spent: CompileStats | None = None
+    ) -> None:
         super().__init__(message)
         self.known = known
+        self.spent = spent
+
+    def record_fields(self) -> dict[str, Any]:
+        """The compile fields of the failed test's error record."""
+        return self.spent.record_fields() if self.spent is not None else {}
 
 
 @dataclass(frozen=True)
@@ -326,6 +334,7 @@ def run_compiled(
             "backend's fault from the code's; TORCH_LOGS=graph_breaks,recompiles shows what "
             "Dynamo traced",
             known=known_bug(exc),
+            spent=stats.take(),
         ) from None
     seen = _since(before)
     stats.add(seen)
