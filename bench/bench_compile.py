@@ -1,7 +1,8 @@
 """The cost of compiled replay (``--compile``), measured side by side in one process: for
 each zoo model, full-model replay (every point, logits, continuation) eager and compiled in
-one dtype, and one operator candidate eager and compiled over the smoke cases of its
-operator. Prints, per model and in all:
+one dtype, and operator candidates eager and compiled over the smoke cases of their
+operators (a plain ``torch`` candidate and tiled ones: their graphs are the catalogue's
+largest). Prints, per model and in all:
 
 - compiled replay against eager replay, both warm (the compiled artifact reused: what every
   later test of a worker pays);
@@ -12,7 +13,7 @@ Single-threaded (as each xdist worker of the suites). Inductor's on-disk caches 
 second invocation compile faster: pass ``--cold`` to point them at a fresh folder first.
 
     python bench/bench_compile.py [--models tiny-llama tiny-gpt2] [--dtype bfloat16]
-        [--backend inductor] [--repeat 3] [--cold]
+        [--operators rms_norm:torch attention:tiled] [--backend inductor] [--repeat 3] [--cold]
 """
 
 from __future__ import annotations
@@ -95,7 +96,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--operator", default="rms_norm:torch", help="OPERATOR:CANDIDATE")
+    parser.add_argument(
+        "--operators",
+        nargs="*",
+        default=["rms_norm:torch", "attention:tiled", "matmul:tiled"],
+        help="OPERATOR:CANDIDATE ...",
+    )
     parser.add_argument("--cold", action="store_true", help="empty Inductor caches first")
     args = parser.parse_args()
     if args.cold:
@@ -108,9 +114,10 @@ def main() -> None:
     for name in args.models:
         rows[f"{name} [{args.dtype}]"] = bench_model(name, args.dtype, args.backend, args.repeat)
         print(_line(f"{name} [{args.dtype}]", rows[f"{name} [{args.dtype}]"]), flush=True)
-    op, _, cand = args.operator.partition(":")
-    rows[f"{op}/{cand} smoke"] = bench_operator(op, cand, args.backend, args.repeat)
-    print(_line(f"{op}/{cand} smoke [bfloat16]", rows[f"{op}/{cand} smoke"]), flush=True)
+    for spec in args.operators:
+        op, _, cand = spec.partition(":")
+        rows[f"{op}/{cand} smoke"] = bench_operator(op, cand, args.backend, args.repeat)
+        print(_line(f"{op}/{cand} smoke [bfloat16]", rows[f"{op}/{cand} smoke"]), flush=True)
     total = {k: sum(r[k] for r in rows.values()) for k in ("eager", "compiled", "compile", "cold")}
     print(f"backend {args.backend}, all of the above:")
     print(f"  compiled replay / eager replay (warm): {total['compiled'] / total['eager']:.2f}x")
