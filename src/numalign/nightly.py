@@ -32,8 +32,9 @@ from numalign.replay.calibrate import capture_calibrated
 VERSIONS = ".versions"
 #: Suite files a compiled nightly run covers: layer, full-model and decode replay (decode with
 #: the KV caches; the paged engine runs its own forward). The operator suite compiled costs a
-#: compilation per candidate, dtype and shape family (minutes per operator family on CPU):
-#: run it by hand (``pytest suites/operators --compile``).
+#: compilation per candidate, dtype and case configuration (about 45 minutes at tier pr on 2
+#: CPU cores; not yet run at tier nightly): run it by hand or at a PR
+#: (``pytest suites/operators --compile``).
 COMPILED_SUITE_FILES = ("test_layers.py", "test_model.py", "test_decode.py")
 #: Folder of the compiled runs under the nightly report folder.
 COMPILED_DIR = "compiled"
