@@ -17,6 +17,12 @@ def up(x: torch.Tensor) -> torch.Tensor:
     return x.to(acc(x))
 
 
+def divide_or_zero(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """``x / total`` where ``total > 0``, else 0: softmax rows with nothing to attend (fully
+    masked) are zeros, not NaN."""
+    return torch.where(total > 0, x / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
+
+
 def shape_name(*dims: int) -> str:
     return "x".join(str(d) for d in dims)
 

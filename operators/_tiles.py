@@ -33,6 +33,12 @@ def untile(x: torch.Tensor, length: int, dim: int = -2) -> torch.Tensor:
     return x.flatten(dim, dim + 1).narrow(dim, 0, length)
 
 
+def tile_products(x: torch.Tensor, w: torch.Tensor, size: int) -> torch.Tensor:
+    """``x`` [m, k] times ``w`` [n, k] transposed, one product per tile of ``size`` along K:
+    [k tiles, m, n], to be scaled and summed as a split-K or block-scaled kernel does."""
+    return tiles(x, size).transpose(0, 1) @ tiles(w, size).permute(1, 2, 0)
+
+
 def split_softmax(
     scores: torch.Tensor,
     tile: int,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.compare import Budget
 from numalign.registry import Operator, candidate, register_operator
-from operators._common import tier_cases, up
+from operators._common import divide_or_zero, tier_cases, up
 from operators._tiles import split_softmax
 
 ACT_CASES = tier_cases(
@@ -192,7 +192,7 @@ def softmax_reference(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     e = torch.exp(xf - peak)
     total = e.sum(-1, keepdim=True)
-    return torch.where(total > 0, e / total.clamp_min(torch.finfo(e.dtype).tiny), 0.0).to(x.dtype)
+    return divide_or_zero(e, total).to(x.dtype)
 
 
 register_operator(
@@ -225,5 +225,4 @@ def softmax_online(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     the blocks merged by rescaling to the row max (the online softmax's merge, every block
     at once)."""
     weights, total, _ = split_softmax(up(x).masked_fill(mask, -math.inf), ONLINE_BLOCK)
-    out = torch.where(total > 0, weights / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
-    return out.to(x.dtype)
+    return divide_or_zero(weights, total).to(x.dtype)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from numalign.cases import Case, values
 from numalign.registry import Operator, candidate, register_operator
-from operators._common import tier_cases, up
+from operators._common import divide_or_zero, tier_cases, up
 from operators._tiles import split_softmax
 
 
@@ -149,7 +149,7 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     peak = scores.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
     weights = torch.exp(scores - peak)
     total = weights.sum(-1, keepdim=True)
-    return torch.where(total > 0, weights / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
+    return divide_or_zero(weights, total)
 
 
 def attention_reference(
@@ -237,6 +237,4 @@ def attention_tiled(
     mask = attention_mask(q.shape[2], k.shape[2], causal, window, pad_left.to(q.device))
     scores = scores.masked_fill(~mask, -math.inf)
     weights, total, _ = split_softmax(scores, KV_TILE, p_dtype=q.dtype)
-    out = weights @ up(v[:, kv_head])
-    out = torch.where(total > 0, out / total.clamp_min(torch.finfo(out.dtype).tiny), 0.0)
-    return out.to(q.dtype)
+    return divide_or_zero(weights @ up(v[:, kv_head]), total).to(q.dtype)

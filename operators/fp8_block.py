@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.registry import CodeLayout, Operator, Output, candidate, register_operator
 from operators._common import acc, tier_cases, up
-from operators._tiles import tiles
+from operators._tiles import tile_products
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 #: DeepSeek-V3's block edge: 128x128 weight blocks, 1x128 activation groups.
@@ -307,9 +307,7 @@ def fp8_block_gemm_k_blocks(
     float32 accumulators), then scaled by a_scale[:, kb] * b_scale[n // 128, kb] and summed."""
     n = b.shape[0]
     # every K block's product at once: [k blocks, m, n]
-    at = tiles(decode_fp8(a, torch.float32), BLOCK).transpose(0, 1)
-    bt = tiles(decode_fp8(b, torch.float32), BLOCK).transpose(0, 1)
-    partials = at @ bt.transpose(-1, -2)
+    partials = tile_products(decode_fp8(a, torch.float32), decode_fp8(b, torch.float32), BLOCK)
     b_rows = b_scale.float().repeat_interleave(BLOCK, 0)[:n]  # [n, kb]
     scaled = partials * a_scale.float().T[:, :, None] * b_rows.T[:, None, :]
     return scaled.sum(0).to(a_scale.dtype)

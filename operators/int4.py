@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.registry import Operator, candidate, register_operator
 from operators._common import acc, tier_cases, up
-from operators._tiles import tiles
+from operators._tiles import tile_products
 
 INT4_MAX = 15
 #: GPTQ's and AWQ's default group.
@@ -259,8 +259,7 @@ def int4_gemm_grouped(
     group's scale per output and accumulated in float32."""
     q = unpack_int4(qweight, in_features).float()  # [n, k]
     z = unpack_int4(qzeros, scales.shape[-1]).float()  # [n, groups]
+    q_minus_z = q - z.repeat_interleave(group_size, -1)[:, :in_features]  # exact integers
     # every group's product at once: [groups, m, n]
-    xt = tiles(x.float(), group_size).transpose(0, 1)
-    wt = (tiles(q, group_size) - z[..., None]).transpose(0, 1)
-    partials = xt @ wt.transpose(-1, -2)
+    partials = tile_products(x.float(), q_minus_z, group_size)
     return (partials * scales.float().T[:, None, :]).sum(0).to(x.dtype)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from numalign.cases import Case, values
 from numalign.registry import CodeLayout, Operator, Output, candidate, register_operator
-from operators._common import acc, tier_cases, up
+from operators._common import acc, divide_or_zero, tier_cases, up
 from operators._tiles import split_softmax
 from operators.attention import attention_mask, masked_softmax
 from operators.fp8_block import FP8_MAX, decode_fp8, encode_fp8
@@ -367,5 +367,4 @@ def kv_quant_attention_fused(
     out = (weights * vs if per_token_v else weights) @ vf
     if not per_token_v:
         out = out * vs[..., :1].transpose(-1, -2)
-    out = torch.where(total > 0, out / total.clamp_min(torch.finfo(out.dtype).tiny), 0.0)
-    return out.to(q.dtype)
+    return divide_or_zero(out, total).to(q.dtype)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from numalign.cases import Case, values
 from numalign.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
-from operators._tiles import tiles
+from operators._tiles import tile_products, tiles
 
 LINEAR_CASES = tier_cases(
     Case("one-1x1x1", {"tokens": 1, "k": 1, "n": 1}),
@@ -76,9 +76,7 @@ def linear_split_k(
 ) -> torch.Tensor:
     """Split-K: one float32 partial product per slice of K (a split-K kernel's thread
     blocks), then the partials summed in float32."""
-    xs = tiles(up(x), SPLIT_K).transpose(0, 1)  # [slices, tokens, SPLIT_K]
-    ws = tiles(up(weight), SPLIT_K).transpose(0, 1)  # [slices, n, SPLIT_K]
-    out = (xs @ ws.transpose(-1, -2)).sum(0)
+    out = tile_products(up(x), up(weight), SPLIT_K).sum(0)
     if bias is not None:
         out += up(bias)
     return out.to(x.dtype)

@@ -9,6 +9,7 @@ generation): what is tested is Dynamo's cache bookkeeping, which every backend s
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -63,17 +64,27 @@ def test_a_function_recompiling_on_every_call_is_an_error() -> None:
     assert len(calls) == RECOMPILE_LIMIT  # every call before the limit ran compiled
 
 
+def _registered(name: str, backend: Callable[..., Any]) -> CompileSpec:
+    """``backend`` registered with Dynamo as ``name``: the spec that compiles with it."""
+    from torch._dynamo import register_backend
+
+    register_backend(backend, name=name)
+    return CompileSpec(name)
+
+
 def _backend_failing_with(name: str, output: str) -> CompileSpec:
     """A backend (registered as ``name``) whose C++ compiler rejects the generated kernel
     with ``output``, as Inductor's does when its code generation is wrong."""
-    from torch._dynamo import register_backend
     from torch._inductor.exc import CppCompileError
 
     def backend(gm: Any, example_inputs: Any) -> Any:
         raise CppCompileError(["g++", "kernel.cpp"], output)
 
-    register_backend(backend, name=name)
-    return CompileSpec(name)
+    return _registered(name, backend)
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
 
 
 def test_a_known_compiler_bug_is_named_and_nothing_else_is() -> None:
@@ -86,11 +97,7 @@ def test_a_known_compiler_bug_is_named_and_nothing_else_is() -> None:
         "numalign_other_cpp_bug",
         "kernel.cpp:12:3: error: expected \u2018;\u2019 before \u2018}\u2019",
     )
-
-    def double(x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    fn = compiled_function(double, known, "candidate")
+    fn = compiled_function(_double, known, "candidate")
     with pytest.raises(CompileError) as caught:
         fn(torch.ones(2))
     assert caught.value.known is not None and "Inductor's C++ code generation" in caught.value.known
@@ -98,7 +105,7 @@ def test_a_known_compiler_bug_is_named_and_nothing_else_is() -> None:
     assert caught.value.spent is not None and caught.value.spent.compile_s > 0
     assert fn.stats.compile_s == 0
     with pytest.raises(CompileError) as caught:
-        compiled_function(double, other, "candidate")(torch.ones(2))
+        compiled_function(_double, other, "candidate")(torch.ones(2))
     assert caught.value.known is None
 
 
@@ -106,23 +113,18 @@ def test_inductors_dynamic_stride_check_bug_is_known_only_as_inductors() -> None
     # Inductor wraps the ValueError of its stride-order check (pytorch/pytorch#188323) in an
     # InductorError; the same message raised by the code being compiled is that code's own
     # error and propagates as it is
-    from torch._dynamo import register_backend
     from torch._inductor.exc import InductorError
 
     def failing_backend(gm: Any, example_inputs: Any) -> Any:
         raise InductorError(ValueError("Exponent must be non-negative."), None)
 
-    register_backend(failing_backend, name="numalign_stride_check_bug")
-
-    def double(x: torch.Tensor) -> torch.Tensor:
-        return x * 2
+    spec = _registered("numalign_stride_check_bug", failing_backend)
 
     def own_error(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("Exponent must be non-negative.")
 
-    spec = CompileSpec("numalign_stride_check_bug")
     with pytest.raises(CompileError) as caught:
-        compiled_function(double, spec, "candidate")(torch.ones(2))
+        compiled_function(_double, spec, "candidate")(torch.ones(2))
     assert caught.value.known is not None and "stride-order check" in caught.value.known
     with pytest.raises(ValueError, match="Exponent must be non-negative"):
         compiled_function(own_error, CompileSpec("eager"), "candidate")(torch.ones(2))
@@ -132,8 +134,6 @@ def test_a_note_the_compiler_warns_is_shown_not_a_compile_error() -> None:
     # Inductor warns from its lowering module when it leaves complex operators to eager
     # (rotary embeddings in complex form met it); where warnings are errors, as in these
     # tests, that note must not fail the compilation
-    from torch._dynamo import register_backend
-
     def noting_backend(gm: Any, example_inputs: Any) -> Any:
         warnings.warn_explicit(
             "Torchinductor does not support code generation for complex operators.",
@@ -141,12 +141,8 @@ def test_a_note_the_compiler_warns_is_shown_not_a_compile_error() -> None:
         )  # fmt: skip
         return gm.forward
 
-    register_backend(noting_backend, name="numalign_noting_backend")
-
-    def double(x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    fn = compiled_function(double, CompileSpec("numalign_noting_backend"), "candidate")
+    spec = _registered("numalign_noting_backend", noting_backend)
+    fn = compiled_function(_double, spec, "candidate")
     with pytest.warns(UserWarning, match="complex operators"):
         warnings.simplefilter("error")  # as the ini does (pytest.warns would record them all)
         out = fn(torch.ones(2))

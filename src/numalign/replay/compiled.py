@@ -315,12 +315,10 @@ def run_compiled(
     before = _snapshot()
     try:
         with warnings.catch_warnings():
-            # The compiler's own notes are shown, not turned into a compilation failure
-            # where warnings are errors: Dynamo's on what it traced ("Dynamo detected a call
-            # to a functools.lru_cache-wrapped function", raised inside the tracer), and
-            # what Dynamo or Inductor warn from their modules ("Torchinductor does not
-            # support code generation for complex operators": it runs them eager)
-            warnings.filterwarnings("default", message=r".*Dynamo", category=UserWarning)
+            # The compiler's own notes, warned from Dynamo's or Inductor's modules, are shown,
+            # not turned into a compilation failure where warnings are errors ("Dynamo
+            # detected a call to a functools.lru_cache-wrapped function", "Torchinductor does
+            # not support code generation for complex operators": it runs them eager)
             warnings.filterwarnings("default", category=UserWarning, module=_COMPILER_MODULES)
             out = compiled(*args, **kwargs)
     except Exception as exc:
