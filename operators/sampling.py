@@ -11,6 +11,9 @@ and TopPLogitsWarper in that order, then one draw), stated so that ties do not m
 - the draw is the inverse CDF of the uniform ``u`` over the kept tokens, most probable
   first: the first position whose cumulative probability exceeds ``u``.
 
+Whether a token whose preceding mass lies within the cumulative sum's rounding of ``top_p``
+is kept is free too (``nucleus_boundary``): ``probs`` is compared without those positions.
+
 Outputs are in descending order of probability, so tied tokens are interchangeable:
 ``order`` [rows, K] (the K = top_k or vocab most probable token ids, compared tie-aware
 against the logits), ``probs`` [rows, K] (the renormalized probabilities in that order,
@@ -21,6 +24,7 @@ far beyond rounding (a draw on the edge of a step is a coin toss between honest 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -62,11 +66,12 @@ SAMPLING_CASES = tier_cases(
 )
 
 
-def _kept_sorted(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probabilities [rows, K] in descending order, renormalized over the top-p prefix and
-    zero past it; their token ids [rows, K]), in the accumulation dtype. Ties: stable."""
+def _masses(
+    logits: torch.Tensor, temperature: float, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the top-k probabilities [rows, K] in descending order, renormalized over the k;
+    their token ids; the mass of the more probable tokens before each), in the accumulation
+    dtype. Ties: stable."""
     lf = up(logits)
     width = top_k if 0 < top_k < lf.shape[-1] else lf.shape[-1]
     probs = torch.softmax(lf / temperature, dim=-1) if lf.shape[-1] else lf
@@ -75,7 +80,37 @@ def _kept_sorted(
     # top-k renormalizes before top-p measures mass, as the warpers' softmax of the
     # remaining logits does
     top = top / top.sum(-1, keepdim=True).clamp_min(torch.finfo(top.dtype).tiny)
-    before = top.cumsum(-1) - top  # the mass of the more probable tokens
+    return top, order, top.cumsum(-1) - top
+
+
+#: Standard deviations of the float32 cumulative sum's rounding walk within which a token's
+#: preceding mass is too close to top_p for rounding to decide whether it is kept: each of the
+#: K partial sums rounds by up to 2**-24 (the sum is below 1), so the walk's deviation is
+#: sqrt(K) * 2**-24; four of them cover all but 6e-5 of the honest orders.
+BOUNDARY_WALKS = 4.0
+
+
+def nucleus_boundary(inputs: Any, case: Case) -> torch.Tensor:
+    """The ``probs`` positions [rows, K] whose top-p membership rounding decides: the
+    tokens whose preceding mass lies within ``BOUNDARY_WALKS`` deviations of the float32
+    cumulative sum's rounding walk of top_p (past the first token, which is always kept).
+    In a flat distribution over a large vocabulary the tokens at the cut weigh less than the
+    sum's rounding, so honest kernels keep one or two more or fewer of them."""
+    top, _, before = _masses(inputs["logits"].double(), case["temperature"], case["top_k"])
+    if case["top_p"] >= 1.0 or top.shape[-1] == 0:
+        return torch.zeros_like(top, dtype=torch.bool)
+    band = BOUNDARY_WALKS * math.sqrt(top.shape[-1]) * 2.0**-24
+    undecided = (before - case["top_p"]).abs() <= band
+    undecided[..., :1] = False
+    return undecided
+
+
+def _kept_sorted(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities [rows, K] in descending order, renormalized over the top-p prefix and
+    zero past it; their token ids [rows, K]), in the accumulation dtype. Ties: stable."""
+    top, order, before = _masses(logits, temperature, top_k)
     kept = before < top_p
     kept[..., :1] = True
     top = torch.where(kept, top, 0.0)
@@ -130,7 +165,7 @@ register_operator(
         cases=SAMPLING_CASES,
         outputs=(
             Output("order", kind="ties", ties_from="logits"),
-            Output("probs"),
+            Output("probs", undecided=nucleus_boundary),
             Output("ids", kind="ties", ties_from="logits"),
         ),
         reduction_length=lambda case: case["vocab"],

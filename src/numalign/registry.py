@@ -164,12 +164,19 @@ class Output:
     the input they quantize, ``scale_from`` the output holding their scale, and ``layout``
     the codes' format and the blocks that share a scale: a ``CodeLayout``, or a function of
     the case returning one where they depend on it). ``atol`` lets exact outputs differ by
-    that much."""
+    that much.
+
+    ``undecided(inputs, case)``, for float outputs, returns a boolean mask (the output's
+    shape) of the positions whose value rounding alone decides between two honest results
+    (a token at the top-p boundary kept or cut, as the cumulative sum's rounding falls): the
+    truth, the control and the candidate are compared with those positions set to zero, and
+    the result says how many there were."""
 
     name: str
     kind: str = "float"
     ties_from: str | None = None
     atol: float = 0.0
+    undecided: Callable[[Mapping[str, Any], Case], Any] | None = None
     quantized_from: str | None = None
     scale_from: str | None = None
     rounding: RoundingRule = ROUND_TO_NEAREST
@@ -178,6 +185,8 @@ class Output:
     def __post_init__(self) -> None:
         if self.kind not in ("float", "exact", "ties", "quantized"):
             raise ValueError(f"output {self.name}: kind must be float, exact, ties or quantized")
+        if self.undecided is not None and self.kind != "float":
+            raise ValueError(f"output {self.name}: only float outputs have undecided positions")
         if self.kind == "ties" and not self.ties_from:
             raise ValueError(f"output {self.name}: ties outputs name their scores (ties_from)")
         if self.kind == "quantized" and not (self.quantized_from and self.scale_from):

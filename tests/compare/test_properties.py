@@ -118,3 +118,41 @@ def test_results_do_not_depend_on_element_order(
     for name in ("mean_abs", "rmse", "rel_l2", "cosine", "norm_ratio"):
         # float64 sums in another order differ by a few units of 1e-16
         assert math.isclose(getattr(a.metrics, name), getattr(b.metrics, name), rel_tol=1e-12)
+
+
+# Adversarial values for the metric identities: exact zeros, float32 subnormals and the edge
+# of float32's normal range, tiny probabilities next to large ones, and ordinary values.
+adversarial = st.sampled_from([0.0, 1e-45, 1e-40, 1e-38, 1.2e-38, 3e-6, 0.25, 1.0, 300.0])
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    # up to three chunks of the metric pass (2**16 elements each), so that a maximum taken in
+    # an early chunk must survive the later ones
+    n=st.sampled_from([1, 7, 1000, (1 << 16) + 3, 3 * (1 << 16) - 5]),
+    values=st.lists(adversarial, min_size=1, max_size=6),
+    seed=seeds,
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    where=st.floats(0.0, 1.0),
+)
+def test_metrics_are_consistent_with_each_other(
+    n: int, values: list[float], seed: int, dtype: torch.dtype, where: float
+) -> None:
+    from numalign.compare import compute_metrics
+
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(values, dtype=torch.float64)
+    expected = pool[torch.randint(len(values), (n,), generator=gen)]
+    expected = expected * torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    actual = expected.to(dtype).clone()
+    # one element off where the truth may be exactly zero (a kept token the truth cut)
+    position = min(int(where * n), n - 1)
+    actual[position] = actual[position] + 3e-6
+    m = compute_metrics(actual, expected)
+    true_max = float((actual.double() - expected).abs().max())
+    assert m.max_abs == true_max, (m.max_abs, true_max)
+    assert m.max_abs >= m.mean_abs
+    assert m.rmse <= m.max_abs * (1 + 1e-12)  # rmse is a mean of squares: never above the max
+    assert m.mean_abs <= m.rmse * (1 + 1e-12)
+    assert math.isfinite(m.ulp_max) and math.isfinite(m.ulp_p99)
+    assert m.ulp_p99 <= m.ulp_max

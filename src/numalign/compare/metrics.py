@@ -219,6 +219,12 @@ def compute_metrics(
     eps = 2.0 ** -fmt[0] if fmt else 0.0
     tiny = torch.finfo(f64).tiny
     guard = max(eps * max_expected, tiny)
+    # The ulp unit is guarded as max_rel is: near zero it is the ulp of eps * max|e| (where a
+    # kernel summing values of size max|e| has its error floor), never the ulp of zero, so
+    # the ulp error is at most about 4 / eps**2 and finite in the float32 it is kept in.
+    # (of the larger side's magnitude, so that a truth of zeros or subnormals has a scale too).
+    scale = max(max_expected, _max_abs(a))
+    ulp_floor = max(2.0 ** fmt[1], _ulp_of(eps * scale, fmt)) if fmt else 0.0
     chunk = _CPU_CHUNK if device.type == "cpu" else _DEVICE_CHUNK
     size = min(chunk, n)
     buf_a = torch.empty(size, dtype=f64, device=device)
@@ -255,7 +261,8 @@ def compute_metrics(
         D.abs_()
         arg = torch.argmax(D)
         chunk_arg.append(arg + start)
-        chunk_max.append(D[arg])
+        # a copy: D is the buffer the next chunk overwrites, and D[arg] would be a view of it
+        chunk_max.append(D[arg].clone())
         sum_abs += D.sum()
         if tolerance is not None:
             # R = (atol + rtol |e|), then R = |a - e| / R: the elementwise use of the tolerance
@@ -273,13 +280,14 @@ def compute_metrics(
             # ulp(e) = 2**floor(log2|e|) * 2**-mantissa, floored at the smallest subnormal:
             # the exponent bits of a float64 with a zero mantissa are exactly 2**floor(log2|e|).
             torch.bitwise_and(E.view(torch.int64), _F64_EXPONENT_MASK, out=B)
-            U = B.view(f64).mul_(2.0 ** -fmt[0]).clamp_min_(2.0 ** fmt[1])
+            U = B.view(f64).mul_(2.0 ** -fmt[0]).clamp_min_(ulp_floor)
             torch.div(D, U, out=U)
         else:
             U = D
         U32 = ulps[start : start + m]
         U32.copy_(U)
-        torch.maximum(ulp_max, U.max(), out=ulp_max)
+        # the maximum of the float32 copy the percentile ranks, so that p99 <= max exactly
+        torch.maximum(ulp_max, U32.max(), out=ulp_max)
         hist += torch.bincount(U32.view(torch.int32) >> _HIST_SHIFT, minlength=_HIST_BINS)
 
     maxes = torch.stack(chunk_max)
@@ -312,6 +320,13 @@ def compute_metrics(
         ulp_octaves=ulp_octaves,
         **counts,
     )
+
+
+def _ulp_of(magnitude: float, fmt: tuple[int, int]) -> float:
+    """One ulp of the format at ``magnitude`` (0 for 0)."""
+    if magnitude <= 0 or not math.isfinite(magnitude):
+        return 0.0
+    return 2.0 ** (math.floor(math.log2(magnitude)) - fmt[0])
 
 
 def _octaves(hist: torch.Tensor) -> tuple[tuple[int | None, int], ...]:
