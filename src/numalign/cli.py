@@ -58,7 +58,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _capture(args: argparse.Namespace) -> int:
     from numalign.golden.reference import Placement, parse_max_memory
-    from numalign.replay.calibrate import capture_calibrated
+    from numalign.replay.ensemble import capture_calibrated
 
     placement = None
     if args.device_map:
@@ -73,6 +73,15 @@ def _capture(args: argparse.Namespace) -> int:
             "numalign capture: --offload-folder and --max-memory place a model with "
             "--device-map (e.g. --device-map auto --offload-folder DIR)"
         )
+    from numalign.replay.ensemble import Member
+
+    members = None
+    if args.calibrate_with:
+        try:
+            named = [Member.parse(spec) for spec in args.calibrate_with if spec != "none"]
+        except ValueError as exc:
+            raise SystemExit(f"numalign capture: {exc}") from None
+        members = [Member("reference"), *named]
     prompts = None
     if args.prompts:
         prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
@@ -84,6 +93,7 @@ def _capture(args: argparse.Namespace) -> int:
         image=args.image,
         reference_dtype=args.reference_dtype,
         calibrate=[d for d in args.calibrate.split(",") if d],
+        members=members,
         continuation=args.continuation,
         decode_steps=args.decode_steps,
         long=args.long,
@@ -97,7 +107,7 @@ def _capture(args: argparse.Namespace) -> int:
 
 def _zoo(args: argparse.Namespace) -> int:
     from numalign.golden.zoo import build_zoo
-    from numalign.replay.calibrate import capture_calibrated
+    from numalign.replay.ensemble import capture_calibrated
 
     for path in build_zoo(args.out, args.names or None):
         line = f"{path}"
@@ -229,7 +239,18 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--image", metavar="FILE", help="image for image-text models")
     cap.add_argument("--reference-dtype", default="float32", choices=["float32", "float64"])
     cap.add_argument(
-        "--calibrate", default="bfloat16,float16", help="dtypes to calibrate ('' for none)"
+        "--calibrate",
+        default="float32,bfloat16,float16",
+        help="dtypes to calibrate ('' for none; default: float32,bfloat16,float16)",
+    )
+    cap.add_argument(
+        "--calibrate-with",
+        action="append",
+        metavar="MEMBER",
+        help="a member of the calibration ensemble besides the reference, as key=value,... "
+        "(onednn=AVX2, aten=default, threads=1, attn=sdpa, or an ENV_VAR=value); repeatable; "
+        "replaces the default members (on the CPU: oneDNN and ATen instruction sets below the "
+        "machine's, one thread and several, the other attention); 'none': the reference alone",
     )
     cap.add_argument("--continuation", type=int, default=8, help="greedy tokens to record")
     cap.add_argument(

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from numalign.golden import GoldenSet, GoldenSetError
-from numalign.replay.calibrate import capture_calibrated
+from numalign.replay.ensemble import DEFAULT_CALIBRATION, capture_calibrated
 
 VERSIONS = ".versions"
 #: Suite files a compiled nightly run covers: layer, full-model and decode replay (decode with
@@ -48,7 +48,7 @@ class Refresh:
 
 
 def refresh_sets(
-    models: Path, sets: Path, *, calibrate: Sequence[str] = ("bfloat16", "float16")
+    models: Path, sets: Path, *, calibrate: Sequence[str] = DEFAULT_CALIBRATION
 ) -> Refresh:
     """Recaptures the set of every model folder under ``models`` whose set under ``sets`` is
     missing or stale; the previous version of a set is kept under ``sets/.versions/NAME/``."""

@@ -16,7 +16,7 @@ import torch
 
 from numalign.golden import GoldenSet, GoldenSetError, StaleGoldenSetError
 from numalign.golden.capture import capture
-from numalign.replay.calibrate import capture_calibrated
+from numalign.replay.ensemble import capture_calibrated
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,7 +92,7 @@ def test_manifest_errors_name_the_file_and_the_remedy(small_set: GoldenSet, tmp_
     with pytest.raises(
         GoldenSetError,
         match=r"format 'numalign.golden/99' is not one this numalign reads "
-        r"\(numalign.golden/1, numalign.golden/2\)",
+        r"\(numalign.golden/1, numalign.golden/2, numalign.golden/3\)",
     ):
         GoldenSet.open(small_set.path)
     with pytest.raises(GoldenSetError, match=r"no manifest; .* numalign capture MODEL_DIR --out"):

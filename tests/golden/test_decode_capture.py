@@ -34,7 +34,7 @@ def test_every_generating_request_has_its_decode_steps_and_cache(golden: GoldenS
     generating = {r.name for r in golden.requests if r.name.endswith("leftpad")}
     generating |= {"image"} & {r.name for r in golden.requests}
     assert set(golden.decode_requests) == generating
-    assert golden.manifest.format == "numalign.golden/2"
+    assert golden.manifest.format == "numalign.golden/3"
     for name in golden.decode_requests:
         decode = golden.decode(name)
         assert decode is not None and decode.cache == "dynamic"

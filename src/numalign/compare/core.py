@@ -56,6 +56,7 @@ def compare(
     budget: Budget | None = None,
     name: str = "output",
     policy: TolerancePolicy | None = None,
+    zero_reach: float | None = None,
 ) -> CompareResult:
     """Compares a candidate output with the truth and returns every metric and a verdict.
 
@@ -77,6 +78,9 @@ def compare(
             own, where its honest alternatives round differently by design).
         name: the operator or capture point, for messages and pyproject overrides.
         policy: overrides from ``[tool.numalign]``; the built-in tables when None.
+        zero_reach: the reference magnitude up to which an exact zero in the candidate is
+            chance (an honest value rounded onto zero); exact zeros then count against the
+            distribution rule only where the reference lies beyond it, position by position.
     """
 
     if op_class not in OP_CLASSES:
@@ -191,7 +195,7 @@ def compare(
     calibrated = control_errors is not None and control_errors.calibrated
     distribution = _distribution(
         actual, expected, metrics, control_metrics, spread, dtype,
-        calibrated_budget=result.budget if calibrated else None,
+        calibrated_budget=result.budget if calibrated else None, zero_reach=zero_reach,
     )  # fmt: skip
     if distribution:
         reason, hint, used = distribution
@@ -417,6 +421,7 @@ def _distribution(
     dtype: str,
     *,
     calibrated_budget: dict[str, float] | None = None,
+    zero_reach: float | None = None,
 ) -> tuple[str, str, float] | None:
     """Rule 4: values within tolerance but abnormal fail.
 
@@ -474,6 +479,8 @@ def _distribution(
             "channels, heads or positions",
             (1.0 - m.cosine) / c_tol if c_tol > 0 else math.inf,
         )
+    if m.zero_fraction_actual > 0 and zero_reach is not None:
+        return _zeros_beyond_reach(actual, expected, m.numel, zero_reach)
     if m.zero_fraction_actual > 0:
         fmt = float_format(actual.dtype)
         if fmt is not None:
@@ -491,6 +498,28 @@ def _distribution(
                     excess / allowed,
                 )
     return None
+
+
+def _zeros_beyond_reach(
+    actual: torch.Tensor, expected: torch.Tensor, numel: int, reach: float
+) -> tuple[str, str, float] | None:
+    """Exact zeros of the candidate where the reference lies beyond ``reach`` (what honest
+    error and one rounding can bring onto zero): more than the allowance fail."""
+    a = actual.detach().reshape(-1)
+    e = expected.detach().reshape(-1).to(a.device)
+    suspicious = int(((a == 0) & e.isfinite() & (e.abs() > reach)).sum())
+    allowed = max(ZERO_EXCESS_FRACTION, ZERO_EXCESS_COUNT / max(numel, 1))
+    excess = suspicious / max(numel, 1)
+    if excess <= allowed:
+        return None
+    return (
+        f"{suspicious} of {numel} values ({100 * excess:.1f}%) are exactly zero where the "
+        f"reference lies beyond {_g(reach)}, farther from zero than honest error and one "
+        "rounding reach",
+        "outputs flushed to zero: check underflow (flush-to-zero, a missing upcast) and "
+        "skipped tiles or rows",
+        excess / allowed,
+    )
 
 
 def _error_hint(

@@ -1,9 +1,12 @@
-"""The golden set format, ``numalign.golden/2``, as typed objects: what ``manifest.json``
+"""The golden set format, ``numalign.golden/3``, as typed objects: what ``manifest.json``
 holds, read and written in this one module (``Manifest.from_json`` / ``Manifest.to_json``),
 so that no reader touches the JSON itself and a renamed key has one place to change.
 
 Format 2 adds ``decode``: per request, the cached decode the reference ran after its prefill
-(``Decode``). Format 1 sets are read as they are: they have no decode steps.
+(``Decode``). Format 3 calibrates over an ensemble of honest members (``ensemble``: per dtype,
+the members' descriptions; each statistic the ensemble's worst, with ``<stat>_spread`` and
+``members`` beside it). Format 1 and 2 sets are read as they are: they have no decode steps
+(1), their calibration is one member's (1, 2), and they are judged as before.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FORMAT = "numalign.golden/2"
-#: Formats this numalign reads: format 1 sets simply have no decode steps.
-READ_FORMATS = ("numalign.golden/1", FORMAT)
+FORMAT = "numalign.golden/3"
+#: Formats this numalign reads: format 1 sets have no decode steps, format 1 and 2 sets a
+#: calibration of one member.
+READ_FORMATS = ("numalign.golden/1", "numalign.golden/2", FORMAT)
 MANIFEST = "manifest.json"
 #: The calibration's name for the model's own outputs (logits, an encoder's hidden states).
 OUTPUT_POINT = "(output)"
@@ -194,6 +198,8 @@ class Manifest:
     decode: dict[str, Decode] = field(default_factory=dict)
     #: dtype -> calibration of that dtype
     calibration: dict[str, Calibration] = field(default_factory=dict)
+    #: dtype -> the calibration ensemble's members (format 3; empty before: one member)
+    ensemble: dict[str, list[str]] = field(default_factory=dict)
     created: str = ""
     format: str = FORMAT
 
@@ -223,6 +229,8 @@ class Manifest:
             data["outputs"] = self.outputs
         if self.decode:
             data["decode"] = {k: v.to_json() for k, v in self.decode.items()}
+        if self.ensemble:
+            data["ensemble"] = self.ensemble
         return data
 
     @classmethod
@@ -264,6 +272,7 @@ class Manifest:
                 },
                 decode={k: Decode.from_json(v) for k, v in data.get("decode", {}).items()},
                 calibration=dict(data.get("calibration", {})),
+                ensemble={k: list(v) for k, v in data.get("ensemble", {}).items()},
                 created=str(data.get("created", "")),
                 format=found,
             )

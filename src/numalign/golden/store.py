@@ -252,9 +252,14 @@ class GoldenSet:
         stats = self.manifest.calibration.get(dtype, {}).get(point, {}).get(path, {}).get(mode)
         return stats if stats and stats.get("max_abs") is not None else None
 
-    def write_calibration(self, dtype: str, calibration: Calibration) -> None:
-        """Stores the calibration of ``dtype`` in the set (the manifest replaced atomically)."""
+    def write_calibration(
+        self, dtype: str, calibration: Calibration, *, members: list[str] | None = None
+    ) -> None:
+        """Stores the calibration of ``dtype`` (over ``members``, the ensemble's descriptions)
+        in the set (the manifest replaced atomically)."""
         self.manifest.calibration[dtype] = calibration
+        if members is not None:
+            self.manifest.ensemble[dtype] = list(members)
         write_manifest(self.path, self.manifest)
 
     def keys(self) -> Iterator[str]:

@@ -18,13 +18,11 @@ exact zeros (highest), which the distribution rule judges a candidate against.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare import compute_metrics
 from numalign.compare.logits import logits_stats
-from numalign.golden.capture import capture
 from numalign.golden.decode import REFERENCE_CACHE
 from numalign.golden.manifest import OUTPUT_POINT, Calibration
 from numalign.golden.reference import Placement, forward_kwargs, load_model, model_outputs
@@ -34,9 +32,6 @@ from numalign.replay.layer import golden_outputs, kept_positions, replay_call, r
 
 if TYPE_CHECKING:
     import torch
-
-#: The dtypes a capture calibrates by default.
-DEFAULT_CALIBRATION = ("bfloat16", "float16")
 
 #: The error statistics kept per point and output: the worst (largest) over requests and calls.
 STATS = ("max_abs", "rel_l2", "mean_abs", "ulp_p99", "max_expected")
@@ -77,7 +72,9 @@ def calibrate(
     device: str = "cpu",
     placement: Placement | None = None,
 ) -> Calibration:
-    """{point: {output path: {"isolated": stats, "accumulated": stats, "decode": stats}}} for
+    """One member's calibration of ``dtype`` (this process's kernels and threads, with
+    ``attn_implementation``):
+    {point: {output path: {"isolated": stats, "accumulated": stats, "decode": stats}}} for
     ``dtype``; {OUTPUT_POINT: {output name: {"accumulated": stats, "decode": stats}}} for the
     model's own outputs; {CACHE_POINT: {state: {"decode": stats}}} for the KV cache."""
     import torch
@@ -149,45 +146,3 @@ def calibrate(
         for (point_name, path), stats in table.items():
             result.setdefault(point_name, {}).setdefault(path, {})[mode] = _json_safe(stats)
     return result
-
-
-def calibrate_set(
-    golden: GoldenSet,
-    dtypes: Sequence[str] = DEFAULT_CALIBRATION,
-    *,
-    attn_implementation: str | None = None,
-    trust_remote_code: bool = False,
-    step: Callable[[str], None] | None = None,
-    placement: Placement | None = None,
-) -> None:
-    """Calibrates ``golden`` in each of ``dtypes`` with its own model (loaded as
-    ``placement`` says, where given) and stores it."""
-    attn = attn_implementation or golden.reference.attn_implementation
-    for dtype in dtypes:
-        if step is not None:
-            step(f"calibrating {dtype}")
-        table = calibrate(golden, golden.model_dir, dtype, attn_implementation=attn,
-                          trust_remote_code=trust_remote_code, placement=placement)  # fmt: skip
-        golden.write_calibration(dtype, table)
-
-
-def capture_calibrated(
-    model_dir: str | Path,
-    out: str | Path,
-    *,
-    calibrate: Sequence[str] = DEFAULT_CALIBRATION,
-    trust_remote_code: bool = False,
-    **options: Any,
-) -> GoldenSet:
-    """``numalign capture``: a capture (``golden.capture.capture``, same ``options``) that is
-    calibrated in ``calibrate`` before it is moved into place, so a set never appears without
-    its calibration."""
-    dtypes = tuple(calibrate)
-    placement = options.get("placement")
-
-    def finish(golden: GoldenSet, step: Callable[[str], None]) -> None:
-        calibrate_set(golden, dtypes, trust_remote_code=trust_remote_code, step=step,
-                      placement=placement)  # fmt: skip
-
-    return capture(model_dir, out, trust_remote_code=trust_remote_code, finish=finish,
-                   finish_steps=len(dtypes), **options)  # fmt: skip

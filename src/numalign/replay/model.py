@@ -115,37 +115,34 @@ def compare_point(
     actual = whole(actual, tuple(expected.shape))  # a tensor-parallel rank's shard
     if not expected.is_floating_point():
         return compare(actual, expected, name=name)
-    errors = cancellation_zeros(control.errors, expected, str(actual.dtype).removeprefix("torch."))
-    return compare(actual, expected, control_errors=errors,
+    reach = chance_zero_reach(control.errors, expected, str(actual.dtype).removeprefix("torch."))
+    return compare(actual, expected, control_errors=control.errors,
                    reduction_length=control.reduction, op_class="matmul", name=name,
-                   policy=policy)  # fmt: skip
+                   policy=policy, zero_reach=reach)  # fmt: skip
 
 
-def cancellation_zeros(errors: ControlErrors, expected: torch.Tensor, dtype: str) -> ControlErrors:
-    """``errors`` (a point's control), expecting exact zeros wherever the reference lies
-    within one rounding (ulp in ``dtype``) of the output's largest magnitude.
+def chance_zero_reach(errors: ControlErrors, expected: torch.Tensor, dtype: str) -> float | None:
+    """How far from zero the reference may lie where an honest candidate lands exactly on
+    zero: the control's worst error plus one rounding (ulp in ``dtype``) of the output's
+    largest magnitude (None where the dtype or the output gives no scale).
 
     A model's outputs are sums rounded to the dtype (a residual add, a row-parallel
-    all-reduce of partial sums, a fused kernel's accumulation). Where the true value is
-    smaller than one rounding of the addends, the rounded sum lands exactly on zero
-    (``a + b == 0`` in bfloat16): the reference in float32 almost never does, the calibrating
-    control at some places, another implementation (compiled, sharded over ranks) at others.
-    Those zeros are chance; the output's largest magnitude stands for the addends' scale. A
-    zeroed tile or row (reference values at the output's scale) still fails the rule."""
-    import dataclasses
-
+    all-reduce of partial sums, a fused kernel's accumulation). An honest candidate's value
+    before that last rounding is the reference plus its honest error (at most the ensemble's
+    worst, ``errors.max_abs``); where that sum is smaller than one rounding of the addends, the
+    rounded sum lands exactly on zero (``a + b == 0`` in bfloat16). The reference in float32
+    almost never does, each honest implementation at other places. Those zeros are chance;
+    the output's largest magnitude stands for the addends' scale. Zeros where the reference
+    lies beyond the reach (a zeroed tile or row) still fail, counted position by position."""
     from numalign.compare.tolerances import FLOAT_FORMATS
 
     if dtype not in FLOAT_FORMATS or not expected.numel():
-        return errors
+        return None
     largest = float(expected.abs().max())
     if largest == 0 or not math.isfinite(largest):
-        return errors
+        return None
     ulp = 2.0 ** (math.floor(math.log2(largest)) - FLOAT_FORMATS[dtype][0])
-    fraction = float((expected.abs() <= ulp).sum()) / expected.numel()
-    if fraction <= (errors.zero_fraction or 0.0):
-        return errors
-    return dataclasses.replace(errors, zero_fraction=fraction)
+    return ulp + (errors.max_abs if math.isfinite(errors.max_abs) else 0.0)
 
 
 class ReplayUnsupported(RuntimeError):
@@ -431,8 +428,12 @@ def judge_logits(
     spread = (policy or DEFAULT_POLICY).budget("logits", dtype, None).rel_l2_multiplier
     largest = float(expected.abs().max()) if expected.numel() else 0.0
     ulp = 2.0 ** (math.floor(math.log2(largest)) - FLOAT_FORMATS[dtype][0]) if largest > 0 else 0.0
-    # KL of two roundings of every logit: at most (2 * ulp / 2)**2 / 2
-    kl_budget = spread**2 * control.kl_max + ulp**2 / 2
+    # KL of two roundings of every logit: at most (2 * ulp / 2)**2 / 2; and the KL's own
+    # float64 evaluation, a sum over the vocabulary of p * (log p - log q) terms whose
+    # roundings reach about eps64 times the entropy (at most log(vocab)) plus one
+    vocab = int(expected.shape[-1]) if expected.dim() else 1
+    evaluation = 2.0**-52 * (math.log(max(vocab, 1)) + 1.0)
+    kl_budget = spread**2 * control.kl_max + ulp**2 / 2 + evaluation
     return LogitsResult(request, values, stats, kl_budget)
 
 

@@ -1,0 +1,131 @@
+"""The honest-variation matrix: numalign's suites replayed under every honest kernel variant
+this CPU offers, each of which must give zero failures (DESIGN.md, "Honest variation is
+tested, not assumed").
+
+Each variant changes what another machine would change, in combinations that are not members
+of the zoo's calibration ensemble (``numalign.replay.ensemble.default_members``: "low" is
+oneDNN AVX2 + ATen default + 1 thread + the other attention; "mid" is oneDNN one level below
+the machine's + ATen AVX2 + every core), so that passing is not passing by construction:
+
+- ``isa-avx2``: oneDNN at AVX2 with ATen at AVX2 (a machine without AVX-512);
+- ``isa-avx512-scalar``: oneDNN at AVX512_CORE with ATen's scalar kernels, two workers (one
+  thread each);
+- ``threads-2-sdpa``: the native kernels, one process with two threads, SDPA attention;
+- ``honest-swaps``: the native kernels with an honest fused RMSNorm and a var_mean LayerNorm
+  swapped into every model (float32 accumulation in another order than the reference's).
+
+Variants whose instruction set this CPU lacks are skipped (said in the table). The model
+suites run for every variant; the operator suite (``--operators``, tier pr) for the two
+instruction-set variants. The matrix prints a table (variant, tests, passed, failed, worst use of
+budget) and exits 1 on any failure, error or crash. ``--only NAME`` runs some variants;
+``--report-dir`` keeps each variant's run under ``<dir>/<variant>/``.
+
+    python ci/honest_matrix.py [--operators] [--only isa-avx2 ...] [-- extra pytest args]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+    #: pytest arguments (numalign options) besides the suite
+    args: tuple[str, ...] = ()
+    #: xdist workers (0: one process)
+    workers: int = 2
+    #: CPU flags the variant needs
+    needs: tuple[str, ...] = ()
+    operators: bool = False
+
+
+VARIANTS = (
+    Variant("isa-avx2", {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+            needs=("avx2",), operators=True),  # fmt: skip
+    Variant("isa-avx512-scalar", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+            "ATEN_CPU_CAPABILITY": "default"}, needs=("avx512f",), operators=True),  # fmt: skip
+    Variant("threads-2-sdpa", args=("--attn-implementation", "sdpa"), workers=0),
+    Variant("honest-swaps", args=("--swap", "rms_norm=fused", "--swap", "layer_norm=var_mean")),
+)
+
+
+def cpu_flags() -> frozenset[str]:
+    sys.path.insert(0, str(ROOT / "src"))
+    from numalign.replay.ensemble import cpu_flags as flags
+
+    return flags()
+
+
+def summarize(run: Path) -> dict[str, float]:
+    """Tests by outcome and the worst use of budget among passed records of one run."""
+    summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
+    worst = 0.0
+    with (run / "records.jsonl").open(encoding="utf-8") as lines:
+        for line in lines:
+            record = json.loads(line)
+            used = record.get("budget_used")
+            if record.get("verdict") == "passed" and isinstance(used, int | float):
+                worst = max(worst, float(used))
+    counts = summary.get("tests") or summary.get("counts") or {}
+    return {"worst": worst, **{k: v for k, v in counts.items() if isinstance(v, int | float)}}
+
+
+def run_variant(variant: Variant, suite: str, report_dir: Path, extra: list[str]) -> int:
+    out = report_dir / variant.name / suite.replace("/", "-")
+    command = [sys.executable, "-m", "pytest", suite, "-q", "-p", "no:cacheprovider",
+               "--report-dir", str(out), *variant.args, *extra]  # fmt: skip
+    command += ["-n", str(variant.workers)] if variant.workers else ["-p", "no:xdist"]
+    env = os.environ | variant.env | {"HF_HUB_OFFLINE": "1"}
+    print(f"== {variant.name}: {' '.join(f'{k}={v}' for k, v in variant.env.items())} "
+          f"pytest {' '.join(command[3:])}", flush=True)  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    tail = done.stdout.strip().splitlines()[-15:]
+    print("\n".join(tail), flush=True)
+    return done.returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--only", nargs="+", choices=[v.name for v in VARIANTS])
+    parser.add_argument("--operators", action="store_true", help="also the operator suite")
+    parser.add_argument("--report-dir", type=Path, default=ROOT / "reports" / "honest-matrix")
+    parser.add_argument("extra", nargs="*", help="extra pytest arguments (after --)")
+    args = parser.parse_args(argv)
+    flags = cpu_flags()
+    failed, rows = False, []
+    for variant in VARIANTS:
+        if args.only and variant.name not in args.only:
+            continue
+        missing = [f for f in variant.needs if f not in flags]
+        if missing:
+            rows.append((variant.name, "models", f"skipped: this CPU lacks {', '.join(missing)}"))
+            continue
+        suites = ["suites/models"] + (["suites/operators"] if args.operators and variant.operators
+                                      else [])  # fmt: skip
+        for suite in suites:
+            code = run_variant(variant, suite, args.report_dir, args.extra)
+            run = args.report_dir / variant.name / suite.replace("/", "-") / "latest"
+            stats = summarize(run) if (run / "summary.json").is_file() else {}
+            rows.append((variant.name, suite, f"exit {code}; " + ", ".join(
+                f"{k} {v:.3g}" if k == "worst" else f"{k} {int(v)}" for k, v in stats.items()
+            )))  # fmt: skip
+            failed |= code != 0
+    print("\nhonest-variation matrix:")
+    for name, suite, text in rows:
+        print(f"  {name:20} {suite:18} {text}")
+    print("honest matrix: " + ("FAILED (a false alarm above)" if failed else "no false alarm"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

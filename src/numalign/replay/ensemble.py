@@ -1,0 +1,385 @@
+"""The calibration ensemble: the honest members a golden set is calibrated over, and how
+their calibrations merge (DESIGN.md, rule 3).
+
+One control (the reference in the target dtype on the capture machine) is one sample of
+honest error; another machine, another kernel library or another attention implementation
+rounds elsewhere and is a second sample the budget never saw. A set is therefore calibrated
+over an ensemble of honest members, each the reference in the dtype run another honest way:
+
+- ``reference``: the reference as captured (in this process);
+- on the CPU, members in subprocesses whose environment selects other kernels as another
+  machine would: oneDNN's instruction sets below the machine's own (``ONEDNN_MAX_CPU_ISA``),
+  ATen's vectorized kernels at another width (``ATEN_CPU_CAPABILITY``), one thread and
+  several (reductions split otherwise), and the other attention implementation (eager or
+  SDPA) where the model has both;
+- members the user names (``--calibrate-with``, ``Member.parse``).
+
+Per point, output, mode and statistic the merged calibration keeps the ensemble's worst (the
+largest error, the lowest cosine, the norm ratio farthest from 1, the most exact zeros) and,
+beside it, the spread of the members (``<stat>_spread``: the worst over the smallest, for
+max_abs and rel_l2) and their count (``members``). float32 has no reference member (the
+golden set is the reference in float32: its error is zero by construction), so it is
+calibrated only where another member runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from numalign.golden.capture import capture
+from numalign.golden.manifest import Calibration
+
+if TYPE_CHECKING:
+    from numalign.golden.reference import Placement
+    from numalign.golden.store import GoldenSet
+
+#: The dtypes a capture calibrates by default.
+DEFAULT_CALIBRATION = ("float32", "bfloat16", "float16")
+
+#: oneDNN's instruction-set levels, lowest first, with the CPU flag each needs.
+ONEDNN_ISAS = (
+    ("AVX2", "avx2"),
+    ("AVX512_CORE", "avx512f"),
+    ("AVX512_CORE_BF16", "avx512_bf16"),
+    ("AVX512_CORE_AMX", "amx_bf16"),
+)
+#: ATen's CPU capabilities, lowest first, with the CPU flag each needs.
+ATEN_CAPABILITIES = (("default", ""), ("avx2", "avx2"), ("avx512", "avx512f"))
+#: Member keys that are not environment variables.
+_KEYS = ("onednn", "aten", "threads", "attn")
+#: Statistics whose worst is the largest value; cosine and norm_ratio are handled apart.
+_LARGEST = ("max_abs", "rel_l2", "mean_abs", "ulp_p99", "max_expected", "zero_fraction",
+            "nonfinite", "kl_max", "top1_unexplained", "top5_unexplained")  # fmt: skip
+#: Statistics whose spread over the members is kept beside the worst.
+SPREAD_STATS = ("max_abs", "rel_l2")
+
+
+class EnsembleError(RuntimeError):
+    """A member of the calibration ensemble could not run; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One honest member: environment variables (set before torch loads, so it runs in a
+    subprocess where it has any), a thread count and an attention implementation (None: the
+    process's default and the set's own)."""
+
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+    threads: int | None = None
+    attn_implementation: str | None = None
+
+    @property
+    def in_process(self) -> bool:
+        return not self.env
+
+    @classmethod
+    def parse(cls, spec: str) -> Member:
+        """A member from ``key=value,...``: ``onednn=AVX2``, ``aten=default``, ``threads=1``,
+        ``attn=sdpa``, or an environment variable in capitals (``MY_KERNELS=off``)."""
+        env: dict[str, str] = {}
+        threads: int | None = None
+        attn: str | None = None
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            key, sep, value = part.partition("=")
+            if not sep or not value:
+                raise ValueError(
+                    f"--calibrate-with {spec!r}: {part!r} is not key=value; keys: "
+                    f"{', '.join(_KEYS)}, or an environment variable in capitals"
+                )
+            if key == "onednn":
+                env["ONEDNN_MAX_CPU_ISA"] = value
+            elif key == "aten":
+                env["ATEN_CPU_CAPABILITY"] = value
+            elif key == "threads":
+                if not value.isdigit() or int(value) < 1:
+                    raise ValueError(f"--calibrate-with {spec!r}: threads={value} is not >= 1")
+                threads = int(value)
+            elif key == "attn":
+                attn = value
+            elif key.isupper():
+                env[key] = value
+            else:
+                raise ValueError(
+                    f"--calibrate-with {spec!r}: unknown key {key!r}; keys: {', '.join(_KEYS)}, "
+                    "or an environment variable in capitals"
+                )
+        if not (env or threads or attn):
+            raise ValueError(f"--calibrate-with {spec!r}: names no setting")
+        return cls(spec, env, threads, attn)
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def _levels(table: Sequence[tuple[str, str]], flags: frozenset[str]) -> list[str]:
+    return [name for name, flag in table if not flag or flag in flags]
+
+
+def _other_attention(attn: str | None) -> str:
+    return "sdpa" if attn in (None, "eager") else "eager"
+
+
+def default_members(
+    attn_implementation: str | None,
+    *,
+    device: str = "cpu",
+    flags: frozenset[str] | None = None,
+    cores: int | None = None,
+) -> list[Member]:
+    """The ensemble a capture calibrates over by default: the reference, and on the CPU two
+    members that between them change every knob another machine would (each knob to a value
+    the reference does not use), so that two subprocesses cover what a full grid would:
+
+    - ``low``: oneDNN at AVX2, ATen's scalar kernels, one thread, the other attention;
+    - ``mid``: oneDNN one level below the machine's own (where there is one), ATen at AVX2,
+      every core, the set's attention.
+
+    On an accelerator the environment does not select kernels: the other attention
+    implementation, in process."""
+    members = [Member("reference")]
+    other = _other_attention(attn_implementation)
+    if device != "cpu":
+        return [*members, Member(f"attn={other}", attn_implementation=other)]
+    flags = cpu_flags() if flags is None else flags
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    isas = _levels(ONEDNN_ISAS, flags)
+    atens = _levels(ATEN_CAPABILITIES, flags)
+    low_env = {"ATEN_CPU_CAPABILITY": "default"}
+    if len(isas) > 1:
+        low_env["ONEDNN_MAX_CPU_ISA"] = isas[0]
+    members.append(Member("low", low_env, threads=1, attn_implementation=other))
+    mid_env: dict[str, str] = {}
+    if len(isas) > 2:
+        mid_env["ONEDNN_MAX_CPU_ISA"] = isas[-2]
+    if len(atens) > 2:
+        mid_env["ATEN_CPU_CAPABILITY"] = "avx2"
+    if mid_env:
+        members.append(Member("mid", mid_env, threads=max(2, cores)))
+    return members
+
+
+def describe(member: Member) -> str:
+    """The member as the manifest lists it: its name and every setting it changes."""
+    parts = [f"{k}={v}" for k, v in sorted(member.env.items())]
+    if member.threads:
+        parts.append(f"threads={member.threads}")
+    if member.attn_implementation:
+        parts.append(f"attn={member.attn_implementation}")
+    return f"{member.name}: {', '.join(parts) or 'as captured'}"
+
+
+# -- merging -----------------------------------------------------------------------------------
+def _merge_stats(samples: Sequence[dict[str, float | None]]) -> dict[str, float | None]:
+    merged: dict[str, float | None] = {}
+    for key in {k for s in samples for k in s}:
+        values = [float(v) for s in samples if (v := s.get(key)) is not None]
+        if not values:
+            merged[key] = None
+        elif key == "cosine":
+            merged[key] = min(values)
+        elif key == "norm_ratio":
+            merged[key] = max(values, key=lambda v: abs(v - 1.0))
+        elif key in _LARGEST:
+            merged[key] = max(values)
+        else:  # a statistic this numalign does not know: the first member's
+            merged[key] = values[0]
+    for key in SPREAD_STATS:
+        values = [float(v) for s in samples if (v := s.get(key)) is not None]
+        positive = [v for v in values if v > 0 and math.isfinite(v)]
+        if len(values) > 1 and positive:
+            merged[f"{key}_spread"] = max(positive) / min(positive)
+    merged["members"] = float(len(samples))
+    return merged
+
+
+def merge(tables: Sequence[Calibration]) -> Calibration:
+    """The ensemble's calibration of one dtype from its members' (every point, output and
+    mode any member has; the worst and spread over those that have it)."""
+    keys = {(p, o, m) for t in tables for p, outs in t.items() for o, ms in outs.items() for m in ms}
+    result: Calibration = {}
+    for point, output, mode in sorted(keys):
+        samples = [s for t in tables if (s := t.get(point, {}).get(output, {}).get(mode))]
+        result.setdefault(point, {}).setdefault(output, {})[mode] = _merge_stats(samples)
+    return result
+
+
+# -- running a member --------------------------------------------------------------------------
+class _Running:
+    """A member running in a subprocess (``python -m numalign.replay.ensemble_member``) whose
+    environment carries its settings; ``result()`` waits for its calibrations."""
+
+    def __init__(self, member: Member, golden_path: Path, dtypes: Sequence[str],
+                 trust_remote_code: bool) -> None:  # fmt: skip
+        import tempfile
+
+        self.member = member
+        self._scratch = tempfile.TemporaryDirectory(prefix="numalign-member-")
+        self._out = Path(self._scratch.name) / "calibration.json"
+        command = [sys.executable, "-m", "numalign.replay.ensemble_member", str(golden_path),
+                   "--dtypes", ",".join(dtypes), "--out", str(self._out)]  # fmt: skip
+        if member.threads:
+            command += ["--threads", str(member.threads)]
+        if member.attn_implementation:
+            command += ["--attn", member.attn_implementation]
+        if trust_remote_code:
+            command.append("--trust-remote-code")
+        self._process = subprocess.Popen(
+            command, env=os.environ | member.env, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def result(self) -> dict[str, Calibration]:
+        try:
+            _, stderr = self._process.communicate()
+            if self._process.returncode != 0:
+                tail = "\n".join(stderr.strip().splitlines()[-8:])
+                raise EnsembleError(
+                    f"calibration member {describe(self.member)} failed (exit "
+                    f"{self._process.returncode}):\n{tail}\nname other members with "
+                    "--calibrate-with, or --calibrate-with none for the reference alone"
+                )
+            data: dict[str, Calibration] = json.loads(self._out.read_text(encoding="utf-8"))
+            return data
+        finally:
+            self._scratch.cleanup()
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        self._scratch.cleanup()
+
+
+def run_members(
+    members: Sequence[tuple[Member, Sequence[str]]],
+    golden_path: Path,
+    *,
+    trust_remote_code: bool = False,
+    placement: Placement | None = None,
+    step: Callable[[str], None] | None = None,
+) -> list[tuple[Member, dict[str, Calibration]]]:
+    """Each (member, dtypes)'s calibrations, in order: the subprocess members start first and
+    run while the in-process ones calibrate here (on a machine with several cores they take
+    about the time of one). A member that fails stops the others and raises EnsembleError."""
+    from numalign.replay.ensemble_member import calibrate_member
+
+    running = {
+        i: _Running(m, golden_path, d, trust_remote_code)
+        for i, (m, d) in enumerate(members)
+        if not m.in_process
+    }
+    results: list[tuple[Member, dict[str, Calibration]]] = []
+    try:
+        for i, (member, dtypes) in enumerate(members):
+            if step is not None:
+                step(f"calibrating {', '.join(dtypes)}: {describe(member)}")
+            if i in running:
+                results.append((member, running[i].result()))
+            else:
+                results.append((member, calibrate_member(
+                    golden_path, dtypes, member.threads, member.attn_implementation,
+                    trust_remote_code, placement=placement,
+                )))  # fmt: skip
+    finally:
+        for process in running.values():
+            process.stop()
+    return results
+
+
+# -- calibrating a set -------------------------------------------------------------------------
+def is_reference(member: Member) -> bool:
+    """The member that runs the reference exactly as it was captured."""
+    return member.in_process and not member.threads and not member.attn_implementation
+
+
+def calibrate_set(
+    golden: GoldenSet,
+    dtypes: Sequence[str] = DEFAULT_CALIBRATION,
+    *,
+    members: Sequence[Member] | None = None,
+    trust_remote_code: bool = False,
+    step: Callable[[str], None] | None = None,
+    placement: Placement | None = None,
+) -> None:
+    """Calibrates ``golden`` in each of ``dtypes`` over ``members`` (``default_members``
+    when None) and stores the merged calibration with the members' descriptions. The
+    reference member skips the reference's own dtype (its error there is zero by
+    construction); a dtype no member calibrated keeps no calibration. Under ``placement``
+    (a model too big for memory) only in-process members run: a subprocess would load the
+    whole model again."""
+    if members is None:
+        members = default_members(golden.reference.attn_implementation,
+                                  device=golden.reference.device)  # fmt: skip
+    planned = [
+        (m, [d for d in dtypes if not (is_reference(m) and d == golden.reference.dtype)])
+        for m in members
+        if placement is None or m.in_process
+    ]
+    tables: dict[str, list[Calibration]] = {d: [] for d in dtypes}
+    ran: dict[str, list[str]] = {d: [] for d in dtypes}
+    for member, result in run_members(
+        [(m, d) for m, d in planned if d], golden.path, trust_remote_code=trust_remote_code,
+        placement=placement, step=step,
+    ):  # fmt: skip
+        for dtype, table in result.items():
+            tables[dtype].append(table)
+            ran[dtype].append(describe(member))
+    for dtype in dtypes:
+        if tables[dtype]:
+            golden.write_calibration(dtype, merge(tables[dtype]), members=ran[dtype])
+
+
+def calibration_steps(golden_reference_dtype: str, dtypes: Sequence[str],
+                      members: Sequence[Member]) -> int:  # fmt: skip
+    """How many progress steps ``calibrate_set`` takes."""
+    return sum(
+        any(not (is_reference(m) and d == golden_reference_dtype) for d in dtypes) for m in members
+    )
+
+
+def capture_calibrated(
+    model_dir: str | Path,
+    out: str | Path,
+    *,
+    calibrate: Sequence[str] = DEFAULT_CALIBRATION,
+    members: Sequence[Member] | None = None,
+    trust_remote_code: bool = False,
+    **options: Any,
+) -> GoldenSet:
+    """``numalign capture``: a capture (``golden.capture.capture``, same ``options``) that is
+    calibrated in ``calibrate`` over the ensemble before it is moved into place, so a set
+    never appears without its calibration."""
+    dtypes = tuple(calibrate)
+    placement = options.get("placement")
+    chosen = (
+        list(members)
+        if members is not None
+        else default_members(options.get("attn_implementation") or "eager")
+    )
+
+    def finish(golden: GoldenSet, step: Callable[[str], None]) -> None:
+        calibrate_set(golden, dtypes, members=chosen, trust_remote_code=trust_remote_code,
+                      step=step, placement=placement)  # fmt: skip
+
+    steps = calibration_steps(options.get("reference_dtype", "float32"), dtypes, chosen)
+    return capture(model_dir, out, trust_remote_code=trust_remote_code, finish=finish,
+                   finish_steps=steps if dtypes else 0, **options)  # fmt: skip
