@@ -50,10 +50,18 @@ class Variant:
 
 
 VARIANTS = (
-    Variant("isa-avx2", {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
-            needs=("avx2",), operators=True),  # fmt: skip
-    Variant("isa-avx512-scalar", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
-            "ATEN_CPU_CAPABILITY": "default"}, needs=("avx512f",), operators=True),  # fmt: skip
+    Variant(
+        "isa-avx2",
+        {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+        needs=("avx2",),
+        operators=True,
+    ),
+    Variant(
+        "isa-avx512-scalar",
+        {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "default"},
+        needs=("avx512f",),
+        operators=True,
+    ),
     Variant("threads-2-sdpa", args=("--attn-implementation", "sdpa"), workers=0),
     Variant("honest-swaps", args=("--swap", "rms_norm=fused", "--swap", "layer_norm=var_mean")),
 )

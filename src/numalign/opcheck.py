@@ -168,7 +168,9 @@ def check_operator(
             expected, reference = truth[output.name], control[output.name].to(a.device)
             undecided = output.undecided(inputs, case) if output.undecided else None
             if undecided is not None:
-                a, expected, reference = (_zero_where(undecided, t) for t in (a, expected, reference))
+                a, expected, reference = (
+                    _zero_where(undecided, t) for t in (a, expected, reference)
+                )
             result = compare(
                 a,
                 expected,

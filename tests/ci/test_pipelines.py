@@ -198,3 +198,27 @@ def test_run_brings_up_a_model_in_one_command(tmp_path: Path) -> None:
     # the capture holds a cached decode, and decode replay ran on it (every cache)
     decode = {r.swap for r in records if r.model == "bringup-gpt2" and r.mode == "decode"}
     assert decode == {"cache=dynamic", "cache=static", "cache=paged"}
+
+
+def test_the_honest_matrix_runs_in_ci_with_variants_that_are_not_calibration_members() -> None:
+    import importlib.util
+
+    from numalign.replay.ensemble import default_members
+
+    spec = importlib.util.spec_from_file_location("honest_matrix", ROOT / "ci" / "honest_matrix.py")
+    assert spec is not None and spec.loader is not None
+    matrix = importlib.util.module_from_spec(spec)
+    sys.modules["honest_matrix"] = matrix  # its dataclasses look their module up
+    spec.loader.exec_module(matrix)
+    assert "ci/honest_matrix.py" in (ROOT / ".ci" / "run").read_text()
+    # on every kind of CPU the zoo may be captured on, no variant is a member: passing the
+    # matrix is not passing by construction
+    for flags in (
+        frozenset({"avx2"}),
+        frozenset({"avx2", "avx512f", "avx512_bf16"}),
+        frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}),
+    ):
+        members = [m.env for m in default_members("eager", flags=flags, cores=2)]
+        for variant in matrix.VARIANTS:
+            if variant.env:  # kernels selected otherwise than by every member
+                assert variant.env not in members, (variant.name, flags)

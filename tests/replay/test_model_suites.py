@@ -15,37 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SUITES = ROOT / "suites" / "models"
 
-BAD_NORMS = '''
-import torch
-import numalign
-from operators.norms import rms_norm_reference
-from operators._common import up
-
-@numalign.candidate("rms_norm", name="bad_eps")
-def bad_eps(x, weight, eps, offset=0.0):
-    """An epsilon of 1e-2 where the model says 1e-6: fine for large inputs, not here."""
-    return rms_norm_reference(x, weight, 1e-2, offset)
-
-@numalign.candidate("rope_tables", name="bad_interleaved")
-def bad_interleaved(x, cos, sin):
-    """GPT-J's interleaved pairs where the model rotates halves."""
-    xf = up(x)
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    c, s = up(cos)[..., : x.shape[-1] // 2], up(sin)[..., : x.shape[-1] // 2]
-    return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)
-
-@numalign.candidate("rms_norm", name="scaled_1pct")
-def scaled_1pct(x, weight, eps, offset=0.0):
-    """An RMSNorm whose output is 1% too large: within bfloat16's max-abs budget at most
-    elements, a systematic scale all the same."""
-    return (up(rms_norm_reference(x, weight, eps, offset)) * 1.01).to(x.dtype)
-
-@numalign.candidate("rms_norm", name="good_fused")
-def good_fused(x, weight, eps, offset=0.0):
-    xf = up(x)
-    inv = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (xf * inv * (offset + up(weight))).to(x.dtype)
-'''
+#: Planted model bugs and an honest swap, as a candidates module (one home for the tests
+#: here and bench/bench_separation.py).
+BAD_NORMS = (Path(__file__).with_name("planted_models.py")).read_text(encoding="utf-8")
 
 
 def run_suite(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:

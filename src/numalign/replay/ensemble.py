@@ -214,7 +214,9 @@ def _merge_stats(samples: Sequence[dict[str, float | None]]) -> dict[str, float 
 def merge(tables: Sequence[Calibration]) -> Calibration:
     """The ensemble's calibration of one dtype from its members' (every point, output and
     mode any member has; the worst and spread over those that have it)."""
-    keys = {(p, o, m) for t in tables for p, outs in t.items() for o, ms in outs.items() for m in ms}
+    keys = {
+        (p, o, m) for t in tables for p, outs in t.items() for o, ms in outs.items() for m in ms
+    }
     result: Calibration = {}
     for point, output, mode in sorted(keys):
         samples = [s for t in tables if (s := t.get(point, {}).get(output, {}).get(mode))]

@@ -67,7 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtypes", required=True, help="comma list of dtypes to calibrate")
     parser.add_argument("--out", type=Path, required=True, help="where the JSON goes")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
-    parser.add_argument("--attn", default=None, help="attention implementation (default: the set's)")
+    parser.add_argument(
+        "--attn", default=None, help="attention implementation (default: the set's)"
+    )
     parser.add_argument("--trust-remote-code", action="store_true")
     args = parser.parse_args(argv)
     tables = calibrate_member(args.set, [d for d in args.dtypes.split(",") if d], args.threads,
