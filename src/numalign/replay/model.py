@@ -58,41 +58,73 @@ def control_for(
     """The control of a point's output in ``dtype`` (the set's calibration), and the
     reduction length behind it (the hidden size; times the depth for accumulated points).
 
-    A dtype without calibration (float32, float64) borrows the closest calibrated one
-    (float16, else bfloat16), scaled: the reference model amplifies an error the same way in
-    every dtype (linear error propagation), so what matters is the error each operation makes.
-    A float16 kernel (float32 accumulation, one rounding) errs by about one float16 rounding;
-    a float32 kernel that sums a reduction of length K in another order (other threads, another
-    device) errs by up to sqrt(K) float32 roundings. The borrowed errors therefore scale by
-    s = 2**-13 * sqrt(hidden) (the ratio of unit roundoffs times the reduction's walk).
-    Errors and the norm ratio's deviation from 1 scale by s; 1 - cosine and KL, quadratic in
-    the error, by s**2."""
-    from numalign.compare.tolerances import FLOAT_FORMATS
-
+    A dtype finer than the calibrated 16-bit ones (float32, float64) is also judged by the
+    closest of those (float16, else bfloat16), scaled, and the control is the worse of that
+    and its own ensemble calibration (where the set has one). The reference model amplifies
+    an error the same way in every dtype (linear error propagation), so what matters is the
+    error each operation makes. A float16 kernel (float32 accumulation, one rounding) errs by
+    about one float16 rounding; a float32 kernel that sums a reduction of length K in another
+    order (a fused norm, other threads, another device) errs by up to sqrt(K) float32
+    roundings. The borrowed errors therefore scale by s = 2**-13 * sqrt(hidden) (the ratio of
+    unit roundoffs times the reduction's walk); errors and the norm ratio's deviation from 1
+    by s, 1 - cosine and KL, quadratic in the error, by s**2. The ensemble samples the
+    kernels it can select (instruction sets, threads, attention); the scaled bound covers an
+    implementation that reorders every reduction, which no member does (an honest fused
+    RMSNorm swapped into tiny-qwen3-next in float32 erred 8.7x the ensemble's worst)."""
     reduction = hidden * (depth if mode in ("accumulated", "output", "decode") else 1)
-    stats, scale = _calibration(golden, dtype, point, path, mode), 1.0
-    if stats is None:
-        for source in ("float16", "bfloat16"):
-            stats = _calibration(golden, source, point, path, mode)
-            if stats is not None and dtype in FLOAT_FORMATS:
-                roundoff = 2.0 ** (FLOAT_FORMATS[source][0] - FLOAT_FORMATS[dtype][0])
-                scale = roundoff * math.sqrt(hidden) if roundoff < 1 else roundoff
-                break
-    if stats is None:
+    own = _calibration(golden, dtype, point, path, mode)
+    candidates = [_scaled(own, 1.0)] if own is not None else []
+    borrowed = _borrowed(golden, dtype, point, path, mode, hidden)
+    if borrowed is not None:
+        candidates.append(borrowed)
+    if not candidates:
         return Control(ControlErrors(max_abs=0.0, rel_l2=0.0), reduction, calibrated=False)
-    norm_ratio = stats.get("norm_ratio")
-    kl = stats.get("kl_max")
+    errors = [c for c, _ in candidates]
+    kls = [kl for _, kl in candidates if kl is not None]
+    norms = [e.norm_ratio for e in errors if e.norm_ratio is not None]
+    zeros = [e.zero_fraction for e in errors if e.zero_fraction is not None]
     return Control(
         ControlErrors(
-            max_abs=float(stats["max_abs"]) * scale,
-            rel_l2=float(stats["rel_l2"] or 0.0) * scale,
-            cosine=1.0 - (1.0 - float(stats.get("cosine") or 1.0)) * scale**2,
-            norm_ratio=None if norm_ratio is None else 1.0 + (float(norm_ratio) - 1.0) * scale,
-            zero_fraction=stats.get("zero_fraction"),
+            max_abs=max(e.max_abs for e in errors),
+            rel_l2=max(e.rel_l2 for e in errors),
+            cosine=min(e.cosine for e in errors),
+            norm_ratio=max(norms, key=lambda v: abs(v - 1.0)) if norms else None,
+            zero_fraction=max(zeros) if zeros else None,
         ),
         reduction,
-        kl_max=None if kl is None else float(kl) * scale**2,
+        kl_max=max(kls) if kls else None,
     )
+
+
+def _borrowed(
+    golden: GoldenSet, dtype: str, point: str, path: str, mode: str, hidden: int
+) -> tuple[ControlErrors, float | None] | None:
+    """The closest 16-bit calibration scaled to ``dtype`` (see ``control_for``), for dtypes
+    finer than it; None for the 16-bit dtypes themselves or where neither is calibrated."""
+    from numalign.compare.tolerances import FLOAT_FORMATS
+
+    if dtype not in FLOAT_FORMATS or dtype in ("float16", "bfloat16"):
+        return None
+    for source in ("float16", "bfloat16"):
+        stats = _calibration(golden, source, point, path, mode)
+        if stats is not None:
+            roundoff = 2.0 ** (FLOAT_FORMATS[source][0] - FLOAT_FORMATS[dtype][0])
+            return _scaled(stats, roundoff * math.sqrt(hidden) if roundoff < 1 else roundoff)
+    return None
+
+
+def _scaled(stats: Any, scale: float) -> tuple[ControlErrors, float | None]:
+    """A calibration's statistics as the control's errors (scaled by ``scale``) and KL."""
+    norm_ratio = stats.get("norm_ratio")
+    kl = stats.get("kl_max")
+    errors = ControlErrors(
+        max_abs=float(stats["max_abs"]) * scale,
+        rel_l2=float(stats["rel_l2"] or 0.0) * scale,
+        cosine=1.0 - (1.0 - float(stats.get("cosine") or 1.0)) * scale**2,
+        norm_ratio=None if norm_ratio is None else 1.0 + (float(norm_ratio) - 1.0) * scale,
+        zero_fraction=stats.get("zero_fraction"),
+    )
+    return errors, None if kl is None else float(kl) * scale**2
 
 
 def _calibration(golden: GoldenSet, dtype: str, point: str, path: str, mode: str) -> Any:

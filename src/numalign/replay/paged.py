@@ -83,8 +83,9 @@ def paged_unsupported(model: Any) -> str | None:
 
 def paged_divergence(model: Any) -> str | None:
     """A divergence of transformers' paged engine from the reference that numalign has
-    measured and reported (the decode suite marks such a failure as an expected one, with its
-    records kept): None when the engine should agree."""
+    measured and reported: None when the engine should agree. A failure is expected only
+    where it matches the divergence's signature (``serving.known_divergence``: the errors of
+    ``signature_model``, the reference without the feature the engine lacks)."""
     config = model.config.get_text_config(decoder=True)
     if getattr(config, "attn_logit_softcapping", None):
         return (
@@ -95,6 +96,23 @@ def paged_divergence(model: Any) -> str | None:
             "removed)"
         )
     return None
+
+
+def signature_model(golden: GoldenSet, dtype: str, device: torch.device | str) -> Any:
+    """The reference in ``dtype`` as the paged engine computes it where ``paged_divergence``
+    says it diverges: with the attention soft-capping removed (from the config and from
+    every module that copied it), its set's attention implementation, on ``device``."""
+    from numalign.golden.reference import load_model
+
+    attn = golden.reference.attn_implementation
+    model = load_model(golden.model_dir, dtype, attn_implementation=attn, trust_remote_code=False)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        if getattr(config, "attn_logit_softcapping", None):
+            config.attn_logit_softcapping = None
+    for module in model.modules():
+        if getattr(module, "attn_logit_softcapping", None):
+            module.attn_logit_softcapping = None
+    return model.to(device)
 
 
 @dataclass

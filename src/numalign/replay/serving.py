@@ -64,7 +64,79 @@ def _paged_model(
         return cache.model_for(golden, settings, device, dtype)
 
 
-def known_divergence(model: Any, implementation: str) -> str | None:
-    """A measured divergence of the serving path from the reference, where there is one
-    (``replay.paged.paged_divergence``)."""
-    return paged_divergence(model) if implementation == "paged" else None
+def known_divergence(
+    golden: GoldenSet,
+    model: Any,
+    verdict: DecodeVerdict,
+    dtype: str,
+    device: torch.device | str,
+    implementation: str,
+) -> str | None:
+    """The reason a failed decode verdict is an expected failure, or None when it is not.
+
+    A measured divergence of the serving path (``replay.paged.paged_divergence``: its
+    kernels do not apply the attention soft-capping) is expected only where its signature
+    matches: every failing point and logits of the verdict erred as the reference does with
+    that feature removed (``signature_model``), within the point's own budget. Anything beyond
+    it (a planted bug on top, a missing normalizer) is not explained and fails."""
+    if implementation != "paged":
+        return None
+    reason = paged_divergence(model)
+    if reason is None:
+        return None
+    unexplained = _unexplained(golden, verdict, dtype, device)
+    if unexplained:
+        return None
+    return reason
+
+
+def _unexplained(
+    golden: GoldenSet, verdict: DecodeVerdict, dtype: str, device: torch.device | str
+) -> list[str]:
+    """The failing results of ``verdict`` whose errors differ from the signature model's
+    (the reference without soft-capping, decoded with the reference's cache) by more than
+    their budget."""
+    import torch
+
+    from numalign.compare import compute_metrics
+    from numalign.compare.logits import logits_stats
+    from numalign.golden.decode import REFERENCE_CACHE
+    from numalign.golden.manifest import OUTPUT_POINT
+    from numalign.replay.decode import run_decode
+    from numalign.replay.paged import signature_model
+
+    torch_dtype = getattr(torch, dtype)
+    model = signature_model(golden, dtype, device)
+    errors: dict[tuple[str, int, str, str], tuple[float, float, float]] = {}
+
+    def on_pair(request: str, step: int, point: str, path: str, actual: Any,
+                expected: Any) -> None:  # fmt: skip
+        m = compute_metrics(actual, expected)
+        kl = logits_stats(actual, expected, 0.0).kl_max if point == OUTPUT_POINT else 0.0
+        errors[(request, step, point, path)] = (m.max_abs, m.rel_l2, kl)
+
+    with torch.no_grad():
+        for request in golden.decode_requests:
+            run_decode(golden, model, request, REFERENCE_CACHE, torch_dtype, device, on_pair)
+    out = []
+    for r in verdict.points:
+        if r.result.passed:
+            continue
+        signature = errors.get((r.request, r.step or 0, r.point, r.path))
+        if signature is None or not _within(r.result, signature[:2]):
+            out.append(f"{r.point} at step {r.step}, request {r.request}")
+    for lg in verdict.logits:
+        if lg.passed or lg.values is None or lg.stats is None:
+            continue
+        signature = errors.get((lg.request, lg.step or 0, OUTPUT_POINT, "logits"))
+        kl_ok = signature is not None and abs(lg.stats.kl_max - signature[2]) <= lg.kl_budget
+        if signature is None or not (_within(lg.values, signature[:2]) and kl_ok):
+            out.append(f"the logits at step {lg.step}, request {lg.request}")
+    return out
+
+
+def _within(result: Any, signature: tuple[float, float]) -> bool:
+    """The result's max abs and relative L2 errors equal the signature's within its budget."""
+    budget, metrics = result.budget, result.metrics
+    same_max = abs(metrics.max_abs - signature[0]) <= budget.get("max_abs", 0.0)
+    return bool(same_max and abs(metrics.rel_l2 - signature[1]) <= budget.get("rel_l2", 0.0))
