@@ -248,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="MEMBER",
         help="a member of the calibration ensemble besides the reference, as key=value,... "
-        "(onednn=AVX2, aten=default, threads=1, attn=sdpa, or an ENV_VAR=value); repeatable; "
+        "(onednn=AVX2, aten=default, threads=1, attn=sdpa, dtypes=float32/bfloat16, or an "
+        "ENV_VAR=value); repeatable; "
         "replaces the default members (on the CPU: oneDNN and ATen instruction sets below the "
         "machine's, one thread and several, the other attention); 'none': the reference alone",
     )

@@ -18,13 +18,16 @@ EPYC = frozenset({"avx2", "avx512f", "avx512_bf16"})
 
 
 def test_a_member_is_parsed_from_key_value_pairs() -> None:
-    member = Member.parse("onednn=AVX2,aten=default,threads=1,attn=sdpa,MY_KERNELS=off")
+    member = Member.parse(
+        "onednn=AVX2,aten=default,threads=1,attn=sdpa,dtypes=float32/bfloat16,MY_KERNELS=off"
+    )
     assert member.env == {
         "ONEDNN_MAX_CPU_ISA": "AVX2",
         "ATEN_CPU_CAPABILITY": "default",
         "MY_KERNELS": "off",
     }
     assert (member.threads, member.attn_implementation) == (1, "sdpa")
+    assert member.dtypes == ("float32", "bfloat16")
     assert not member.in_process
     assert Member.parse("threads=4").in_process  # no environment: it runs here
 
@@ -47,15 +50,18 @@ def test_default_members_move_every_knob_below_the_machines_own() -> None:
     assert set(members) == {"reference", "low", "mid"}
     low, mid = members["low"], members["mid"]
     assert low.env == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "default"}
-    assert (low.threads, low.attn_implementation) == (1, "sdpa")
+    # float32 only: ATen's scalar kernels emulate 16-bit arithmetic slowly
+    assert (low.threads, low.attn_implementation, low.dtypes) == (1, "sdpa", ("float32",))
     # one oneDNN level below the machine's own (AVX512_CORE_BF16), ATen at AVX2, every core
     assert mid.env == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx2"}
-    assert (mid.threads, mid.attn_implementation) == (2, None)
-    # an AVX2-only machine has no lower oneDNN level: ATen's scalar kernels still differ
+    assert (mid.threads, mid.attn_implementation, mid.dtypes) == (2, "sdpa", None)
+    # an AVX2-only machine has no lower oneDNN level: ATen's scalar kernels still differ, and
+    # mid changes threads and attention in process
     avx2 = {m.name: m for m in default_members("sdpa", flags=frozenset({"avx2"}), cores=4)}
-    assert set(avx2) == {"reference", "low"}
+    assert set(avx2) == {"reference", "low", "mid"}
     assert avx2["low"].env == {"ATEN_CPU_CAPABILITY": "default"}
     assert avx2["low"].attn_implementation == "eager"
+    assert avx2["mid"].in_process and avx2["mid"].threads == 4
     # an accelerator: the other attention, in process
     cuda = default_members("sdpa", device="cuda")
     assert [(m.name, m.in_process, m.attn_implementation) for m in cuda] == [
@@ -63,7 +69,8 @@ def test_default_members_move_every_knob_below_the_machines_own() -> None:
         ("attn=eager", True, "eager"),
     ]
     assert describe(low) == (
-        "low: ATEN_CPU_CAPABILITY=default, ONEDNN_MAX_CPU_ISA=AVX2, threads=1, attn=sdpa"
+        "low: ATEN_CPU_CAPABILITY=default, ONEDNN_MAX_CPU_ISA=AVX2, threads=1, attn=sdpa, "
+        "dtypes=float32"
     )
 
 

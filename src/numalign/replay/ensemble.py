@@ -54,7 +54,7 @@ ONEDNN_ISAS = (
 #: ATen's CPU capabilities, lowest first, with the CPU flag each needs.
 ATEN_CAPABILITIES = (("default", ""), ("avx2", "avx2"), ("avx512", "avx512f"))
 #: Member keys that are not environment variables.
-_KEYS = ("onednn", "aten", "threads", "attn")
+_KEYS = ("onednn", "aten", "threads", "attn", "dtypes")
 #: Statistics whose worst is the largest value; cosine and norm_ratio are handled apart.
 _LARGEST = ("max_abs", "rel_l2", "mean_abs", "ulp_p99", "max_expected", "zero_fraction",
             "nonfinite", "kl_max", "top1_unexplained", "top5_unexplained")  # fmt: skip
@@ -76,6 +76,8 @@ class Member:
     env: dict[str, str] = field(default_factory=dict)
     threads: int | None = None
     attn_implementation: str | None = None
+    #: the dtypes it calibrates (None: every dtype asked for)
+    dtypes: tuple[str, ...] | None = None
 
     @property
     def in_process(self) -> bool:
@@ -84,10 +86,12 @@ class Member:
     @classmethod
     def parse(cls, spec: str) -> Member:
         """A member from ``key=value,...``: ``onednn=AVX2``, ``aten=default``, ``threads=1``,
-        ``attn=sdpa``, or an environment variable in capitals (``MY_KERNELS=off``)."""
+        ``attn=sdpa``, ``dtypes=float32/bfloat16`` (the dtypes it calibrates; default all), or
+        an environment variable in capitals (``MY_KERNELS=off``)."""
         env: dict[str, str] = {}
         threads: int | None = None
         attn: str | None = None
+        dtypes: tuple[str, ...] | None = None
         for part in filter(None, (p.strip() for p in spec.split(","))):
             key, sep, value = part.partition("=")
             if not sep or not value:
@@ -105,6 +109,8 @@ class Member:
                 threads = int(value)
             elif key == "attn":
                 attn = value
+            elif key == "dtypes":
+                dtypes = tuple(d for d in value.split("/") if d)
             elif key.isupper():
                 env[key] = value
             else:
@@ -114,7 +120,7 @@ class Member:
                 )
         if not (env or threads or attn):
             raise ValueError(f"--calibrate-with {spec!r}: names no setting")
-        return cls(spec, env, threads, attn)
+        return cls(spec, env, threads, attn, dtypes)
 
 
 def cpu_flags() -> frozenset[str]:
@@ -149,11 +155,17 @@ def default_members(
     the reference does not use), so that two subprocesses cover what a full grid would:
 
     - ``low``: oneDNN at AVX2, ATen's scalar kernels, one thread, the other attention;
+      float32 only (ATen's scalar kernels emulate 16-bit arithmetic: float16 took 79 s where
+      float32 took 17 s on SmolLM2-135M);
     - ``mid``: oneDNN one level below the machine's own (where there is one), ATen at AVX2,
-      every core, the set's attention.
+      every core, the other attention; every dtype (on a CPU without a lower level it runs in
+      process, threads and attention only).
 
-    On an accelerator the environment does not select kernels: the other attention
-    implementation, in process."""
+    So float32 has two members besides the reference (which is exact there: the golden set is
+    the reference in float32) and the 16-bit dtypes have the reference and ``mid``; the
+    capture of SmolLM2-135M costs 2.9x one control's (``bench/bench_ensemble.py``). On an
+    accelerator the environment does not select kernels: the other attention implementation,
+    in process."""
     members = [Member("reference")]
     other = _other_attention(attn_implementation)
     if device != "cpu":
@@ -166,14 +178,14 @@ def default_members(
     low_env = {"ATEN_CPU_CAPABILITY": "default"}
     if len(isas) > 1:
         low_env["ONEDNN_MAX_CPU_ISA"] = isas[0]
-    members.append(Member("low", low_env, threads=1, attn_implementation=other))
+    members.append(Member("low", low_env, threads=1, attn_implementation=other,
+                          dtypes=("float32",)))  # fmt: skip
     mid_env: dict[str, str] = {}
     if len(isas) > 2:
         mid_env["ONEDNN_MAX_CPU_ISA"] = isas[-2]
     if len(atens) > 2:
         mid_env["ATEN_CPU_CAPABILITY"] = "avx2"
-    if mid_env:
-        members.append(Member("mid", mid_env, threads=max(2, cores)))
+    members.append(Member("mid", mid_env, threads=max(2, cores), attn_implementation=other))
     return members
 
 
@@ -184,6 +196,8 @@ def describe(member: Member) -> str:
         parts.append(f"threads={member.threads}")
     if member.attn_implementation:
         parts.append(f"attn={member.attn_implementation}")
+    if member.dtypes is not None:
+        parts.append(f"dtypes={'/'.join(member.dtypes)}")
     return f"{member.name}: {', '.join(parts) or 'as captured'}"
 
 
@@ -227,7 +241,8 @@ def merge(tables: Sequence[Calibration]) -> Calibration:
 # -- running a member --------------------------------------------------------------------------
 class _Running:
     """A member running in a subprocess (``python -m numalign.replay.ensemble_member``) whose
-    environment carries its settings; ``result()`` waits for its calibrations."""
+    environment carries its settings; ``result()`` waits for its calibrations, ``stop()``
+    ends it (an interrupted capture leaves no member behind)."""
 
     def __init__(self, member: Member, golden_path: Path, dtypes: Sequence[str],
                  trust_remote_code: bool) -> None:  # fmt: skip
@@ -279,31 +294,27 @@ def run_members(
     placement: Placement | None = None,
     step: Callable[[str], None] | None = None,
 ) -> list[tuple[Member, dict[str, Calibration]]]:
-    """Each (member, dtypes)'s calibrations, in order: the subprocess members start first and
-    run while the in-process ones calibrate here (on a machine with several cores they take
-    about the time of one). A member that fails stops the others and raises EnsembleError."""
+    """Each (member, dtypes)'s calibrations, in order, one member at a time: members use
+    every core they are given (torch's threads), and members run side by side oversubscribe
+    them (measured on 2 cores: 3.3x slower than one after another). A member that fails
+    raises EnsembleError."""
     from numalign.replay.ensemble_member import calibrate_member
 
-    running = {
-        i: _Running(m, golden_path, d, trust_remote_code)
-        for i, (m, d) in enumerate(members)
-        if not m.in_process
-    }
     results: list[tuple[Member, dict[str, Calibration]]] = []
-    try:
-        for i, (member, dtypes) in enumerate(members):
-            if step is not None:
-                step(f"calibrating {', '.join(dtypes)}: {describe(member)}")
-            if i in running:
-                results.append((member, running[i].result()))
-            else:
-                results.append((member, calibrate_member(
-                    golden_path, dtypes, member.threads, member.attn_implementation,
-                    trust_remote_code, placement=placement,
-                )))  # fmt: skip
-    finally:
-        for process in running.values():
-            process.stop()
+    for member, dtypes in members:
+        if step is not None:
+            step(f"calibrating {', '.join(dtypes)}: {describe(member)}")
+        if member.in_process:
+            results.append((member, calibrate_member(
+                golden_path, dtypes, member.threads, member.attn_implementation,
+                trust_remote_code, placement=placement,
+            )))  # fmt: skip
+            continue
+        running = _Running(member, golden_path, dtypes, trust_remote_code)
+        try:
+            results.append((member, running.result()))
+        finally:
+            running.stop()
     return results
 
 
@@ -332,7 +343,7 @@ def calibrate_set(
         members = default_members(golden.reference.attn_implementation,
                                   device=golden.reference.device)  # fmt: skip
     planned = [
-        (m, [d for d in dtypes if not (is_reference(m) and d == golden.reference.dtype)])
+        (m, _member_dtypes(m, dtypes, golden.reference.dtype))
         for m in members
         if placement is None or m.in_process
     ]
@@ -350,12 +361,21 @@ def calibrate_set(
             golden.write_calibration(dtype, merge(tables[dtype]), members=ran[dtype])
 
 
+def _member_dtypes(member: Member, dtypes: Sequence[str], reference_dtype: str) -> list[str]:
+    """The dtypes of ``dtypes`` the member calibrates: those it takes, less the reference's
+    own dtype for the reference member (exact there by construction)."""
+    return [
+        d
+        for d in dtypes
+        if (member.dtypes is None or d in member.dtypes)
+        and not (is_reference(member) and d == reference_dtype)
+    ]
+
+
 def calibration_steps(golden_reference_dtype: str, dtypes: Sequence[str],
                       members: Sequence[Member]) -> int:  # fmt: skip
     """How many progress steps ``calibrate_set`` takes."""
-    return sum(
-        any(not (is_reference(m) and d == golden_reference_dtype) for d in dtypes) for m in members
-    )
+    return sum(bool(_member_dtypes(m, dtypes, golden_reference_dtype)) for m in members)
 
 
 def capture_calibrated(
