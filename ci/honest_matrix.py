@@ -17,8 +17,10 @@ the machine's + ATen AVX2 + every core), so that passing is not passing by const
 
 Variants whose instruction set this CPU lacks are skipped (said in the table). The model
 suites run for every variant; the operator suite (``--operators``, tier pr) for the two
-instruction-set variants. The matrix prints a table (variant, tests, passed, failed, worst use of
-budget) and exits 1 on any failure, error or crash. ``--only NAME`` runs some variants;
+instruction-set variants. The matrix prints a table (variant, suite, exit code, the worst use
+of budget among passed records, pytest's closing line) and exits 1 on any failure, error or
+crash (an expected failure, the paged engine's soft-capping gap where its signature matches,
+is pytest's xfail and not a failure). ``--only NAME`` runs some variants;
 ``--report-dir`` keeps each variant's run under ``<dir>/<variant>/``.
 
     python ci/honest_matrix.py [--operators] [--only isa-avx2 ...] [-- extra pytest args]
@@ -84,9 +86,8 @@ def cpu_flags() -> frozenset[str]:
     return flags()
 
 
-def summarize(run: Path) -> dict[str, float]:
-    """Tests by outcome and the worst use of budget among passed records of one run."""
-    summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
+def worst_passed(run: Path) -> float:
+    """The worst use of budget among the passed records of one run."""
     worst = 0.0
     with (run / "records.jsonl").open(encoding="utf-8") as lines:
         for line in lines:
@@ -94,11 +95,13 @@ def summarize(run: Path) -> dict[str, float]:
             used = record.get("budget_used")
             if record.get("verdict") == "passed" and isinstance(used, int | float):
                 worst = max(worst, float(used))
-    counts = summary.get("tests") or summary.get("counts") or {}
-    return {"worst": worst, **{k: v for k, v in counts.items() if isinstance(v, int | float)}}
+    return worst
 
 
-def run_variant(variant: Variant, suite: str, report_dir: Path, extra: list[str]) -> int:
+def run_variant(
+    variant: Variant, suite: str, report_dir: Path, extra: list[str]
+) -> tuple[int, str]:
+    """Runs one suite under the variant: its exit code and pytest's closing line."""
     out = report_dir / variant.name / suite.replace("/", "-")
     command = [sys.executable, "-m", "pytest", suite, "-q", "-p", "no:cacheprovider",
                "--report-dir", str(out), *variant.args, *extra]  # fmt: skip
@@ -107,9 +110,9 @@ def run_variant(variant: Variant, suite: str, report_dir: Path, extra: list[str]
     print(f"== {variant.name}: {' '.join(f'{k}={v}' for k, v in variant.env.items())} "
           f"pytest {' '.join(command[3:])}", flush=True)  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    tail = done.stdout.strip().splitlines()[-15:]
-    print("\n".join(tail), flush=True)
-    return done.returncode
+    lines = done.stdout.strip().splitlines()
+    print("\n".join(lines[-15:]), flush=True)
+    return done.returncode, (lines[-1] if lines else "no output").strip("= ")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,12 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         suites = ["suites/models"] + (["suites/operators"] if args.operators and variant.operators
                                       else [])  # fmt: skip
         for suite in suites:
-            code = run_variant(variant, suite, args.report_dir, args.extra)
+            code, closing = run_variant(variant, suite, args.report_dir, args.extra)
             run = args.report_dir / variant.name / suite.replace("/", "-") / "latest"
-            stats = summarize(run) if (run / "summary.json").is_file() else {}
-            rows.append((variant.name, suite, f"exit {code}; " + ", ".join(
-                f"{k} {v:.3g}" if k == "worst" else f"{k} {int(v)}" for k, v in stats.items()
-            )))  # fmt: skip
+            worst = worst_passed(run) if (run / "records.jsonl").is_file() else float("nan")
+            rows.append((variant.name, suite, f"exit {code}; worst {worst:.3g}; {closing}"))
             failed |= code != 0
     print("\nhonest-variation matrix:")
     for name, suite, text in rows:

@@ -57,6 +57,7 @@ def compare(
     name: str = "output",
     policy: TolerancePolicy | None = None,
     zero_reach: float | None = None,
+    propagated: bool = False,
 ) -> CompareResult:
     """Compares a candidate output with the truth and returns every metric and a verdict.
 
@@ -81,6 +82,10 @@ def compare(
         zero_reach: the reference magnitude up to which an exact zero in the candidate is
             chance (an honest value rounded onto zero); exact zeros then count against the
             distribution rule only where the reference lies beyond it, position by position.
+        propagated: the candidate's error includes what honest differences upstream carried
+            into it (a point of the whole model, a decode step): against a calibration, its
+            norm may then move as far as its relative L2 budget allows, not only as far as
+            the control's own error (an isolated point's systematic scale is judged alone).
     """
 
     if op_class not in OP_CLASSES:
@@ -196,6 +201,7 @@ def compare(
     distribution = _distribution(
         actual, expected, metrics, control_metrics, spread, dtype,
         calibrated_budget=result.budget if calibrated else None, zero_reach=zero_reach,
+        propagated=propagated,
     )  # fmt: skip
     if distribution:
         reason, hint, used = distribution
@@ -422,6 +428,7 @@ def _distribution(
     *,
     calibrated_budget: dict[str, float] | None = None,
     zero_reach: float | None = None,
+    propagated: bool = False,
 ) -> tuple[str, str, float] | None:
     """Rule 4: values within tolerance but abnormal fail.
 
@@ -440,7 +447,16 @@ def _distribution(
     norm_tol, cos_tol = table[dtype]
     if calibrated_budget is not None:
         b = calibrated_budget
-        norm_tol = max(norm_tol, b["control_rel_l2"] + b["accumulation_rel"])
+        # an error of relative L2 r moves a norm by at most r: a point alone by the control's
+        # own error (a systematic scale beyond it is the point's), a point fed by upstream
+        # honest differences by as much error of the control's kind as the budget allows
+        # (its multiplier times the control's; not the eps floor, which stands for the
+        # candidate's own extra roundings, unbiased: they cannot move a norm). SmolLM2-135M
+        # with an honest fused RMSNorm in bfloat16: norm ratio 0.991 at layer 2's MLP in the
+        # whole model, where every member reached 0.998; a 1% scaled RMSNorm still fails at
+        # layer 0's norm, where little error comes from upstream.
+        control_kind = b["rel_l2_multiplier"] if propagated else 1.0
+        norm_tol = max(norm_tol, control_kind * b["control_rel_l2"] + b["accumulation_rel"])
         cos_tol = max(cos_tol, b["rel_l2"] ** 2 / 2)
     references = [control] if control is not None else []
 

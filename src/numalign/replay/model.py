@@ -50,6 +50,9 @@ class Control:
     reduction: int
     kl_max: float | None = None
     calibrated: bool = True
+    #: the point runs inside the whole model (accumulated, decode, the model's outputs):
+    #: honest differences upstream reach it
+    propagated: bool = False
 
 
 def control_for(
@@ -71,7 +74,8 @@ def control_for(
     kernels it can select (instruction sets, threads, attention); the scaled bound covers an
     implementation that reorders every reduction, which no member does (an honest fused
     RMSNorm swapped into tiny-qwen3-next in float32 erred 8.7x the ensemble's worst)."""
-    reduction = hidden * (depth if mode in ("accumulated", "output", "decode") else 1)
+    propagated = mode in ("accumulated", "output", "decode")
+    reduction = hidden * (depth if propagated else 1)
     own = _calibration(golden, dtype, point, path, mode)
     candidates = [_scaled(own, 1.0)] if own is not None else []
     borrowed = _borrowed(golden, dtype, point, path, mode, hidden)
@@ -93,6 +97,7 @@ def control_for(
         ),
         reduction,
         kl_max=max(kls) if kls else None,
+        propagated=propagated,
     )
 
 
@@ -150,7 +155,7 @@ def compare_point(
     reach = chance_zero_reach(control.errors, expected, str(actual.dtype).removeprefix("torch."))
     return compare(actual, expected, control_errors=control.errors,
                    reduction_length=control.reduction, op_class="matmul", name=name,
-                   policy=policy, zero_reach=reach)  # fmt: skip
+                   policy=policy, zero_reach=reach, propagated=control.propagated)  # fmt: skip
 
 
 def chance_zero_reach(errors: ControlErrors, expected: torch.Tensor, dtype: str) -> float | None:
