@@ -15,6 +15,7 @@ from numalign.compare.metrics import (
     Metrics,
     compute_metrics,
     count_rounding_zeros,
+    error_tail,
     float_format,
     rounding_control,
 )
@@ -26,6 +27,10 @@ from numalign.compare.tolerances import (
     DTYPE_TOLERANCES,
     FLOAT_FORMATS,
     OP_CLASSES,
+    SCALE_ACCUMULATOR_ROUNDOFFS,
+    SCALE_MIN_ELEMENTS,
+    SCALE_OUTPUT_ROUNDOFFS,
+    SCALE_Z,
     ZERO_EXCESS_COUNT,
     ZERO_EXCESS_FRACTION,
     Budget,
@@ -125,8 +130,10 @@ def compare(
     eps = 2.0 ** -fmt[0]
     has_control = control is not None or control_errors is not None
     if has_control:
+        tail = None
         if control is not None:
             control_metrics = compute_metrics(control, expected)
+            tail = error_tail(control, expected)  # the worst error of a fresh draw
         else:
             assert control_errors is not None
             control_metrics = control_errors.as_metrics(expected)
@@ -138,7 +145,8 @@ def compare(
         acc_fmt = FLOAT_FORMATS["float64" if dtype == "float64" else "float32"]
         floor = _ulp(control_metrics.max_expected, fmt)
         accumulation = walk * _ulp(control_metrics.max_expected, acc_fmt)
-        limit_max = multipliers.max_abs_multiplier * control_metrics.max_abs + floor + accumulation
+        worst = max(control_metrics.max_abs, tail or 0.0)
+        limit_max = multipliers.max_abs_multiplier * worst + floor + accumulation
         limit_l2 = (
             multipliers.rel_l2_multiplier * control_metrics.rel_l2 + eps + walk * 2.0 ** -acc_fmt[0]
         )
@@ -147,6 +155,7 @@ def compare(
             "max_abs": limit_max,
             "max_abs_multiplier": multipliers.max_abs_multiplier,
             "control_max_abs": control_metrics.max_abs,
+            "control_tail": worst,
             "floor": floor,
             "accumulation": accumulation,
             "rel_l2": limit_l2,
@@ -203,6 +212,11 @@ def compare(
         calibrated_budget=result.budget if calibrated else None, zero_reach=zero_reach,
         propagated=propagated,
     )  # fmt: skip
+    if distribution is None and control is not None:
+        widen = spread / Budget().rel_l2_multiplier  # a budget override widens the floor too
+        distribution = _systematic_scale(
+            actual, expected, control, dtype, reduction_length, max(1.0, widen)
+        )
     if distribution:
         reason, hint, used = distribution
         result.budget_used = max(result.budget_used, used)  # how far past its limit
@@ -514,6 +528,62 @@ def _distribution(
                     excess / allowed,
                 )
     return None
+
+
+def _slope(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float, int]:
+    """The error's regression on the truth through zero, d = beta * e + r: (beta, its
+    heteroscedasticity-robust standard error, elements), over the finite elements."""
+    import torch
+
+    a = actual.detach().reshape(-1).to(torch.float64)
+    e = expected.detach().reshape(-1).to(torch.float64).to(a.device)
+    keep = a.isfinite() & e.isfinite()
+    a, e = a[keep], e[keep]
+    ee = float(e @ e)
+    if ee == 0.0 or not math.isfinite(ee):
+        return 0.0, math.inf, int(e.numel())
+    d = a - e
+    beta = float(d @ e) / ee
+    r = d - beta * e
+    return beta, math.sqrt(float((e * e) @ (r * r))) / ee, int(e.numel())
+
+
+def _systematic_scale(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    control: torch.Tensor,
+    dtype: str,
+    reduction_length: int | None,
+    widen: float = 1.0,
+) -> tuple[str, str, float] | None:
+    """A scale shared by many elements, resolved below one rounding per element: the
+    candidate's slope of error on truth against the control's, judged by its standard
+    error (``SCALE_Z``) and by its size (the floors of ``tolerances.SCALE_*``, times
+    ``widen``)."""
+    beta, se, n = _slope(actual, expected)
+    if n < SCALE_MIN_ELEMENTS:
+        return None
+    beta_c, se_c, _ = _slope(control, expected)
+    shift = beta - beta_c
+    roundoff = 2.0 ** -FLOAT_FORMATS[dtype][0] / 2
+    acc = 2.0 ** -FLOAT_FORMATS["float64" if dtype == "float64" else "float32"][0] / 2
+    walk = math.sqrt(reduction_length) if reduction_length and reduction_length > 1 else 0.0
+    floor = widen * max(
+        SCALE_ACCUMULATOR_ROUNDOFFS * acc, walk * acc, SCALE_OUTPUT_ROUNDOFFS * roundoff
+    )
+    spread = math.hypot(se, se_c)
+    z = abs(shift) / spread if spread > 0 else (math.inf if shift else 0.0)
+    if z <= SCALE_Z or abs(shift) <= floor:
+        return None
+    return (
+        f"values are within the budget but share a systematic scale of {shift:+.3%} across "
+        f"{n} elements ({_g(z, 3)} standard errors; the control's {beta_c:+.3%}), beyond "
+        f"what honest rounding leans ({_g(floor, 3)} in {dtype})",
+        "a systematic scale below one rounding per element: check accumulation precision "
+        "(a sum of squares or a normalizer accumulated in the input dtype), epsilon, and "
+        "rounding that truncates instead of rounding to nearest",
+        abs(shift) / floor,
+    )
 
 
 def _zeros_beyond_reach(

@@ -11,7 +11,12 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from numalign.compare.tolerances import FLOAT_FORMATS, Tolerance
+from numalign.compare.tolerances import (
+    FLOAT_FORMATS,
+    TAIL_EXCEEDANCE,
+    TAIL_ORDER_STATISTICS,
+    Tolerance,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -389,3 +394,22 @@ def count_rounding_zeros(expected: torch.Tensor, dtype: torch.dtype) -> int:
 def rounding_control(expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The truth rounded once to ``dtype``: the least error any kernel in ``dtype`` has."""
     return expected.detach().to(dtype)
+
+
+def error_tail(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """The level a fresh worst absolute error of ``actual``'s kind exceeds with probability
+    about ``TAIL_EXCEEDANCE``: the worst finite error plus ln(1 / TAIL_EXCEEDANCE) times the
+    mean excess of the ``TAIL_ORDER_STATISTICS`` largest errors over the next one (an
+    exponential tail's scale; at most a tenth of the elements are used, and tensors of fewer
+    than 20 elements give their worst error)."""
+    import torch
+
+    d = actual.detach().to(torch.float64) - expected.detach().to(torch.float64).to(actual.device)
+    d = d.abs().reshape(-1)
+    d = d[d.isfinite()]
+    k = min(TAIL_ORDER_STATISTICS, d.numel() // 10)
+    if k < 2:
+        return float(d.max()) if d.numel() else 0.0
+    top = torch.topk(d, k + 1).values
+    scale = float((top[:k] - top[k]).mean())
+    return float(top[0]) + math.log(1.0 / TAIL_EXCEEDANCE) * scale

@@ -88,9 +88,15 @@ class CompareResult:
             walk_rel = (
                 f" + accumulation {_g(b['accumulation_rel'])}" if b.get("accumulation_rel") else ""
             )
+            tail = b.get("control_tail", b["control_max_abs"])
+            control = (
+                f"control {_g(b['control_max_abs'])}"
+                if tail <= b["control_max_abs"]
+                else f"the control's tail {_g(tail)} (its worst {_g(b['control_max_abs'])})"
+            )
             return (
-                f"max abs <= {_g(b['max_abs'])} = {_g(b['max_abs_multiplier'])} x control "
-                f"{_g(b['control_max_abs'])} + 1 ulp {_g(b['floor'])}{walk_abs}; relative L2 <= "
+                f"max abs <= {_g(b['max_abs'])} = {_g(b['max_abs_multiplier'])} x {control}"
+                f" + 1 ulp {_g(b['floor'])}{walk_abs}; relative L2 <= "
                 f"{_g(b['rel_l2'])} = {_g(b['rel_l2_multiplier'])} x control "
                 f"{_g(b['control_rel_l2'])} + eps {_g(b['eps'])}{walk_rel}"
             )
