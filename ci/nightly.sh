@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The nightly regression, for any CI: recapture the golden sets of changed models (previous
 # versions kept), run every suite at tier nightly (this machine's shard with SHARD=i/n)
-# against the previous nightly run, carry the history, fail on a regression.
+# against the previous nightly run, carry the history, fail on a regression; first, the honest
+# operator candidates on reseeded inputs.
 #
 # Keep reports/nightly/ between runs (restore it from the previous run's artifacts first):
 # its latest/ run is the baseline and history.jsonl the trend.
@@ -21,5 +22,9 @@ extra=()
 [ -n "${SHARD:-}" ] && extra+=(--shard "$SHARD")
 compile=()
 [ "${NUMALIGN_COMPILE:-inductor}" != "none" ] && compile=(--compile "${NUMALIGN_COMPILE:-inductor}")
+# Honest candidates on freshly drawn inputs: each case of the sampled operators under 8 seeds
+# it was not tuned on (tests/operators/test_reseeded.py).
+NUMALIGN_RESEEDS="${NUMALIGN_RESEEDS:-8}" python3 -m pytest -q -p no:cacheprovider \
+    tests/operators/test_reseeded.py
 exec numalign nightly --report-dir "$report_dir" --tier "${TIER:-nightly}" "${compile[@]}" "$@" \
     -- "${extra[@]}"

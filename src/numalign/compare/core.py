@@ -557,32 +557,33 @@ def _systematic_scale(
     widen: float = 1.0,
 ) -> tuple[str, str, float] | None:
     """A scale shared by many elements, resolved below one rounding per element: the
-    candidate's slope of error on truth against the control's, judged by its standard
-    error (``SCALE_Z``) and by its size (the floors of ``tolerances.SCALE_*``, times
+    candidate's slope of error on truth, judged by its standard error (``SCALE_Z``) and by
+    how much it exceeds the control's own lean (the floors of ``tolerances.SCALE_*``, times
     ``widen``)."""
     beta, se, n = _slope(actual, expected)
     if n < SCALE_MIN_ELEMENTS:
         return None
-    beta_c, se_c, _ = _slope(control, expected)
-    shift = beta - beta_c
+    beta_c, _, _ = _slope(control, expected)
+    # how much more the candidate leans than the control (a candidate closer to the truth
+    # than a control that rounds a shared scale, say, leans less and passes)
+    shift = abs(beta) - abs(beta_c)
     roundoff = 2.0 ** -FLOAT_FORMATS[dtype][0] / 2
     acc = 2.0 ** -FLOAT_FORMATS["float64" if dtype == "float64" else "float32"][0] / 2
     walk = math.sqrt(reduction_length) if reduction_length and reduction_length > 1 else 0.0
     floor = widen * max(
         SCALE_ACCUMULATOR_ROUNDOFFS * acc, walk * acc, SCALE_OUTPUT_ROUNDOFFS * roundoff
     )
-    spread = math.hypot(se, se_c)
-    z = abs(shift) / spread if spread > 0 else (math.inf if shift else 0.0)
-    if z <= SCALE_Z or abs(shift) <= floor:
+    z = abs(beta) / se if se > 0 else (math.inf if beta else 0.0)
+    if z <= SCALE_Z or shift <= floor:
         return None
     return (
-        f"values are within the budget but share a systematic scale of {shift:+.3%} across "
+        f"values are within the budget but share a systematic scale of {beta:+.3%} across "
         f"{n} elements ({_g(z, 3)} standard errors; the control's {beta_c:+.3%}), beyond "
         f"what honest rounding leans ({_g(floor, 3)} in {dtype})",
         "a systematic scale below one rounding per element: check accumulation precision "
         "(a sum of squares or a normalizer accumulated in the input dtype), epsilon, and "
         "rounding that truncates instead of rounding to nearest",
-        abs(shift) / floor,
+        shift / floor,
     )
 
 
