@@ -145,6 +145,8 @@ def _golden(args: argparse.Namespace) -> int:
           f"torch {ref.torch}, transformers {ref.transformers}")  # fmt: skip
     print(f"requests   {', '.join(r.name for r in g.requests)}")
     print(f"calibrated {', '.join(m.calibration) or 'no'}")
+    for dtype, members in m.ensemble.items():
+        print(f"  {dtype:9} over {len(members)} member(s): {'; '.join(members)}")
     print(
         f"size       {g.disk_bytes() / 1e6:.2f} MB on disk, "
         f"{g.unique_tensor_bytes() / 1e6:.2f} MB of unique tensors"
