@@ -132,8 +132,8 @@ TAIL_EXCEEDANCE = 0.01
 
 #: A systematic scale (the error's regression on the truth, against the control's) fails when
 #: it is real, shared and beyond what honest rounding leans. Real: SCALE_Z standard errors of
-#: the two slopes (heteroscedasticity-robust, so a few large elements do not decide it); at 6,
-#: about one false alarm in 5e8 tests where the errors are independent. Shared: at least
+#: the candidate's slope (heteroscedasticity-robust, so a few large elements do not decide
+#: it); at 6, about one false alarm in 5e8 tests where the errors are independent. Shared: at least
 #: SCALE_MIN_ELEMENTS elements. Beyond honest rounding, the largest of:
 #: - SCALE_ACCUMULATOR_ROUNDOFFS unit roundoffs (u = eps / 2) of the accumulator (float32;
 #:   float64 for float64): internal roundings biased alike (a reciprocal then a product, a

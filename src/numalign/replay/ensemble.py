@@ -239,51 +239,37 @@ def merge(tables: Sequence[Calibration]) -> Calibration:
 
 
 # -- running a member --------------------------------------------------------------------------
-class _Running:
-    """A member running in a subprocess (``python -m numalign.replay.ensemble_member``) whose
-    environment carries its settings; ``result()`` waits for its calibrations, ``stop()``
-    ends it (an interrupted capture leaves no member behind)."""
+def _run_in_subprocess(
+    member: Member, golden_path: Path, dtypes: Sequence[str], trust_remote_code: bool
+) -> dict[str, Calibration]:
+    """The member's calibrations from ``python -m numalign.replay.ensemble_member`` in a
+    subprocess whose environment carries its settings (``subprocess.run`` ends it if this
+    process is interrupted, so no member outlives a capture)."""
+    import tempfile
 
-    def __init__(self, member: Member, golden_path: Path, dtypes: Sequence[str],
-                 trust_remote_code: bool) -> None:  # fmt: skip
-        import tempfile
-
-        self.member = member
-        self._scratch = tempfile.TemporaryDirectory(prefix="numalign-member-")
-        self._out = Path(self._scratch.name) / "calibration.json"
+    with tempfile.TemporaryDirectory(prefix="numalign-member-") as scratch:
+        out = Path(scratch) / "calibration.json"
         command = [sys.executable, "-m", "numalign.replay.ensemble_member", str(golden_path),
-                   "--dtypes", ",".join(dtypes), "--out", str(self._out)]  # fmt: skip
+                   "--dtypes", ",".join(dtypes), "--out", str(out)]  # fmt: skip
         if member.threads:
             command += ["--threads", str(member.threads)]
         if member.attn_implementation:
             command += ["--attn", member.attn_implementation]
         if trust_remote_code:
             command.append("--trust-remote-code")
-        self._process = subprocess.Popen(
+        done = subprocess.run(
             command, env=os.environ | member.env, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True,
+            stderr=subprocess.PIPE, text=True, check=False,
         )  # fmt: skip
-
-    def result(self) -> dict[str, Calibration]:
-        try:
-            _, stderr = self._process.communicate()
-            if self._process.returncode != 0:
-                tail = "\n".join(stderr.strip().splitlines()[-8:])
-                raise EnsembleError(
-                    f"calibration member {describe(self.member)} failed (exit "
-                    f"{self._process.returncode}):\n{tail}\nname other members with "
-                    "--calibrate-with, or --calibrate-with none for the reference alone"
-                )
-            data: dict[str, Calibration] = json.loads(self._out.read_text(encoding="utf-8"))
-            return data
-        finally:
-            self._scratch.cleanup()
-
-    def stop(self) -> None:
-        if self._process.poll() is None:
-            self._process.kill()
-            self._process.wait()
-        self._scratch.cleanup()
+        if done.returncode != 0:
+            tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+            raise EnsembleError(
+                f"calibration member {describe(member)} failed (exit {done.returncode}):\n"
+                f"{tail}\nname other members with --calibrate-with, or --calibrate-with none "
+                "for the reference alone"
+            )
+        data: dict[str, Calibration] = json.loads(out.read_text(encoding="utf-8"))
+        return data
 
 
 def run_members(
@@ -296,7 +282,7 @@ def run_members(
 ) -> list[tuple[Member, dict[str, Calibration]]]:
     """Each (member, dtypes)'s calibrations, in order, one member at a time: members use
     every core they are given (torch's threads), and members run side by side oversubscribe
-    them (measured on 2 cores: 3.3x slower than one after another). A member that fails
+    them (measured on 2 cores: 3.7x slower than one after another). A member that fails
     raises EnsembleError."""
     from numalign.replay.ensemble_member import calibrate_member
 
@@ -310,11 +296,8 @@ def run_members(
                 trust_remote_code, placement=placement,
             )))  # fmt: skip
             continue
-        running = _Running(member, golden_path, dtypes, trust_remote_code)
-        try:
-            results.append((member, running.result()))
-        finally:
-            running.stop()
+        results.append((member, _run_in_subprocess(member, golden_path, dtypes,
+                                                   trust_remote_code)))  # fmt: skip
     return results
 
 
