@@ -15,13 +15,16 @@ from numalign.settings import (
     DEFAULT_CACHE_IMPLEMENTATIONS,
     DEFAULT_DTYPES,
     DEFAULT_TIER,
+    DEFAULT_VLLM_MEMORY,
     TIERS,
     Settings,
     in_shard,
     parse_cache_implementations,
     parse_dtypes,
+    parse_engine,
     parse_seconds,
     parse_shard,
+    parse_share,
     parse_tier,
     parse_tp,
     validate_device,
@@ -51,6 +54,8 @@ MARKERS = {
     "smoke": "runs at every tier (smoke, pr, nightly)",
     "pr": "runs at tiers pr and nightly (deselected at smoke)",
     "nightly": "runs at tier nightly only",
+    "replay_group": "replay_group(name): a model-suite test's set and dtype; an engine that "
+    "serves one model at a time runs a group's tests together",
 }
 
 # (option, ini key, help, extra add_option kwargs, ini type, default)
@@ -160,6 +165,25 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
         {},
         "string",
         "",
+    ),
+    (
+        "--engine",
+        "numalign_engine",
+        "what replays the model suites' models: transformers (the reference's modelling "
+        "code) or vllm (vLLM's own model code, its modules mapped to the capture points; "
+        "see docs/vllm.md)",
+        {},
+        "string",
+        "transformers",
+    ),
+    (
+        "--vllm-memory",
+        "numalign_vllm_memory",
+        "share of the device's memory (on CPU: of RAM) vLLM reserves for its KV cache "
+        f"(gpu_memory_utilization; default {DEFAULT_VLLM_MEMORY})",
+        {},
+        "string",
+        str(DEFAULT_VLLM_MEMORY),
     ),
     (
         "--experts-implementation",
@@ -281,6 +305,8 @@ def settings_from_config(config: pytest.Config) -> Settings:
         caches = parse_cache_implementations(str(_value(config, "numalign_cache_implementation")))
         tp = parse_tp(str(_value(config, "numalign_tp")))
         tp_timeout = parse_seconds(str(_value(config, "numalign_tp_timeout")), "--tp-timeout")
+        engine = parse_engine(str(_value(config, "numalign_engine") or ""))
+        vllm_memory = parse_share(str(_value(config, "numalign_vllm_memory")), "--vllm-memory")
     except ValueError as exc:
         raise pytest.UsageError(f"numalign: {exc}") from None
     golden = tuple(Path(p) for p in _value(config, "numalign_golden"))
@@ -334,6 +360,8 @@ def settings_from_config(config: pytest.Config) -> Settings:
         tp=tp,
         tp_timeout=tp_timeout,
         tp_launcher=str(_value(config, "numalign_tp_launcher") or "").strip() or None,
+        engine=engine,
+        vllm_memory=vllm_memory,
     )
 
 
@@ -423,6 +451,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    if settings.engine != "transformers":  # one model at a time: each group's tests together
+        from numalign.replay.engines import group_tests
+
+        group_tests(items)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

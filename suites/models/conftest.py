@@ -1,5 +1,5 @@
-"""Shared set-up of the model suites: a per-worker model cache, and the guard every replay
-runs in."""
+"""Shared set-up of the model suites: the per-worker replay engine (``--engine``), and the
+guard every replay runs in."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 from numalign.golden import GoldenSetError
 from numalign.record import NodeRecorder
 from numalign.replay.compiled import CompileError
-from numalign.replay.model import ModelCache, ReplayUnsupported, variant_label
+from numalign.replay.engines import Engine, open_engine
+from numalign.replay.engines.errors import EngineError, EngineUnsupported
+from numalign.replay.model import ReplayUnsupported, variant_label
 from numalign.replay.paged import PagedUnsupported
 from numalign.replay.tensor_parallel import (
     NoTensorParallelPlan,
@@ -22,12 +24,13 @@ from numalign.replay.tensor_parallel import (
 
 
 @pytest.fixture(scope="session")
-def model_cache() -> Iterator[ModelCache]:
-    """Models loaded once per worker for each (set, device, dtype, swaps); under --tp, the
-    worker's group of ranks, stopped when the session ends."""
-    cache = ModelCache()
-    yield cache
-    cache.close()
+def replay_engine(numalign_settings: Any) -> Iterator[Engine]:
+    """The session's engine, once per worker: transformers (models loaded once per set,
+    device, dtype and variant; under --tp, the worker's group of ranks) or vLLM (one engine
+    at a time per worker), stopped when the session ends."""
+    engine = open_engine(numalign_settings)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture
@@ -40,7 +43,9 @@ def replay_guard(
     record (a known compiler bug is an expected failure, its record kept); a rank that died
     or hung fails it with a ``crashed`` record (the session goes on:
     the group was stopped, the next test starts a fresh one); a path transformers lacks for
-    this model skips."""
+    this model skips, as does a model the serving engine does not support (with its
+    reason); an engine that fails to start or to serve fails the test with an ``error`` (or
+    ``crashed``) record, and the next test starts it afresh."""
 
     @contextmanager
     def guard() -> Iterator[None]:
@@ -50,8 +55,20 @@ def replay_guard(
         except GoldenSetError as exc:
             record_drift.error(exc)
             pytest.fail(str(exc), pytrace=False)
-        except (ReplayUnsupported, PagedUnsupported, NoTensorParallelPlan) as exc:
+        except (
+            ReplayUnsupported,
+            PagedUnsupported,
+            NoTensorParallelPlan,
+            EngineUnsupported,
+        ) as exc:
             pytest.skip(str(exc))
+        except EngineError as exc:  # the engine failed to start, or to serve: this test only
+            swap = variant_label(numalign_settings)
+            if exc.crashed:
+                record_drift.crashed(str(exc).splitlines()[0], str(exc), swap=swap)
+            else:
+                record_drift.error(exc, swap=swap)
+            pytest.fail(str(exc), pytrace=False)
         except CompileError as exc:
             record_drift.error(exc, swap=variant_label(numalign_settings), **exc.record_fields())
             if exc.known:  # an upstream compiler bug: expected while it lasts, recorded

@@ -20,9 +20,8 @@ import torch
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.compiled import GraphBreakWarning
-from numalign.replay.decode import decode_unavailable
-from numalign.replay.model import ModelCache, suite_sets
-from numalign.replay.serving import decode_replay, known_divergence
+from numalign.replay.engines import Engine, decode_caches, replay_group
+from numalign.replay.model import suite_sets
 
 ROOT = Path(__file__).resolve().parents[2]
 # Graph breaks under --compile are reported, not failures (as in test_model).
@@ -36,13 +35,17 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     settings = metafunc.config.stash[settings_key]
     sets = suite_sets(ROOT, settings.golden_dirs)
-    ids = [
-        f"{p}::{p.name}-{d}-{c}"
+    cases = [
+        pytest.param(
+            f"{p}::{p.name}-{d}-{c}",
+            id=f"{p.name}-{d}-{c}",
+            marks=pytest.mark.replay_group(replay_group(str(p), d)),
+        )
         for p in sets
         for d in settings.dtypes
-        for c in settings.cache_implementations
+        for c in decode_caches(settings)
     ]
-    metafunc.parametrize("decode_case", ids, ids=[i.split("::", 1)[1] for i in ids])
+    metafunc.parametrize("decode_case", cases)
 
 
 @pytest.mark.decode
@@ -51,7 +54,7 @@ def test_decode(
     decode_case: str,
     numalign_device: torch.device,
     numalign_settings: Any,
-    model_cache: ModelCache,
+    replay_engine: Engine,
     tolerance_policy: Any,
     record_drift: NodeRecorder,
     replay_guard: Any,
@@ -61,19 +64,16 @@ def test_decode(
     rest, _, implementation = rest.rpartition("-")
     dtype = rest.rpartition("-")[2]
     with replay_guard():
-        golden, model, verdict = decode_replay(
-            model_cache, path, numalign_settings, numalign_device, dtype, implementation,
-            tolerance_policy,
-        )  # fmt: skip
-    if verdict is None:
-        pytest.skip(decode_unavailable(golden, dtype) or "no decode steps")
-    context = model_cache.record_context(golden, numalign_settings, numalign_device, model)
-    context["swap"] = ",".join(filter(None, [context["swap"], f"cache={implementation}"]))
-    for record in verdict.records(record_drift.nodeid, **context):
+        replayed = replay_engine.decode(
+            path, dtype, implementation, numalign_device, tolerance_policy
+        )
+    if replayed.verdict is None:
+        pytest.skip(replayed.skipped or "no decode steps")
+    verdict = replayed.verdict
+    for record in verdict.records(record_drift.nodeid, **replayed.context):
         record_drift.add(record)
     if not verdict.passed:
-        message = verdict.message(f"{golden.name} [{dtype}]")
-        known = known_divergence(golden, model, verdict, dtype, numalign_device, implementation)
-        if known:  # measured, reported, and its signature matches: expected, records kept
-            pytest.xfail(f"known divergence: {known}\n{message}")
+        message = verdict.message(f"{replayed.golden.name} [{dtype}]")
+        if replayed.known:  # measured, reported, and its signature matches: expected, kept
+            pytest.xfail(f"known divergence: {replayed.known}\n{message}")
         pytest.fail(message, pytrace=False)

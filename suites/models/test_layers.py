@@ -17,11 +17,8 @@ from numalign.golden import GoldenSet
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.compiled import GraphBreakWarning
-from numalign.replay.model import (
-    ModelCache,
-    replay_layer,
-    suite_sets,
-)
+from numalign.replay.engines import Engine, replay_group
+from numalign.replay.model import suite_sets
 from numalign.replay.verdict import layer_message
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,13 +34,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     settings = metafunc.config.stash[settings_key]
     sets = suite_sets(ROOT, settings.golden_dirs)
-    ids = []
+    cases = []
     for path in sets:
         golden = GoldenSet.open_shared(path)
         for point in golden.points:
             for dtype in settings.dtypes:
-                ids.append(f"{path}::{golden.name}/{point.name}-{dtype}")
-    metafunc.parametrize("layer_case", ids, ids=[i.split("::", 1)[1] for i in ids])
+                name = f"{golden.name}/{point.name}-{dtype}"
+                group = pytest.mark.replay_group(replay_group(str(path), dtype))
+                cases.append(pytest.param(f"{path}::{name}", id=name, marks=group))
+    metafunc.parametrize("layer_case", cases)
 
 
 @pytest.mark.layer
@@ -52,7 +51,7 @@ def test_layer(
     layer_case: str,
     numalign_device: torch.device,
     numalign_settings: Any,
-    model_cache: ModelCache,
+    replay_engine: Engine,
     tolerance_policy: Any,
     record_drift: NodeRecorder,
     replay_guard: Any,
@@ -61,14 +60,12 @@ def test_layer(
     path, _, rest = layer_case.partition("::")
     point_name, _, dtype = rest.partition("/")[2].rpartition("-")
     with replay_guard():
-        golden, model = model_cache.load(path, numalign_settings, numalign_device, dtype)
-        point = golden.point(point_name)
-        results = model_cache.run(
-            replay_layer, golden, model, point, dtype, numalign_device, tolerance_policy
-        )
-    context = model_cache.record_context(golden, numalign_settings, numalign_device, model)
-    for r in results:
-        record_drift.add(r.record(record_drift.nodeid, **context))
-    message = layer_message(f"{golden.name}/{point.name} [{dtype}]", results)
+        replayed = replay_engine.layer(path, point_name, dtype, numalign_device, tolerance_policy)
+    if replayed.skipped:
+        record_drift.skipped(replayed.skipped, **replayed.context)
+        pytest.skip(replayed.skipped)
+    for r in replayed.verdict:
+        record_drift.add(r.record(record_drift.nodeid, **replayed.context))
+    message = layer_message(f"{replayed.golden.name}/{point_name} [{dtype}]", replayed.verdict)
     if message:
         pytest.fail(message, pytrace=False)

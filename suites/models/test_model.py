@@ -18,11 +18,8 @@ import torch
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.compiled import GraphBreakWarning
-from numalign.replay.model import (
-    ModelCache,
-    replay_model,
-    suite_sets,
-)
+from numalign.replay.engines import Engine, replay_group
+from numalign.replay.model import suite_sets
 
 ROOT = Path(__file__).resolve().parents[2]
 # Graph breaks under --compile are reported (a warning with Dynamo's reasons, and the
@@ -37,8 +34,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     settings = metafunc.config.stash[settings_key]
     sets = suite_sets(ROOT, settings.golden_dirs)
-    ids = [f"{p}::{p.name}-{d}" for p in sets for d in settings.dtypes]
-    metafunc.parametrize("model_case", ids, ids=[i.split("::", 1)[1] for i in ids])
+    cases = [
+        pytest.param(
+            f"{p}::{p.name}-{d}",
+            id=f"{p.name}-{d}",
+            marks=pytest.mark.replay_group(replay_group(str(p), d)),
+        )
+        for p in sets
+        for d in settings.dtypes
+    ]
+    metafunc.parametrize("model_case", cases)
 
 
 @pytest.mark.model
@@ -46,7 +51,7 @@ def test_model(
     model_case: str,
     numalign_device: torch.device,
     numalign_settings: Any,
-    model_cache: ModelCache,
+    replay_engine: Engine,
     tolerance_policy: Any,
     record_drift: NodeRecorder,
     replay_guard: Any,
@@ -55,12 +60,9 @@ def test_model(
     path, _, rest = model_case.partition("::")
     dtype = rest.rpartition("-")[2]
     with replay_guard():
-        golden, model = model_cache.load(path, numalign_settings, numalign_device, dtype)
-        verdict = model_cache.run(
-            replay_model, golden, model, dtype, numalign_device, tolerance_policy
-        )
-    context = model_cache.record_context(golden, numalign_settings, numalign_device, model)
-    for record in verdict.records(record_drift.nodeid, **context):
+        replayed = replay_engine.model(path, dtype, numalign_device, tolerance_policy)
+    verdict = replayed.verdict
+    for record in verdict.records(record_drift.nodeid, **replayed.context):
         record_drift.add(record)
     if not verdict.passed:
-        pytest.fail(verdict.message(f"{golden.name} [{dtype}]"), pytrace=False)
+        pytest.fail(verdict.message(f"{replayed.golden.name} [{dtype}]"), pytrace=False)

@@ -103,6 +103,15 @@ ZOO: tuple[ZooModel, ...] = (
         "max_position_embeddings": 256,
     }, "deep dense decoder with growing residuals and massive activations (Llama, 24 layers)",
         tokenizer=True, growth=1.4, massive_channels=(5, 21)),
+    # Head dim 32, which vLLM's CPU attention serves (it takes 32 and 64, not the 16 of the
+    # members above): the members the serving-engine replay (--engine vllm) runs on CPU
+    ZooModel("tiny-mistral", "MistralConfig", _TEXT | {
+        "num_hidden_layers": 2, "head_dim": 32, "sliding_window": 8,
+    }, "sliding-window dense GQA decoder at head dim 32 (Mistral)"),
+    ZooModel("tiny-mixtral", "MixtralConfig", _TEXT | {
+        "num_hidden_layers": 2, "head_dim": 32, "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    }, "mixture of experts at head dim 32 (Mixtral)"),
     ZooModel("tiny-bert", "BertConfig", {
         "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "max_position_embeddings": 128, "hidden_act": "gelu",

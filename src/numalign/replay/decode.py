@@ -28,7 +28,7 @@ from numalign.golden.reference import (
 )
 from numalign.replay.compiled import observe_calls
 from numalign.replay.model import compare_point, control_for, hidden_and_depth, judge_logits
-from numalign.replay.verdict import LogitsResult, PointResult, label
+from numalign.replay.verdict import LogitsResult, PointResult, label, unmapped_records
 
 if TYPE_CHECKING:
     import torch
@@ -171,6 +171,8 @@ class DecodeVerdict:
     implementation: str
     points: list[PointResult] = field(default_factory=list)
     logits: list[LogitsResult] = field(default_factory=list)
+    #: points an engine has no counterpart for, with the reason (skipped records)
+    unmapped: dict[str, str] = field(default_factory=dict)
 
     @property
     def divergence(self) -> DecodeDivergence | None:
@@ -200,7 +202,8 @@ class DecodeVerdict:
             ):  # fmt: skip
                 record.first_divergence = divergence.to_dict()
             out.append(record)
-        return out + [lg.record(test_id, **context) for lg in self.logits]
+        out += [lg.record(test_id, **context) for lg in self.logits]
+        return out + unmapped_records(self.unmapped, test_id, "decode", **context)
 
     def message(self, title: str) -> str:
         problems = [self.divergence.describe()] if self.divergence is not None else []

@@ -52,16 +52,17 @@ class Divergence:
     kind: str
     request: str
     result: CompareResult
+    #: for kind ``unlocated``: why the point could not be replayed alone
+    why_unlocated: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"point": self.point, "kind": self.kind, "request": self.request}
 
     def describe(self) -> str:
-        why = (
-            "the point alone fails too"
-            if self.kind == "local"
-            else "the point alone is within budget; the error comes from upstream"
-        )
+        why = {
+            "local": "the point alone fails too",
+            "accumulated": "the point alone is within budget; the error comes from upstream",
+        }.get(self.kind, f"not replayed alone: {self.why_unlocated}")
         return (
             f"first divergence at {self.point} ({self.kind}: {why}), request {self.request}:\n"
             f"{self.result.message()}"
@@ -189,6 +190,8 @@ class ModelVerdict:
     #: an encoder's final outputs (last hidden state, pooled output), mode "output"
     outputs: list[PointResult] = field(default_factory=list)
     divergence: Divergence | None = None
+    #: points (or outputs) the engine has no counterpart for, with the reason: skipped records
+    unmapped: dict[str, str] = field(default_factory=dict)
 
     @property
     def first_failing(self) -> PointResult | None:
@@ -216,7 +219,7 @@ class ModelVerdict:
         out += [o.record(test_id, **context) for o in self.outputs]
         out += [lg.record(test_id, **context) for lg in self.logits]
         out += [c.record(test_id, **context) for c in self.continuation]
-        return out
+        return out + unmapped_records(self.unmapped, test_id, "accumulated", **context)
 
     def message(self, title: str) -> str:
         problems = [self.divergence.describe()] if self.divergence is not None else []
@@ -235,6 +238,18 @@ class ModelVerdict:
             if not c.passed
         ]
         return f"{title}: " + "\n\n".join(problems)
+
+
+def unmapped_records(
+    unmapped: dict[str, str], test_id: str, mode: str, **context: Any
+) -> list[DriftRecord]:
+    """One skipped record per point an engine has no counterpart for, with the reason (the
+    report counts them per model: what the engine's replay did not cover)."""
+    return [
+        DriftRecord.for_test(test_id, "skipped", rule="unmapped", reason=reason, point=point,
+                             mode=mode, **context)  # fmt: skip
+        for point, reason in unmapped.items()
+    ]
 
 
 def label(point: str, path: str) -> str:
