@@ -35,7 +35,7 @@ def plain_decode(golden: Any, model: Any, dtype: Any) -> int:
         tokens = [golden.tensor(s.token) for s in decode.steps]
         cache = new_cache(model, "dynamic", inputs["input_ids"].shape[1] + len(tokens))
         with torch.no_grad():
-            model(**inputs, **prefill_kwargs(inputs, cache))
+            model(**inputs, **prefill_kwargs(model, inputs, cache))
             for token in tokens:
                 inputs, forward = decode_inputs(model, inputs, token, cache)
                 model(**forward)

@@ -228,12 +228,18 @@ def new_cache(model: Any, implementation: str, max_len: int) -> Any:
     return DynamicCache(config=model.config, offloading=offloading)
 
 
-def takes_cache(model: Any) -> bool:
-    """Whether the model's forward takes a KV cache (decoders do; encoders do not decode)."""
+def cache_argument(model: Any) -> str | None:
+    """The name under which the model's forward takes its KV cache: ``cache`` (transformers
+    5.20 and later), ``past_key_values`` (before); None for a model that takes none."""
     import inspect
 
     params = inspect.signature(model.forward).parameters
-    return "cache" in params and hasattr(model, "generate")
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+def takes_cache(model: Any) -> bool:
+    """Whether the model's forward takes a KV cache (decoders do; encoders do not decode)."""
+    return cache_argument(model) is not None and hasattr(model, "generate")
 
 
 def reset_decode_state(model: Any) -> None:
@@ -253,11 +259,11 @@ def generation_positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
 
 
-def prefill_kwargs(inputs: dict[str, Any], cache: Any) -> dict[str, Any]:
+def prefill_kwargs(model: Any, inputs: dict[str, Any], cache: Any) -> dict[str, Any]:
     """Keyword arguments (besides ``inputs``) of a prefill that fills ``cache``: generation's
     positions, except for image requests, whose multimodal rotary positions the model derives
     itself from the image grid."""
-    kwargs: dict[str, Any] = {"cache": cache, "use_cache": True}
+    kwargs: dict[str, Any] = {cache_argument(model) or "cache": cache, "use_cache": True}
     if "pixel_values" not in inputs and "attention_mask" in inputs:
         kwargs["position_ids"] = generation_positions(inputs["attention_mask"])
     return kwargs
@@ -275,7 +281,7 @@ def decode_inputs(
     step: dict[str, Any] = {
         "input_ids": token,
         "attention_mask": grown["attention_mask"],
-        "cache": cache,
+        cache_argument(model) or "cache": cache,
         "use_cache": True,
         "position_ids": position,
     }

