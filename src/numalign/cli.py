@@ -9,7 +9,7 @@ from pathlib import Path
 
 from numalign.golden.decode import DEFAULT_DECODE_STEPS
 from numalign.golden.store import DEFAULT_SETS, discover_sets
-from numalign.settings import ATTN_IMPLEMENTATIONS, DEFAULT_TIER, TIERS
+from numalign.settings import ATTN_IMPLEMENTATIONS, DEFAULT_TIER, ENGINES, TIERS
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -184,7 +184,7 @@ def _run(args: argparse.Namespace) -> int:
 
     return bring_up(
         Path(args.model_dir), Path(args.sets), Path(args.suites), Path(args.report_dir),
-        device=args.device, dtypes=args.dtype, tier=args.tier, tp=args.tp,
+        device=args.device, dtypes=args.dtype, tier=args.tier, tp=args.tp, engine=args.engine,
     )  # fmt: skip
 
 
@@ -340,6 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tier", default=DEFAULT_TIER, choices=TIERS)
     run.add_argument("--device")
     run.add_argument("--dtype")
+    run.add_argument(
+        "--engine", default="transformers", choices=ENGINES,
+        help="replay the model through transformers (default) or vLLM's model code "
+        "(docs/vllm.md)",
+    )  # fmt: skip
     run.add_argument(
         "--tp",
         type=int,

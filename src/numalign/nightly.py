@@ -212,9 +212,11 @@ def bring_up(
     dtypes: str | None = None,
     tier: str = "pr",
     tp: int = 1,
+    engine: str = "transformers",
 ) -> int:
     """Inventory, a capture when there is no fresh set, the suites on this model (on ``tp``
-    tensor-parallel ranks when above 1) and on the operators it uses, and the report paths."""
+    tensor-parallel ranks when above 1; through ``engine``'s model code) and on the operators
+    it uses, and the report paths."""
     from numalign.inventory import inventory
 
     inv = inventory(model_dir)
@@ -238,7 +240,8 @@ def bring_up(
         device=device,
         dtypes=dtypes,
         golden=[target],
-        extra=["-k", selection, *(["--tp", str(tp)] if tp > 1 else [])],
+        extra=["-k", selection, *(["--tp", str(tp)] if tp > 1 else []),
+               *(["--engine", engine] if engine != "transformers" else [])],
     )
     if run_dir is not None:
         print(f"numalign run: report {run_dir / 'drift.html'}, records {run_dir / 'records.jsonl'}")

@@ -18,6 +18,7 @@ from numalign.settings import (
     DEFAULT_VLLM_MEMORY,
     TIERS,
     Settings,
+    engine_conflicts,
     in_shard,
     parse_cache_implementations,
     parse_dtypes,
@@ -334,7 +335,7 @@ def settings_from_config(config: pytest.Config) -> Settings:
             f"numalign: unknown --attn-implementation {attn!r}; "
             f"allowed: {', '.join(ATTN_IMPLEMENTATIONS)}"
         )
-    return Settings(
+    settings = Settings(
         device=device,
         device_plugins=tuple(_value(config, "numalign_device_plugins")),
         dtypes=dtypes,
@@ -363,6 +364,10 @@ def settings_from_config(config: pytest.Config) -> Settings:
         engine=engine,
         vllm_memory=vllm_memory,
     )
+    conflict = engine_conflicts(settings)
+    if conflict:
+        raise pytest.UsageError(f"numalign: {conflict}")
+    return settings
 
 
 def _import_all(modules: tuple[str, ...], what: str) -> None:

@@ -124,6 +124,27 @@ def parse_engine(text: str) -> str:
     return engine
 
 
+def engine_conflicts(settings: Settings) -> str | None:
+    """Why the session's options do not fit its engine (None when they do): the kernel swaps,
+    attention and experts implementations and tensor parallel are transformers' variants;
+    vLLM picks its own kernels and attention backend (recorded in every record), and its CPU
+    build serves tensor parallel only through its multiprocess executor, which numalign's
+    in-process hooks cannot reach."""
+    if settings.engine == "transformers":
+        return None
+    given = [name for name, value in [
+        ("--swap", settings.swaps), ("--attn-implementation", settings.attn_implementation),
+        ("--experts-implementation", settings.experts_implementation),
+        ("--tp", settings.tp > 1),
+    ] if value]  # fmt: skip
+    if not given:
+        return None
+    return (
+        f"--engine {settings.engine} replays the engine's own kernels; {', '.join(given)} "
+        "choose transformers' variants: drop them, or replay with --engine transformers"
+    )
+
+
 def parse_share(text: str, option: str) -> float:
     """``"0.1"`` -> 0.1: a share strictly between 0 and 1; ValueError naming ``option``."""
     try:

@@ -7,6 +7,7 @@ it skips with that reason. One engine per set and dtype serves every test here.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,10 +17,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (CI runs this in its vLLM venv)")
 
-import torch  # noqa: E402
+import torch
 
-from numalign.replay.engines.vllm import VllmEngine  # noqa: E402
-from numalign.settings import Settings  # noqa: E402
+from numalign.replay.engines.vllm import VllmEngine
+from numalign.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 MISTRAL = ROOT / "golden" / "sets" / "tiny-mistral"
@@ -44,9 +45,7 @@ def _decode(engine: VllmEngine, dtype: str) -> Any:
 
 @contextmanager
 def _hooked(module: torch.nn.Module, hook: Callable[..., Any], pre: bool = False) -> Iterator[None]:
-    handle = (
-        module.register_forward_pre_hook(hook) if pre else module.register_forward_hook(hook)
-    )
+    handle = module.register_forward_pre_hook(hook) if pre else module.register_forward_hook(hook)
     try:
         yield
     finally:
@@ -128,7 +127,7 @@ def test_rotary_at_the_wrong_position_for_decode_tokens(engine: VllmEngine) -> N
         metadata = next(iter(get_forward_context().attn_metadata.values()))
         starts = metadata.query_start_loc.tolist()
         positions = args[0].clone()
-        for begin, end in zip(starts, starts[1:], strict=False):
+        for begin, end in itertools.pairwise(starts):
             if end - begin == 1:  # a decode step's new token
                 positions[begin] += 1
         return (positions, *args[1:])
@@ -144,9 +143,7 @@ def test_rotary_at_the_wrong_position_for_decode_tokens(engine: VllmEngine) -> N
     assert (decode.divergence.step, decode.divergence.point) == (1, "model.layers.0.self_attn")
 
 
-def test_kv_cache_write_one_slot_late(
-    engine: VllmEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_kv_cache_write_one_slot_late(engine: VllmEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.v1.attention.backends import cpu_attn
 
     dtype = "float32"

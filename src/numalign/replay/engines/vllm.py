@@ -153,7 +153,10 @@ class VllmEngine:
                 if pm.module is None:
                     continue
                 point = golden.point(pm.point)
-                for path, key in point.calls[request.name][0].outputs.items():
+                calls = point.calls.get(request.name)
+                if not calls:  # the point does not run for this request
+                    continue
+                for path, key in calls[0].outputs.items():
                     if path != "0":
                         if golden.tensor(key).dim() < 4:  # attention weights: eager's only
                             unmapped.setdefault(label(pm.point, path),
@@ -187,7 +190,8 @@ class VllmEngine:
                 )
                 verdict.logits.append(judge_logits(request.name, actual, expected, control, policy))
         verdict.divergence = self._locate(golden, dtype, verdict.points, policy)
-        return Replayed(golden, _with_unmapped(verdict, unmapped), self._context(golden, running))
+        verdict.unmapped = unmapped
+        return Replayed(golden, verdict, self._context(golden, running))
 
     def decode(
         self, path: str | Path, dtype: str, cache: str, device: torch.device, policy: Any
@@ -340,10 +344,13 @@ class VllmEngine:
         return EngineError(f"vLLM failed to {when} for {golden.name}: {text}")
 
     def _context(self, golden: GoldenSet, running: _Running) -> dict[str, Any]:
+        from vllm.platforms import current_platform
+
         from numalign.replay.model import variant_label
 
         swap = ",".join(filter(None, [running.variant, variant_label(self.settings)]))
-        return {"suite": "models", "candidate": "vllm", "device": "cpu",
+        device = str(current_platform.device_type or "cpu")
+        return {"suite": "models", "candidate": "vllm", "device": device,
                 "golden_fingerprint": golden.model.fingerprint, "swap": swap,
                 "model": golden.name}  # fmt: skip
 
@@ -475,14 +482,28 @@ def _serve_rows(running: _Running, golden: GoldenSet, decode: bool = True) -> _S
             ))  # fmt: skip
     served = _Served()
     with _quiet(), _hooked(running, served), torch.no_grad():
-        started = time.monotonic()
-        outputs = running.llm.generate(prompts, params, use_tqdm=False)
-        if time.monotonic() - started > SERVE_TIMEOUT_S:
-            raise EngineError(f"vLLM took over {SERVE_TIMEOUT_S:.0f} s to serve {golden.name}",
-                              crashed=True)  # fmt: skip
-    if len(outputs) != len(prompts):
-        raise EngineError(f"vLLM returned {len(outputs)} of {len(prompts)} requests")
+        finished = _run(running.llm.llm_engine, prompts, params, golden.name)
+    if finished != len(prompts):
+        raise EngineError(f"vLLM finished {finished} of {len(prompts)} requests of {golden.name}")
     return served
+
+
+def _run(engine: Any, prompts: list[Any], params: list[Any], name: str) -> int:
+    """Serves the requests step by step, giving up (the engine hung or is far too slow)
+    after SERVE_TIMEOUT_S; the number of requests finished."""
+    for i, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"numalign-{i}", prompt, param)
+    deadline = time.monotonic() + SERVE_TIMEOUT_S
+    finished = 0
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            raise EngineError(
+                f"vLLM served {finished} of {len(prompts)} requests of {name} in "
+                f"{SERVE_TIMEOUT_S:.0f} s; it hung or is far too slow",
+                crashed=True,
+            )
+        finished += sum(1 for out in engine.step() if out.finished)
+    return finished
 
 
 @contextmanager
@@ -659,6 +680,8 @@ def _residuals(
         if pm.module is None or parent not in points or (rows[0][0], name) not in served.chunks:
             continue
         point = golden.point(pm.point)
+        if not point.calls.get(request):
+            continue
         call = point.calls[request][0]
         key = call.args[0] if call.args and call.args[0] is not None else None
         if not isinstance(key, str):
@@ -696,11 +719,6 @@ def _tokens(tensor: Any, mask: Any) -> Any:
 
 def _unmapped(mapping: list[PointMap]) -> dict[str, str]:
     return {pm.point: pm.reason or "unmapped" for pm in mapping if pm.module is None}
-
-
-def _with_unmapped(verdict: ModelVerdict, unmapped: dict[str, str]) -> ModelVerdict:
-    verdict.unmapped = unmapped
-    return verdict
 
 
 def _variant(llm: Any, model: Any) -> str:
