@@ -51,7 +51,10 @@ def test_every_generating_request_has_its_decode_steps_and_cache(golden: GoldenS
         model = load_model(golden.model_dir, "float32", attn_implementation="eager",
                            trust_remote_code=False)  # fmt: skip
         config = model.config.get_text_config(decoder=True)
-        kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * 99)
+        # a config without layer types (Mistral's) slides every layer when it has a window
+        window = getattr(config, "sliding_window", None)
+        uniform = "sliding_attention" if window else "full_attention"
+        kinds = list(getattr(config, "layer_types", None) or [uniform] * 99)
         seen = length + DEFAULT_DECODE_STEPS  # the last step's token is in the cache
         for state, key in decode.final_cache.items():
             layer = int(state.split(".")[1])
