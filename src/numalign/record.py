@@ -76,6 +76,9 @@ class DriftRecord:
     request: str | None = None
     output: str | None = None
     step: int | None = None
+    #: which call of the point in its request (0: the first; a module called twice in one
+    #: forward, a shared block or a weight-tied layer, has one record per call)
+    call: int | None = None
     point_index: int | None = None
     first_divergence: dict[str, Any] | None = None
     error: str | None = None
@@ -135,10 +138,14 @@ class DriftRecord:
     @property
     def key(self) -> str:
         """Everything that tells two records of one test apart: test id, point, request,
-        output path and decode step. Unique within a run; matches records across runs."""
+        output path, decode step and the point's call after its first. Unique within a run;
+        matches records across runs (a first call's key is the same as before calls were
+        counted, so older baselines still match)."""
         parts = [self.test_id, self.point or "", self.request or "", self.output or ""]
         if self.step is not None:
             parts.append(f"step{self.step}")
+        if self.call:
+            parts.append(f"call{self.call}")
         return "::".join(parts)
 
     @property

@@ -95,6 +95,13 @@ def test_a_correct_swap_passes(pytester: pytest.Pytester, on_path: None) -> None
         "tiny-llama",
     )
     assert result.ret == 0, result.stdout.str()[-3000:]
+    from numalign.record import read_records
+
+    # every record of a run has a key of its own (layer, model and decode replay, every
+    # cache): a collision would make merging and the baseline diff drop one silently; tiny-llama
+    # gives hundreds of records, so more than 100 says the run judged something
+    keys = [r.key for r in read_records(pytester.path / "reports" / "latest")]
+    assert len(keys) > 100 and len(set(keys)) == len(keys)
 
 
 def test_swapping_an_operator_without_an_adapter_is_a_clear_error(

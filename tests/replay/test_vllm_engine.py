@@ -159,3 +159,45 @@ def test_kv_cache_write_one_slot_late(engine: VllmEngine, monkeypatch: pytest.Mo
     assert verdict.divergence is not None
     assert verdict.divergence.point == "model.layers.0.self_attn"
     engine._served.clear()  # what the late cache served is not kept for other tests
+
+
+def test_an_engine_that_outlives_its_timeout_is_crashed_and_stopped(
+    engine: VllmEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from numalign.replay.engines import vllm as module
+    from numalign.replay.engines.errors import EngineError
+
+    _running_model(engine, "float32")
+    engine._served.clear()
+    monkeypatch.setattr(module, "SERVE_TIMEOUT_S", 0.0)  # every serving is past its deadline
+    with pytest.raises(EngineError, match="hung or is far too slow") as raised:
+        engine.model(MISTRAL, "float32", torch.device("cpu"), None)
+    assert raised.value.crashed
+    assert engine._running is None  # stopped: the next test starts a fresh engine
+    monkeypatch.undo()
+    assert engine.model(MISTRAL, "float32", torch.device("cpu"), None).verdict.passed
+
+
+def test_an_engine_that_fails_to_start_is_an_error_naming_the_set(
+    engine: VllmEngine, tmp_path: Path
+) -> None:
+    import shutil
+    from types import SimpleNamespace
+
+    from numalign.replay.engines.errors import EngineError
+    from numalign.replay.model import open_fresh
+
+    golden = open_fresh(MISTRAL)
+    broken = tmp_path / "tiny-mistral"
+    shutil.copytree(golden.model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a truncated checkpoint
+    fake = SimpleNamespace(
+        model_dir=broken, name="broken-mistral", path=tmp_path, requests=[],
+        decode_requests=[], points=golden.points,
+    )  # fmt: skip
+    engine._stop()  # one engine at a time in a process
+    with pytest.raises(EngineError, match="vLLM failed to start for broken-mistral"):
+        engine._start(fake, "float32")  # type: ignore[arg-type]
+    # the failed start left nothing behind: the next engine starts and serves
+    assert engine.model(MISTRAL, "float32", torch.device("cpu"), None).verdict.passed

@@ -136,3 +136,26 @@ def test_records_without_a_comparison_keep_what_the_test_id_tells() -> None:
                      "candidate": "transformers", "point": "model.layers.1.mlp",
                      "mode": "isolated"}  # fmt: skip
     assert context_from_test_id("tests/test_x.py::test_plain") == {"suite": None}
+
+
+def test_a_point_called_twice_in_one_request_keeps_both_records() -> None:
+    """A module called twice in one forward (a shared block, a weight-tied layer) gives one
+    record per call: their keys differ, so merging runs and diffing against a baseline keep
+    both (before calls were counted, one silently replaced the other)."""
+    from numalign.record import DriftRecord, merge_records
+    from numalign.report.baseline import diff_runs
+
+    def record(call: int, used: float) -> DriftRecord:
+        return DriftRecord(test_id="suites/models/test_model.py::test_model[shared-float32]",
+                           point="model.shared_block", request="text", output="0",
+                           call=call, budget_used=used)  # fmt: skip
+
+    first, second = record(0, 0.1), record(1, 0.2)
+    assert first.key != second.key
+    # a first call's key is the key records had before calls were counted
+    assert first.key == "::".join([first.test_id, "model.shared_block", "text", "0"])
+    assert len(merge_records([[first, second]])) == 2
+    # the second call regresses 5x (above the noise floor and twice the factor): found
+    diff = diff_runs([first, record(1, 1.0)], [first, second])
+    assert diff.compared == 2
+    assert [r["key"] for r in diff.regressed] == [second.key]

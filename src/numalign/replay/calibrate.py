@@ -95,7 +95,8 @@ def calibrate(
             k: golden.tensor(v, device=device, dtype=torch_dtype) for k, v in request.inputs.items()
         }
 
-        def on_output(point: str, path: str, actual: Any, expected: Any) -> None:
+        def on_output(point: str, path: str, actual: Any, expected: Any, call: int) -> None:
+            # every call of a point shares its calibration (the worst of them)
             stats = _stats(actual, expected)
             accumulated[(point, path)] = _worst(accumulated.get((point, path)), stats)
 
@@ -130,7 +131,9 @@ def calibrate(
 
     decoded: dict[tuple[str, str], dict[str, float]] = {}
 
-    def on_pair(request: str, step: int, point: str, path: str, actual: Any, expected: Any) -> None:
+    def on_pair(
+        request: str, step: int, point: str, path: str, actual: Any, expected: Any, call: int = 0
+    ) -> None:
         stats = _stats(actual, expected)
         if point == OUTPUT_POINT:
             agreement = logits_stats(actual, expected, 0.0)

@@ -483,7 +483,7 @@ def observe(
     model: Any,
     golden: GoldenSet,
     request: str,
-    on_output: Callable[[str, str, torch.Tensor, torch.Tensor], None],
+    on_output: Callable[[str, str, torch.Tensor, torch.Tensor, int], None],
 ) -> Iterator[None]:
     """``golden_outputs`` for any model: for an eager model its hooks; for a CompiledModel
     the tensors its taps collected from inside the compiled graph, compared after the

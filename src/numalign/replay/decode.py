@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 
     from numalign.golden.store import GoldenSet
 
-#: What ``run_decode`` hands on: (request, step, point, output path, actual, expected).
-OnPair = Callable[[str, int, str, str, "torch.Tensor", "torch.Tensor"], None]
+#: What ``run_decode`` hands on: (request, step, point, output path, actual, expected), and
+#: for capture points ``call=`` (which call of the point in the step, from 0; default 0).
+OnPair = Callable[..., None]
 
 
 def run_decode(
@@ -106,7 +107,8 @@ def _step_observer(
         for path, tensor in flatten(output):
             key = calls[index].get(path)
             if key is not None and isinstance(tensor, torch.Tensor):
-                on_pair(request, number, point, path, tensor.detach(), golden.tensor(key))
+                on_pair(request, number, point, path, tensor.detach(), golden.tensor(key),
+                        call=index)  # fmt: skip
 
     return on_call
 
@@ -251,7 +253,7 @@ def _judge(
     torch_dtype = getattr(torch, dtype)
 
     def on_pair(request: str, step: int, point: str, path: str, actual: Any,
-                expected: Any) -> None:  # fmt: skip
+                expected: Any, call: int = 0) -> None:  # fmt: skip
         control = control_for(golden, dtype, point, path, "decode", hidden, depth)
         actual = actual.float().cpu().to(torch_dtype)
         if point == OUTPUT_POINT:
@@ -262,7 +264,7 @@ def _judge(
         result = compare_point(actual, expected, label(point, path), control, policy)
         verdict.points.append(
             PointResult(point, order.get(point, len(order)), request, path, result,
-                        "decode", finished=len(verdict.points), step=step)
+                        "decode", finished=len(verdict.points), step=step, call=call)
         )  # fmt: skip
 
     return on_pair

@@ -62,14 +62,15 @@ def request_mask(golden: GoldenSet, request: str) -> torch.Tensor | None:
 class CallMatcher:
     """A hook callback (``golden.reference.hooks``' ``on_call``) that matches the n-th call of
     a point in a forward with its n-th recorded call of ``request`` and calls
-    ``on_output(point, path, actual, expected)`` for each of its tensor outputs the golden set
-    holds, both restricted to the positions the request's mask keeps."""
+    ``on_output(point, path, actual, expected, call)`` for each of its tensor outputs the
+    golden set holds, both restricted to the positions the request's mask keeps (``call``:
+    which call of the point, from 0)."""
 
     def __init__(
         self,
         golden: GoldenSet,
         request: str,
-        on_output: Callable[[str, str, torch.Tensor, torch.Tensor], None],
+        on_output: Callable[[str, str, torch.Tensor, torch.Tensor, int], None],
     ) -> None:
         self.golden, self.request, self.on_output = golden, request, on_output
         self.points = {p.name: p for p in golden.points}
@@ -88,7 +89,8 @@ class CallMatcher:
             key = calls[number].outputs.get(path)
             if key is not None and isinstance(tensor, torch.Tensor):
                 expected = kept_positions(self.golden.tensor(key), self.mask)
-                self.on_output(point, path, kept_positions(tensor.detach(), self.mask), expected)
+                actual = kept_positions(tensor.detach(), self.mask)
+                self.on_output(point, path, actual, expected, number)
 
 
 @contextmanager
@@ -96,7 +98,7 @@ def golden_outputs(
     model: torch.nn.Module,
     golden: GoldenSet,
     request: str,
-    on_output: Callable[[str, str, torch.Tensor, torch.Tensor], None],
+    on_output: Callable[[str, str, torch.Tensor, torch.Tensor, int], None],
 ) -> Iterator[None]:
     """While the model runs ``request``, calls ``on_output(point, path, actual, expected)``
     for every tensor output of every capture point that matches a recorded call

@@ -353,7 +353,7 @@ def replay_layer(
     results = []
     for request, calls in point.calls.items():
         mask = request_mask(golden, request)
-        for call in calls:
+        for index, call in enumerate(calls):
             outputs = replay_call(module, golden, call, device=device, dtype=getattr(torch, dtype))
             for path, key in call.outputs.items():
                 actual = outputs.get(path)
@@ -363,9 +363,8 @@ def replay_layer(
                 control = control_for(golden, dtype, point.name, path, "isolated", hidden, depth)
                 actual = kept_positions(actual.detach(), mask)
                 result = compare_point(actual, expected, label(point.name, path), control, policy)
-                results.append(
-                    PointResult(point.name, point.order, request, path, result, mode="isolated")
-                )
+                results.append(PointResult(point.name, point.order, request, path, result,
+                                           mode="isolated", call=index))  # fmt: skip
     return results
 
 
@@ -387,12 +386,14 @@ def replay_model(
             k: golden.tensor(v, device=device, dtype=torch_dtype) for k, v in request.inputs.items()
         }
 
-        def on_output(point: str, path: str, actual: Any, expected: Any, name: str = name) -> None:
+        def on_output(
+            point: str, path: str, actual: Any, expected: Any, call: int, name: str = name
+        ) -> None:
             control = control_for(golden, dtype, point, path, "accumulated", hidden, depth)
             result = compare_point(actual, expected, label(point, path), control, policy)
             verdict.points.append(
                 PointResult(point, points[point].order, name, path, result,
-                            finished=len(verdict.points))
+                            finished=len(verdict.points), call=call)
             )  # fmt: skip
 
         with torch.no_grad(), observe(model, golden, name, on_output):

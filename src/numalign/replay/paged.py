@@ -43,7 +43,7 @@ MAX_BATCH_TOKENS = 2 * REPLAY_PAGE_SIZE
 ENGINE_TIMEOUT_S = 300.0
 #: What runs one replay through the paged engine: (request, step, point, path, actual,
 #: expected), as ``replay.decode.run_decode`` hands on.
-OnPair = Callable[[str, int, str, str, "torch.Tensor", "torch.Tensor"], None]
+OnPair = Callable[..., None]
 
 
 class PagedUnsupported(RuntimeError):
@@ -179,7 +179,8 @@ def replay_paged_requests(
                             )
                         # [batch, 1, hidden], as the golden step stores it
                         actual = torch.stack(found)[:, None]  # type: ignore[arg-type]
-                        on_pair(request, number, point, path, actual, golden.tensor(key))
+                        on_pair(request, number, point, path, actual, golden.tensor(key),
+                                call=index)  # fmt: skip
             logits = torch.stack([served.logits[(rid, number)] for rid in mine])
             on_pair(request, number, OUTPUT_POINT, "logits", logits, golden.tensor(step.logits))
     return served_requests

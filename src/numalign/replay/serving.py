@@ -107,13 +107,13 @@ def _unexplained(
 
     torch_dtype = getattr(torch, dtype)
     model = signature_model(golden, dtype, device)
-    errors: dict[tuple[str, int, str, str], tuple[float, float, float]] = {}
+    errors: dict[tuple[str, int, str, str, int], tuple[float, float, float]] = {}
 
     def on_pair(request: str, step: int, point: str, path: str, actual: Any,
-                expected: Any) -> None:  # fmt: skip
+                expected: Any, call: int = 0) -> None:  # fmt: skip
         m = compute_metrics(actual, expected)
         kl = logits_stats(actual, expected, 0.0).kl_max if point == OUTPUT_POINT else 0.0
-        errors[(request, step, point, path)] = (m.max_abs, m.rel_l2, kl)
+        errors[(request, step, point, path, call)] = (m.max_abs, m.rel_l2, kl)
 
     with torch.no_grad():
         for request in golden.decode_requests:
@@ -122,13 +122,13 @@ def _unexplained(
     for r in verdict.points:
         if r.result.passed:
             continue
-        signature = errors.get((r.request, r.step or 0, r.point, r.path))
+        signature = errors.get((r.request, r.step or 0, r.point, r.path, r.call))
         if signature is None or not _within(r.result, signature[:2]):
             out.append(f"{r.point} at step {r.step}, request {r.request}")
     for lg in verdict.logits:
         if lg.passed or lg.values is None or lg.stats is None:
             continue
-        signature = errors.get((lg.request, lg.step or 0, OUTPUT_POINT, "logits"))
+        signature = errors.get((lg.request, lg.step or 0, OUTPUT_POINT, "logits", 0))
         kl_ok = signature is not None and abs(lg.stats.kl_max - signature[2]) <= lg.kl_budget
         if signature is None or not (_within(lg.values, signature[:2]) and kl_ok):
             out.append(f"the logits at step {lg.step}, request {lg.request}")

@@ -29,6 +29,8 @@ class PointResult:
     finished: int = 0
     #: the decode step (0: the prefill's cache) in decode replay; None elsewhere
     step: int | None = None
+    #: which recorded call of the point in its request (0: the first)
+    call: int = 0
 
     @property
     def label(self) -> str:
@@ -38,7 +40,7 @@ class PointResult:
         return DriftRecord.from_result(
             self.result, test_id=test_id, mode=self.mode, request=self.request,
             output=self.path, point_index=self.order, case=self.request, step=self.step,
-            **context,
+            call=self.call, **context,
         )  # fmt: skip
 
 

@@ -1,5 +1,5 @@
 """Regressions against a baseline run: records matched by their key (test id, point, request,
-output path and step)."""
+output path, step, and the point's call after its first)."""
 
 from __future__ import annotations
 
