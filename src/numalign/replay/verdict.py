@@ -248,8 +248,9 @@ def unmapped_records(
     """One skipped record per point an engine has no counterpart for, with the reason (the
     report counts them per model: what the engine's replay did not cover)."""
     return [
-        DriftRecord.for_test(test_id, "skipped", rule="unmapped", reason=reason, point=point,
-                             mode=mode, **context)  # fmt: skip
+        DriftRecord.for_test(
+            test_id, "skipped", rule="unmapped", reason=reason, point=point, mode=mode, **context
+        )
         for point, reason in unmapped.items()
     ]
 
