@@ -201,3 +201,23 @@ def test_an_engine_that_fails_to_start_is_an_error_naming_the_set(
         engine._start(fake, "float32")  # type: ignore[arg-type]
     # the failed start left nothing behind: the next engine starts and serves
     assert engine.model(MISTRAL, "float32", torch.device("cpu"), None).verdict.passed
+
+
+def test_the_compiled_graph_is_judged_by_its_logits(engine: VllmEngine) -> None:
+    """--compile serves vLLM's default compiled graph: module hooks do not reach inside it,
+    so every point but the head is unmapped with that reason, and the engine's logits (and
+    the lm_head point) are judged."""
+    engine._stop()  # one engine at a time in a process
+    compiled = VllmEngine(Settings(engine="vllm", compile_backend="inductor"))
+    try:
+        replayed = compiled.model(MISTRAL, "float32", torch.device("cpu"), None)
+        layer = compiled.layer(MISTRAL, "model.norm", "float32", torch.device("cpu"), None)
+    finally:
+        compiled.close()
+    verdict = replayed.verdict
+    assert verdict.passed, verdict.message("tiny-mistral")
+    assert {r.point for r in verdict.points} == {"lm_head"}
+    assert len(verdict.logits) == 4 and all(lg.values is not None for lg in verdict.logits)
+    assert "compiled graph" in verdict.unmapped["model.norm"]
+    assert "vllm-graph=compiled" in replayed.context["swap"]
+    assert layer.skipped and "compiled graph" in layer.skipped

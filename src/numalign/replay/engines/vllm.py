@@ -249,6 +249,8 @@ class VllmEngine:
         running = self._engine(golden, dtype)
         pm = next(m for m in running.mapping if m.point == point)
         context = self._context(golden, running)
+        if self.settings.compile_backend is not None:
+            return Replayed(golden, [], context, skipped=COMPILED)
         if pm.module is None:
             return Replayed(golden, [], context, skipped=f"unmapped: {pm.reason}")
         results = _isolated(running, golden, golden.point(point), pm.module, dtype, policy)
@@ -308,6 +310,8 @@ class VllmEngine:
         modules = {n: type(m).__name__ for n, m in model.named_modules()}
         config = getattr(model, "config", None)
         mapping = map_points(type(model).__name__, [p.name for p in golden.points], modules, config)
+        if self.settings.compile_backend is not None:
+            mapping = [_compiled(pm) for pm in mapping]
         return _Running((str(golden.path), dtype), llm, model, runner, mapping,
                         _variant(llm, model))  # fmt: skip
 
@@ -386,6 +390,21 @@ class VllmEngine:
             return Divergence(failing.point, "unlocated", failing.request, failing.result, alone)
         kind = "local" if any(not r.result.passed for r in alone) else "accumulated"
         return Divergence(failing.point, kind, failing.request, failing.result)
+
+
+#: Why no point inside the model is read under --compile.
+COMPILED = (
+    "vLLM's compiled graph (--compile) runs the model's body as captured graphs, which module "
+    "hooks do not reach: the compiled replay judges the engine's logits (and the lm_head "
+    "point); replay without --compile to judge every point"
+)
+
+
+def _compiled(pm: PointMap) -> PointMap:
+    """A point as the compiled engine serves it: only the logits are read."""
+    if pm.module == LM_HEAD:
+        return pm
+    return PointMap(pm.point, None, pm.reason or COMPILED)
 
 
 def _shutdown(llm: Any) -> None:
