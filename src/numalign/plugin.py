@@ -488,9 +488,9 @@ def record_drift(request: pytest.FixtureRequest) -> NodeRecorder:
 
 
 def _allure_annotate() -> Any:
-    from numalign.report.allure import annotate
+    from numalign.report.allure import Annotator
 
-    return annotate
+    return Annotator()
 
 
 @pytest.fixture(scope="session")
