@@ -96,6 +96,15 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
         [],
     ),
     (
+        "--golden-only",
+        "numalign_golden_only",
+        "model suites replay only the --golden sets, not <rootdir>/golden/sets (numalign run "
+        "replays the set of its model alone)",
+        {"action": "store_true", "default": None},
+        "bool",
+        False,
+    ),
+    (
         "--candidates",
         "numalign_candidates",
         "module that registers candidates with @numalign.candidate (repeatable)",
@@ -284,6 +293,11 @@ def settings_from_config(config: pytest.Config) -> Settings:
     except ValueError as exc:
         raise pytest.UsageError(f"numalign: {exc}") from None
     golden = tuple(Path(p) for p in _value(config, "numalign_golden"))
+    if not golden and _value(config, "numalign_golden_only"):
+        raise pytest.UsageError(
+            "numalign: --golden-only replays the --golden sets alone, and none was given: "
+            "add --golden SET_FOLDER"
+        )
     for folder in golden:
         if not folder.is_dir():
             raise pytest.UsageError(
@@ -314,6 +328,7 @@ def settings_from_config(config: pytest.Config) -> Settings:
         dtypes=dtypes,
         tier=tier,
         golden_dirs=golden,
+        golden_only=bool(_value(config, "numalign_golden_only")),
         candidate_modules=tuple(_value(config, "numalign_candidates")),
         report_dir=Path(str(_value(config, "numalign_report_dir"))),
         baseline=Path(baseline) if baseline else None,

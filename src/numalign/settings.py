@@ -37,6 +37,8 @@ class Settings:
     dtypes: tuple[str, ...] = DEFAULT_DTYPES
     tier: str = DEFAULT_TIER
     golden_dirs: tuple[Path, ...] = ()
+    #: Replay only the sets of ``golden_dirs``, not the rootdir's golden/sets (``numalign run``).
+    golden_only: bool = False
     candidate_modules: tuple[str, ...] = ()
     report_dir: Path = Path("reports")
     baseline: Path | None = None

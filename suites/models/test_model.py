@@ -36,7 +36,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "model_case" not in metafunc.fixturenames:
         return
     settings = metafunc.config.stash[settings_key]
-    sets = suite_sets(ROOT, settings.golden_dirs)
+    sets = suite_sets(ROOT, settings.golden_dirs, only=settings.golden_only)
     ids = [f"{p}::{p.name}-{d}" for p in sets for d in settings.dtypes]
     metafunc.parametrize("model_case", ids, ids=[i.split("::", 1)[1] for i in ids])
 
