@@ -541,6 +541,20 @@ def suite_sets(root: Path, extra: Sequence[Path], *, only: bool = False) -> list
     return list(unique.values())
 
 
+def unusable_sets(paths: Sequence[str | Path]) -> dict[str, str]:
+    """Of the golden sets at ``paths``, those replay cannot use (a stale set: its model
+    changed since the capture; a missing model folder; a broken manifest), each with the
+    message that says why and how to fix it. The model suites fail one test of such a set with
+    that message and skip its others, instead of failing every test with it."""
+    out: dict[str, str] = {}
+    for path in dict.fromkeys(str(p) for p in paths):
+        try:
+            open_fresh(path)
+        except GoldenSetError as exc:
+            out[path] = str(exc)
+    return out
+
+
 def open_fresh(path: str | Path) -> GoldenSet:
     """The set (opened once per process while its manifest stays the same), checked that its
     model did not change (StaleGoldenSetError otherwise; the model's fingerprint is hashed
