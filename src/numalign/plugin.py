@@ -19,9 +19,11 @@ from numalign.settings import (
     Settings,
     in_shard,
     parse_cache_implementations,
+    parse_count,
     parse_dtypes,
     parse_seconds,
     parse_shard,
+    parse_size,
     parse_tier,
     parse_tp,
     validate_device,
@@ -216,6 +218,24 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
         "",
     ),
     (
+        "--truth-cache-size",
+        "numalign_truth_cache_size",
+        "size the truth cache is kept under, least recently used entries evicted first "
+        "(4GB, 500MB, 2GiB; 0: no cap; default 4GB)",
+        {"metavar": "SIZE"},
+        "string",
+        "4GB",
+    ),
+    (
+        "--keep-runs",
+        "numalign_keep_runs",
+        "run folders the report folder keeps: older runs are removed at the end of a session, "
+        "never the latest nor the baseline (0: keep every run; default 10)",
+        {"metavar": "N"},
+        "string",
+        "10",
+    ),
+    (
         "--compile",
         "numalign_compile",
         "run candidates, layers and models through torch.compile with this backend (default "
@@ -290,6 +310,9 @@ def settings_from_config(config: pytest.Config) -> Settings:
         caches = parse_cache_implementations(str(_value(config, "numalign_cache_implementation")))
         tp = parse_tp(str(_value(config, "numalign_tp")))
         tp_timeout = parse_seconds(str(_value(config, "numalign_tp_timeout")), "--tp-timeout")
+        cache_size = parse_size(str(_value(config, "numalign_truth_cache_size")),
+                                "--truth-cache-size")  # fmt: skip
+        keep_runs = parse_count(str(_value(config, "numalign_keep_runs")), "--keep-runs")
     except ValueError as exc:
         raise pytest.UsageError(f"numalign: {exc}") from None
     golden = tuple(Path(p) for p in _value(config, "numalign_golden"))
@@ -344,6 +367,8 @@ def settings_from_config(config: pytest.Config) -> Settings:
         truth_cache=resolve_truth_folder(
             str(_value(config, "numalign_truth_cache") or ""), config.rootpath
         ),
+        truth_cache_max_bytes=cache_size,
+        keep_runs=keep_runs,
         compile_backend=str(_value(config, "numalign_compile") or "").strip() or None,
         compile_mode=str(_value(config, "numalign_compile_mode") or "").strip() or None,
         tp=tp,
@@ -368,7 +393,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
     settings = settings_from_config(config)
     config.stash[settings_key] = settings
-    config.stash[previous_truth_cache_key] = use_truth_cache(settings.truth_cache)
+    config.stash[previous_truth_cache_key] = use_truth_cache(
+        settings.truth_cache, settings.truth_cache_max_bytes
+    )
     _import_all(settings.device_plugins, "--device-plugin")
     if settings.device not in ("auto", "cpu"):
         from numalign.replay import DeviceUnavailableError, resolve_device

@@ -22,6 +22,7 @@ from numalign.record import (
 )
 from numalign.report.baseline import BaselineDiff
 from numalign.report.history import HISTORY_FILE
+from numalign.report.retention import prune_runs
 from numalign.report.run import render_run
 from numalign.settings import Settings
 
@@ -44,6 +45,7 @@ class DriftCollector:
         self.written: list[Path] = []
         self.records: list[DriftRecord] = []
         self.diff: BaselineDiff | None = None
+        self.pruned: list[Path] = []
 
     # -- pytest hooks -------------------------------------------------------------------------
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -83,6 +85,10 @@ class DriftCollector:
         self.written = [self.writer.path, *rendered.written]
         self.diff = rendered.diff
         self._point_latest()
+        baseline = settings.baseline
+        if baseline is not None and baseline.is_file():
+            baseline = baseline.parent
+        self.pruned = prune_runs(settings.report_dir, settings.keep_runs, [baseline, self.run_dir])
         if self.diff and self.diff.regressed and settings.fail_on_regression:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -112,6 +118,11 @@ class DriftCollector:
             for item in self.diff.regressed[:WORST_SHOWN]:
                 growth = f"{item['growth']:.3g}x" if item["growth"] else "newly failing"
                 tr.write_line(f"  regressed {growth:>10}  {item['test_id']}")
+        if self.pruned:
+            tr.write_line(
+                f"numalign: removed {len(self.pruned)} old run(s) of {self.settings.report_dir} "
+                f"(--keep-runs {self.settings.keep_runs})"
+            )
         tr.write_line(
             f"numalign: {self.writer.count} drift records; report: {self.run_dir / 'drift.html'}"
         )
