@@ -163,3 +163,14 @@ def test_drift_html_shows_an_expected_failure_as_expected(
     expected = top.split('id="expected"', 1)[1]
     assert "paged kernel rounds the scale twice (issue 9)" in expected
     assert "(expected: paged kernel rounds the scale twice (issue 9))" in html
+
+
+def test_an_expected_failure_is_not_a_regression() -> None:
+    from numalign.record import DriftRecord
+    from numalign.report.baseline import diff_runs
+
+    before = DriftRecord("t::test_paged", point="p", verdict="passed", budget_used=0.2)
+    failing = before.with_fields(verdict="failed", budget_used=9.0)
+    assert len(diff_runs([failing.with_fields(outcome="failed")], [before]).regressed) == 1
+    expected = failing.with_fields(outcome="xfailed", xfail_reason="known bug")
+    assert diff_runs([expected], [before]).regressed == []
