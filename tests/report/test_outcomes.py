@@ -174,3 +174,23 @@ def test_an_expected_failure_is_not_a_regression() -> None:
     assert len(diff_runs([failing.with_fields(outcome="failed")], [before]).regressed) == 1
     expected = failing.with_fields(outcome="xfailed", xfail_reason="known bug")
     assert diff_runs([expected], [before]).regressed == []
+
+
+def test_an_int64_output_of_a_bfloat16_test_is_counted_under_bfloat16() -> None:
+    import torch
+
+    from numalign.compare import compare
+    from numalign.record import DriftRecord
+    from numalign.report.html import render_html
+    from numalign.report.tables import summarize
+
+    t = torch.arange(8)
+    test = "suites/operators/test_operators.py::test_topk[fused-bfloat16-llm]"
+    record = DriftRecord.from_result(compare(t, t, name="topk.indices"), test_id=test,
+                                     suite="operators")  # fmt: skip
+    assert record.dtype == "int64" and record.test_dtype == "bfloat16"
+    summary = summarize([record], {}, {})
+    assert {row["dtype"] for row in summary["by_suite_dtype"]} == {"bfloat16"}
+    html = render_html([record], summary)
+    heat = html.split('id="heatmap"', 1)[1].split("</table>", 1)[0]
+    assert "<th>bfloat16</th>" in heat and "int64" not in heat

@@ -99,7 +99,7 @@ def _heatmap(records: list[DriftRecord]) -> dict[str, Any]:
             used = math.inf
         if used is None:
             continue
-        key = (record.group, str(record.dtype))
+        key = (record.group, str(record.test_dtype))
         worst[key] = max(worst.get(key, 0.0), used)
     operators = sorted({k[0] for k in worst})
     dtypes = sorted({k[1] for k in worst})
@@ -139,7 +139,7 @@ def _curves(records: list[DriftRecord]) -> list[dict[str, Any]]:
     by_model: dict[tuple[str, str], list[DriftRecord]] = defaultdict(list)
     for record in records:
         if record.suite == "models" and record.model and record.mode in dict(CURVE_MODES):
-            by_model[(record.model, str(record.dtype))].append(record)
+            by_model[(record.model, str(record.test_dtype))].append(record)
     out = []
     for (model, dtype), items in sorted(by_model.items()):
         stacks: dict[str, int] = defaultdict(int)
@@ -235,7 +235,7 @@ def _end_results(records: list[DriftRecord]) -> list[dict[str, Any]]:
     for r in records:
         if r.suite != "models" or r.mode not in END_MODES:
             continue
-        key = (str(r.model), str(r.dtype), str(r.request), str(r.swap or ""))
+        key = (str(r.model), str(r.test_dtype), str(r.request), str(r.swap or ""))
         row = rows.setdefault(key, {"model": key[0], "dtype": key[1], "request": key[2],
                                     "swap": key[3], "items": []})  # fmt: skip
         m, b = r.metrics, r.budget
