@@ -175,3 +175,18 @@ def test_a_run_that_wrote_no_report_names_none(tmp_path: Path) -> None:
     status, run_dir = run_suites([ROOT / "suites" / "models"], reports, tier="bogus", workers="0")
     assert status != 0  # a usage error: --tier bogus
     assert run_dir is None  # not the older run's folder
+
+
+def test_the_nightly_says_what_it_does_with_each_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from numalign.nightly import refresh_sets
+
+    models, sets = tmp_path / "models", tmp_path / "sets"
+    for name in ("tiny-llama", "tiny-gpt2"):
+        shutil.copytree(ROOT / "golden" / "models" / name, models / name)
+        shutil.copytree(ROOT / "golden" / "sets" / name, sets / name)
+    refresh = refresh_sets(models, sets)
+    assert refresh.fresh == ["tiny-gpt2", "tiny-llama"] and refresh.recaptured == []
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["numalign nightly: tiny-gpt2 is fresh", "numalign nightly: tiny-llama is fresh"]
