@@ -6,10 +6,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from numalign.golden.decode import DEFAULT_DECODE_STEPS
 from numalign.golden.store import DEFAULT_SETS, discover_sets
 from numalign.settings import ATTN_IMPLEMENTATIONS, DEFAULT_TIER, ENGINES, TIERS
+
+#: Where ``numalign run`` keeps the sets it captures: outside the tracked golden/sets (which
+#: every ``pytest suites/`` replays), git-ignored.
+RUN_SETS = Path(".numalign") / "sets"
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -56,9 +61,37 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_dtypes(text: str | None, option: str, command: str) -> None:
+    """A comma list of dtypes, checked before any work (``--calibrate bf16`` ran a capture,
+    then raised AttributeError)."""
+    from numalign.settings import parse_dtypes
+
+    if text:
+        try:
+            parse_dtypes(text)
+        except ValueError as exc:
+            raise SystemExit(f"numalign {command}: {option} {text!r}: {exc}") from None
+
+
+def _check_model(model_dir: str, command: str) -> None:
+    from numalign.golden.reference import ModelFolderError, check_model_dir
+
+    try:
+        check_model_dir(model_dir)
+    except ModelFolderError as exc:
+        raise SystemExit(f"numalign {command}: {exc}") from None
+
+
 def _capture(args: argparse.Namespace) -> int:
     from numalign.golden.reference import Placement, parse_max_memory
     from numalign.replay.ensemble import capture_calibrated
+
+    _check_model(args.model_dir, "capture")
+    _check_dtypes(args.calibrate, "--calibrate", "capture")
+    if args.prompts and not Path(args.prompts).is_file():
+        raise SystemExit(f"numalign capture: --prompts {args.prompts}: no such file")
+    if args.image and not Path(args.image).is_file():
+        raise SystemExit(f"numalign capture: --image {args.image}: no such file")
 
     placement = None
     if args.device_map:
@@ -164,13 +197,33 @@ def _golden(args: argparse.Namespace) -> int:
 def _inventory(args: argparse.Namespace) -> int:
     from numalign.inventory import inventory
 
+    _check_model(args.model_dir, "inventory")
+
     result = inventory(args.model_dir, trust_remote_code=args.trust_remote_code)
     print(result.to_json() if args.format == "json" else result.to_markdown(), end="")
     return 0
 
 
+def _check_run_options(args: argparse.Namespace, command: str) -> None:
+    from numalign.settings import validate_device
+
+    _check_dtypes(args.dtype, "--dtype", command)
+    if args.device:
+        try:
+            validate_device(args.device)
+        except ValueError as exc:
+            raise SystemExit(f"numalign {command}: {exc}") from None
+
+
 def _nightly(args: argparse.Namespace) -> int:
     from numalign.nightly import nightly
+
+    _check_run_options(args, "nightly")
+    if not Path(args.models).is_dir():
+        raise SystemExit(
+            f"numalign nightly: --models {args.models}: no such folder of model folders "
+            "(numalign zoo build writes the zoo's into golden/models)"
+        )
 
     return nightly(
         Path(args.models), Path(args.sets), [Path(s) for s in args.suites], Path(args.report_dir),
@@ -182,10 +235,49 @@ def _nightly(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from numalign.nightly import bring_up
 
+    _check_model(args.model_dir, "run")
+    _check_run_options(args, "run")
+    if args.tp < 1:
+        raise SystemExit(f"numalign run: --tp {args.tp}: a number of ranks, 1 or more")
+    if not (Path(args.suites) / "models").is_dir():
+        raise SystemExit(
+            f"numalign run: --suites {args.suites}: no models/ suite in it; run from the "
+            "repository root, or give the suites folder of a numalign checkout"
+        )
+
     return bring_up(
         Path(args.model_dir), Path(args.sets), Path(args.suites), Path(args.report_dir),
         device=args.device, dtypes=args.dtype, tier=args.tier, tp=args.tp, engine=args.engine,
     )  # fmt: skip
+
+
+def _cache(args: argparse.Namespace) -> int:
+    """numalign cache info | prune: the operator suite's truth cache."""
+    from collections import defaultdict
+
+    from numalign.settings import parse_size
+    from numalign.truths import cache_entries, default_truth_folder, prune_truths
+
+    folder = Path(args.cache) if args.cache else default_truth_folder(Path.cwd())
+    if args.action == "prune":
+        try:
+            cap = 0 if args.all else parse_size(args.max_size, "--max-size")
+        except ValueError as exc:
+            raise SystemExit(f"numalign cache prune: {exc}") from None
+        removed, freed = prune_truths(folder, cap)
+        print(f"{folder}: removed {removed} entries, {freed / 1e6:.1f} MB (least recently used "
+              f"first, down to {cap / 1e6:.0f} MB)")  # fmt: skip
+        return 0
+    entries = cache_entries(folder)
+    per_op: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for path, size, _ in entries:
+        per_op[path.parent.name][0] += 1
+        per_op[path.parent.name][1] += size
+    total = sum(size for _, size, _ in entries)
+    print(f"{folder}: {len(entries)} entries, {total / 1e6:.1f} MB")
+    for op, (count, size) in sorted(per_op.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {op:32} {count:6} entries {size / 1e6:10.1f} MB")
+    return 0
 
 
 def _existing(paths: list[Path]) -> list[Path]:
@@ -198,18 +290,42 @@ def _existing(paths: list[Path]) -> list[Path]:
     return paths
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that names every option's default: argparse's "(default: X)" where the help
+    text does not already say it in words (None and False defaults: the help says what
+    happens without the option)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, [], argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def _subparser(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name, formatter_class=_Formatter, allow_abbrev=False, **kwargs
+    )
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command. Abbreviations are off everywhere (``--device`` is not
+    ``--device-map``), and every option says its default."""
     from numalign import __version__
 
     parser = argparse.ArgumentParser(
         prog="numalign",
         description="Numerical alignment and regression suite for LLMs on AI accelerators. "
         "The suites run under pytest: pytest -n auto suites/",
+        allow_abbrev=False,
+        formatter_class=_Formatter,
     )
     parser.add_argument("--version", action="version", version=f"numalign {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    report = commands.add_parser(
+    report = _subparser(
+        commands,
         "report",
         help="render a run's drift report (or merge runs: report merge RUN... --out DIR)",
         description="Re-renders drift.html, drift.csv and summary.json of a run folder, "
@@ -217,14 +333,24 @@ def build_parser() -> argparse.ArgumentParser:
         "the records of several runs (shards, machines) into DIR.",
     )
     report.add_argument("paths", nargs="+", metavar="RUN", help="a run folder, or: merge RUN...")
-    report.add_argument("--baseline", help="a run folder or records.jsonl to compare against")
-    report.add_argument("--factor", type=float, default=2.0, help="regression factor (default 2)")
-    report.add_argument("--history", help="history file whose trend the report draws")
-    report.add_argument("--out", help="output run folder of 'report merge'")
-    report.add_argument("--fail-on-regression", action="store_true", help="exit 1 on regressions")
+    report.add_argument(
+        "--baseline", help="a run folder or records.jsonl to compare against (none: no diff)"
+    )
+    report.add_argument(
+        "--factor", type=float, default=2.0,
+        help="a record regresses when its use of budget grows beyond this factor",
+    )  # fmt: skip
+    report.add_argument(
+        "--history", help="history file whose trend the report draws (none: no trend)"
+    )
+    report.add_argument("--out", help="output run folder of 'report merge' (required there)")
+    report.add_argument(
+        "--fail-on-regression", action="store_true", help="exit 1 on regressions (off: exit 0)"
+    )
     report.set_defaults(handler=_report)
 
-    cap = commands.add_parser(
+    cap = _subparser(
+        commands,
         "capture",
         help="capture a golden set from a local Hugging Face model folder",
         description="Runs the model (loaded offline with from_pretrained) on built-in or given "
@@ -232,18 +358,26 @@ def build_parser() -> argparse.ArgumentParser:
         "capture point's inputs and outputs, the logits, a greedy continuation and a cached "
         "decode, calibrates lower dtypes, and writes the set atomically.",
     )
-    cap.add_argument("model_dir", metavar="MODEL_DIR")
+    cap.add_argument("model_dir", metavar="MODEL_DIR", help="a local Hugging Face model folder")
     cap.add_argument("--out", required=True, help="the golden set folder, e.g. golden/sets/NAME")
     cap.add_argument(
-        "--points", nargs="+", metavar="PATTERN", help="module name patterns (fnmatch)"
+        "--points", nargs="+", metavar="PATTERN",
+        help="module name patterns (fnmatch) to capture (none: every point of the model)",
+    )  # fmt: skip
+    cap.add_argument(
+        "--prompts", metavar="FILE", help="one prompt per line (none: the built-in prompts)"
     )
-    cap.add_argument("--prompts", metavar="FILE", help="one prompt per line")
-    cap.add_argument("--image", metavar="FILE", help="image for image-text models")
-    cap.add_argument("--reference-dtype", default="float32", choices=["float32", "float64"])
+    cap.add_argument(
+        "--image", metavar="FILE", help="image for image-text models (none: a built-in one)"
+    )
+    cap.add_argument(
+        "--reference-dtype", default="float32", choices=["float32", "float64"],
+        help="dtype the reference runs in",
+    )  # fmt: skip
     cap.add_argument(
         "--calibrate",
         default="float32,bfloat16,float16",
-        help="dtypes to calibrate ('' for none; default: float32,bfloat16,float16)",
+        help="comma list of dtypes to calibrate ('' for none)",
     )
     cap.add_argument(
         "--calibrate-with",
@@ -260,8 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-steps",
         type=int,
         default=DEFAULT_DECODE_STEPS,
-        help=f"cached decode steps to record per generating request (default "
-        f"{DEFAULT_DECODE_STEPS}; 0: none)",
+        help="cached decode steps to record per generating request (0: none)",
     )
     cap.add_argument(
         "--long",
@@ -271,13 +404,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="length of the long requests (default: past the sliding window, the linear-"
         "attention chunk and the paged replay's page size, from the config; 0: none)",
     )
-    cap.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS)
-    cap.add_argument("--trust-remote-code", action="store_true")
+    cap.add_argument(
+        "--attn-implementation", choices=ATTN_IMPLEMENTATIONS,
+        help="attention implementation of the reference (none: eager)",
+    )  # fmt: skip
+    cap.add_argument(
+        "--trust-remote-code", action="store_true",
+        help="run the model folder's own Python code (off: transformers' classes only)",
+    )  # fmt: skip
     cap.add_argument(
         "--device-map",
         metavar="MAP",
         help="load the model with accelerate's big-model placement (auto, balanced, "
-        "sequential): for weights that do not fit in memory; the set is the same",
+        "sequential): for weights that do not fit in memory; the set is the same "
+        "(none: in memory)",
     )
     cap.add_argument(
         "--offload-folder",
@@ -291,19 +431,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cap.set_defaults(handler=_capture)
 
-    inv = commands.add_parser(
+    inv = _subparser(
+        commands,
         "inventory",
         help="the catalogue operators a model needs, and which are covered (no weights read)",
         description="Builds the model on the meta device from its config, lists its module "
         "types and the aten operators a forward runs, and maps them to catalogue operators: "
         "where each is used, and whether candidates cover it, only the reference, or nothing.",
     )
-    inv.add_argument("model_dir", metavar="MODEL_DIR")
-    inv.add_argument("--format", choices=["md", "json"], default="md")
-    inv.add_argument("--trust-remote-code", action="store_true")
+    inv.add_argument("model_dir", metavar="MODEL_DIR", help="a local Hugging Face model folder")
+    inv.add_argument("--format", choices=["md", "json"], default="md", help="output format")
+    inv.add_argument(
+        "--trust-remote-code", action="store_true",
+        help="run the model folder's own Python code (off: transformers' classes only)",
+    )  # fmt: skip
     inv.set_defaults(handler=_inventory)
 
-    night = commands.add_parser(
+    night = _subparser(
+        commands,
         "nightly",
         help="recapture sets of changed models, run the suites against the last nightly",
         description="Recaptures the golden set of every model folder whose fingerprint no "
@@ -311,35 +456,53 @@ def build_parser() -> argparse.ArgumentParser:
         "against the previous nightly run as the baseline, and exits non-zero on a failure "
         "or a regression. Models that did not change are not recaptured.",
     )
-    night.add_argument("--models", default="golden/models")
-    night.add_argument("--sets", default=str(DEFAULT_SETS))
-    night.add_argument("--suites", nargs="+", default=["suites"])
-    night.add_argument("--report-dir", default="reports/nightly")
-    night.add_argument("--tier", default=TIERS[-1], choices=TIERS)
-    night.add_argument("--device")
-    night.add_argument("--dtype")
+    night.add_argument("--models", default="golden/models", help="folder of model folders")
+    night.add_argument(
+        "--sets", default=str(DEFAULT_SETS), help="folder of their golden sets (one per model)"
+    )
+    night.add_argument("--suites", nargs="+", default=["suites"], help="suite folders to run")
+    night.add_argument(
+        "--report-dir", default="reports/nightly", help="where the nightly runs and history go"
+    )
+    night.add_argument("--tier", default=TIERS[-1], choices=TIERS, help="case grid size")
+    night.add_argument("--device", help="where candidates run (none: the plugin's default, auto)")
+    night.add_argument(
+        "--dtype", help="comma list of dtypes candidates run in (none: the plugin's default)"
+    )
     night.add_argument(
         "--compile",
         nargs="?",
         const="inductor",
         metavar="BACKEND",
         help="then run layer and model replay through torch.compile (default backend inductor) "
-        "into REPORT_DIR/compiled, against tonight's eager run (ci/nightly.sh does)",
+        "into REPORT_DIR/compiled, against tonight's eager run (ci/nightly.sh does; none: "
+        "eager only)",
     )
     night.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
     night.set_defaults(handler=_nightly)
 
-    run = commands.add_parser(
+    run = _subparser(
+        commands,
         "run",
         help="bring up a model: inventory, capture if needed, the suites, the reports",
+        description="Bring-up of one model folder: its inventory; a capture into "
+        "SETS/<folder name> unless a set there has the model's fingerprint; then the model "
+        "suites on that set alone and the operator tests of the operators the inventory maps "
+        "the model to (by exact name); prints this run's report path.",
     )
-    run.add_argument("model_dir", metavar="MODEL_DIR")
-    run.add_argument("--sets", default=str(DEFAULT_SETS))
-    run.add_argument("--suites", default="suites")
-    run.add_argument("--report-dir", default="reports")
-    run.add_argument("--tier", default=DEFAULT_TIER, choices=TIERS)
-    run.add_argument("--device")
-    run.add_argument("--dtype")
+    run.add_argument("model_dir", metavar="MODEL_DIR", help="a local Hugging Face model folder")
+    run.add_argument(
+        "--sets", default=str(RUN_SETS),
+        help="where the model's golden set is captured and looked for (outside the tracked "
+        "golden/sets, which every pytest suites/ run replays)",
+    )  # fmt: skip
+    run.add_argument("--suites", default="suites", help="the suites folder of a checkout")
+    run.add_argument("--report-dir", default="reports", help="where run reports go")
+    run.add_argument("--tier", default=DEFAULT_TIER, choices=TIERS, help="case grid size")
+    run.add_argument("--device", help="where candidates run (none: the plugin's default, auto)")
+    run.add_argument(
+        "--dtype", help="comma list of dtypes candidates run in (none: the plugin's default)"
+    )
     run.add_argument(
         "--engine", default="transformers", choices=ENGINES,
         help="replay the model through transformers (default) or vLLM's model code "
@@ -350,22 +513,48 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         metavar="N",
-        help="replay the model tensor-parallel on N ranks of torch.distributed (default 1)",
+        help="replay the model tensor-parallel on N ranks of torch.distributed",
     )
     run.set_defaults(handler=_run)
 
-    zoo = commands.add_parser("zoo", help="the embedded tiny model zoo")
-    zoo.add_argument("action", choices=["build"])
-    zoo.add_argument("names", nargs="*", help="zoo models to build (default: all)")
-    zoo.add_argument("--out", default="golden/models")
+    zoo = _subparser(commands, "zoo", help="the embedded tiny model zoo")
+    zoo.add_argument("action", choices=["build"], help="build: write the zoo's model folders")
+    zoo.add_argument("names", nargs="*", help="zoo models to build (none: all)")
+    zoo.add_argument("--out", default="golden/models", help="where the model folders go")
     zoo.add_argument(
         "--sets", default=str(DEFAULT_SETS), help="capture their golden sets here ('' not to)"
     )
     zoo.set_defaults(handler=_zoo)
 
-    golden = commands.add_parser("golden", help="list, show and verify golden sets")
-    golden.add_argument("action", choices=["ls", "show", "verify"])
-    golden.add_argument("target", nargs="?", help="a set folder (ls: a folder of sets)")
+    cache = _subparser(
+        commands,
+        "cache",
+        help="the operator suite's truth cache: its size, or trim it",
+        description="info: entries and size per operator; prune: remove the least recently "
+        "used entries down to --max-size (--all: every entry). A session keeps the cache "
+        "under --truth-cache-size (pytest option) by itself.",
+    )
+    cache.add_argument("action", choices=["info", "prune"], help="info: sizes; prune: trim")
+    cache.add_argument(
+        "--cache", metavar="DIR",
+        help="the truth folder (none: $NUMALIGN_CACHE/truths, else .numalign-cache/truths)",
+    )  # fmt: skip
+    cache.add_argument(
+        "--max-size", default="4GB", metavar="SIZE", help="prune: the size to trim down to"
+    )
+    cache.add_argument("--all", action="store_true", help="prune: every entry (off: to size)")
+    cache.set_defaults(handler=_cache)
+
+    golden = _subparser(commands, "golden", help="list, show and verify golden sets")
+    golden.add_argument(
+        "action", choices=["ls", "show", "verify"],
+        help="ls: the sets of a folder; show: one set's contents; verify: its checksums and "
+        "its model's fingerprint",
+    )  # fmt: skip
+    golden.add_argument(
+        "target", nargs="?",
+        help=f"a set folder (ls: a folder of sets, none: {DEFAULT_SETS})",
+    )  # fmt: skip
     golden.set_defaults(handler=_golden)
     return parser
 

@@ -59,6 +59,7 @@ def refresh_sets(
             try:
                 golden = GoldenSet.open(target)
                 if golden.fingerprint_matches(model_dir):
+                    print(f"numalign nightly: {model_dir.name} is fresh", flush=True)
                     result.fresh.append(model_dir.name)
                     continue
                 stamp = (golden.manifest.created or "unknown").replace(":", "")
@@ -70,13 +71,14 @@ def refresh_sets(
             keep.parent.mkdir(parents=True, exist_ok=True)
             shutil.copytree(target, keep)
             result.archived.append(keep)
-        capture_calibrated(model_dir, target, calibrate=calibrate, progress=False)
+        print(f"numalign nightly: recapturing {model_dir.name} (its model changed)", flush=True)
+        capture_calibrated(model_dir, target, calibrate=calibrate, progress=None)
         result.recaptured.append(model_dir.name)
     return result
 
 
 def run_suites(
-    suites: Sequence[Path],
+    suites: Sequence[Path | str],
     report_dir: Path,
     *,
     tier: str,
@@ -89,9 +91,11 @@ def run_suites(
     workers: str = "auto",
     fail_on_regression: bool = True,
 ) -> tuple[int, Path | None]:
-    """``pytest -n auto`` over the suites; returns its exit status and the run folder. With a
-    baseline, a regression fails the run unless ``fail_on_regression`` is False (the baseline
-    is then a comparison only: a compiled run against the eager one)."""
+    """``pytest -n auto`` over the suites (folders, files or test node ids); returns its exit
+    status and the run folder this session wrote, None where it wrote none (a usage error, no
+    test ran): never an older run's. With a baseline, a regression fails the run unless
+    ``fail_on_regression`` is False (the baseline is then a comparison only: a compiled run
+    against the eager one)."""
     cmd = [
         sys.executable,
         "-m",
@@ -119,9 +123,13 @@ def run_suites(
     for folder in golden:
         cmd += ["--golden", str(folder)]
     cmd += list(extra)
-    status = subprocess.call(cmd)
     latest = report_dir / "latest"
-    return status, (latest.resolve() if latest.exists() else None)
+    before = latest.resolve() if latest.exists() else None
+    print(f"numalign: running pytest on {len(suites)} suite path(s) into {report_dir}", flush=True)
+    status = subprocess.call(cmd)
+    after = latest.resolve() if latest.exists() else None
+    produced = after is not None and after != before and (after / "records.jsonl").is_file()
+    return status, (after if produced else None)
 
 
 def nightly(
@@ -141,6 +149,7 @@ def nightly(
     (``run_compiled``)."""
     latest = report_dir / "latest"
     baseline = latest.resolve() if latest.exists() else None
+    print(f"numalign nightly: [1/{2 + bool(compile_backend)}] golden sets of {models}", flush=True)
     refresh = refresh_sets(models, sets)
     print(
         f"numalign nightly: recaptured {', '.join(refresh.recaptured) or 'nothing'}; "
@@ -148,6 +157,7 @@ def nightly(
     )
     for kept in refresh.archived:
         print(f"numalign nightly: previous version kept in {kept}")
+    print(f"numalign nightly: [2/{2 + bool(compile_backend)}] the suites", flush=True)
     status, run_dir = run_suites(
         suites,
         report_dir,
@@ -165,6 +175,7 @@ def nightly(
             + (f" (baseline {baseline})" if baseline else " (first run: no baseline)")
         )
     if compile_backend:
+        print(f"numalign nightly: [3/3] the suites compiled ({compile_backend})", flush=True)
         compiled_status = run_compiled(
             suites, report_dir / COMPILED_DIR, compile_backend, eager_run=run_dir, tier=tier,
             device=device, dtypes=dtypes, golden=[sets], extra=extra,
@@ -202,6 +213,16 @@ def run_compiled(
     return status
 
 
+def operator_tests(suites_root: Path, operators: Sequence[str]) -> list[str]:
+    """The node ids of the operator suite's tests of ``operators`` (exact names: never a
+    substring, which made ``-k test_attention`` also run ``test_attention_sinks``)."""
+    from numalign.registry import OPERATORS, load_catalogue
+
+    load_catalogue()
+    module = suites_root / "operators" / "test_operators.py"
+    return [f"{module}::test_{op}" for op in operators if op in OPERATORS]
+
+
 def bring_up(
     model_dir: Path,
     sets: Path,
@@ -216,11 +237,26 @@ def bring_up(
 ) -> int:
     """Inventory, a capture when there is no fresh set, the suites on this model (on ``tp``
     tensor-parallel ranks when above 1; through ``engine``'s model code) and on the operators
-    it uses, and the report paths."""
+    it uses, and the report paths.
+
+    Nothing is guessed: the model's set is ``sets/<model folder name>``, replayed alone
+    (``--golden SET --golden-only``: a zoo set of the same name is not replayed) after its
+    fingerprint is checked against the model folder; the operator tests are those of the
+    operators the inventory maps this model to that have candidates, by exact test name. The
+    report path printed is this run's, and only when the run wrote one."""
+    from numalign.golden.reference import check_model_dir
     from numalign.inventory import inventory
 
+    model_dir = check_model_dir(model_dir).resolve()
+    suites_root = Path(suites_root)
+    if not (suites_root / "models").is_dir():
+        raise FileNotFoundError(
+            f"--suites {suites_root}: no models/ suite in it; give the suites folder of a "
+            "numalign checkout (default: suites, run from the repository root)"
+        )
+    print(f"numalign run: [1/3] inventory of {model_dir}", flush=True)
     inv = inventory(model_dir)
-    print(inv.to_markdown())
+    print(inv.to_markdown(), flush=True)
     target = sets / model_dir.name
     fresh = False
     if (target / "manifest.json").is_file():
@@ -228,21 +264,32 @@ def bring_up(
             fresh = GoldenSet.open(target).fingerprint_matches(model_dir)
         except GoldenSetError:
             fresh = False
-    if not fresh:
-        print(f"numalign run: capturing {target}")
-        capture_calibrated(model_dir, target, progress=sys.stderr.isatty())
+    if fresh:
+        print(f"numalign run: [2/3] golden set {target} is fresh (same fingerprint)", flush=True)
+    else:
+        print(f"numalign run: [2/3] capturing {target}", flush=True)
+        capture_calibrated(model_dir, target, progress=None)
+    golden = GoldenSet.open(target)
+    golden.check_fresh(model_dir)
     operators = [row["operator"] for row in inv.rows if row["status"] == "covered by candidates"]
-    selection = " or ".join([model_dir.name, *(f"test_{op}" for op in operators)])
+    tests = operator_tests(suites_root, operators)
+    print(
+        f"numalign run: [3/3] replaying {golden.name} ({golden.model.fingerprint[:12]}) and "
+        f"the operators it uses: {', '.join(operators) or 'none with candidates'}",
+        flush=True,
+    )
     status, run_dir = run_suites(
-        [suites_root / "models", suites_root / "operators"],
+        [suites_root / "models", *tests],
         report_dir,
         tier=tier,
         device=device,
         dtypes=dtypes,
         golden=[target],
-        extra=["-k", selection, *(["--tp", str(tp)] if tp > 1 else []),
+        extra=["--golden-only", *(["--tp", str(tp)] if tp > 1 else []),
                *(["--engine", engine] if engine != "transformers" else [])],
     )
     if run_dir is not None:
         print(f"numalign run: report {run_dir / 'drift.html'}, records {run_dir / 'records.jsonl'}")
+    else:
+        print(f"numalign run: pytest exited {status} and wrote no report (see its output above)")
     return status

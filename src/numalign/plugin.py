@@ -21,10 +21,12 @@ from numalign.settings import (
     engine_conflicts,
     in_shard,
     parse_cache_implementations,
+    parse_count,
     parse_dtypes,
     parse_engine,
     parse_seconds,
     parse_shard,
+    parse_size,
     parse_share,
     parse_tier,
     parse_tp,
@@ -100,6 +102,15 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
         {"action": "append"},
         "paths",
         [],
+    ),
+    (
+        "--golden-only",
+        "numalign_golden_only",
+        "model suites replay only the --golden sets, not <rootdir>/golden/sets (numalign run "
+        "replays the set of its model alone)",
+        {"action": "store_true", "default": None},
+        "bool",
+        False,
     ),
     (
         "--candidates",
@@ -232,6 +243,24 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
         "",
     ),
     (
+        "--truth-cache-size",
+        "numalign_truth_cache_size",
+        "size the truth cache is kept under, least recently used entries evicted first "
+        "(4GB, 500MB, 2GiB; 0: no cap; default 4GB)",
+        {"metavar": "SIZE"},
+        "string",
+        "4GB",
+    ),
+    (
+        "--keep-runs",
+        "numalign_keep_runs",
+        "run folders the report folder keeps: older runs are removed at the end of a session, "
+        "never the latest nor the baseline (0: keep every run; default 10)",
+        {"metavar": "N"},
+        "string",
+        "10",
+    ),
+    (
         "--compile",
         "numalign_compile",
         "run candidates, layers and models through torch.compile with this backend (default "
@@ -308,9 +337,17 @@ def settings_from_config(config: pytest.Config) -> Settings:
         tp_timeout = parse_seconds(str(_value(config, "numalign_tp_timeout")), "--tp-timeout")
         engine = parse_engine(str(_value(config, "numalign_engine") or ""))
         vllm_memory = parse_share(str(_value(config, "numalign_vllm_memory")), "--vllm-memory")
+        cache_size = parse_size(str(_value(config, "numalign_truth_cache_size")),
+                                "--truth-cache-size")  # fmt: skip
+        keep_runs = parse_count(str(_value(config, "numalign_keep_runs")), "--keep-runs")
     except ValueError as exc:
         raise pytest.UsageError(f"numalign: {exc}") from None
     golden = tuple(Path(p) for p in _value(config, "numalign_golden"))
+    if not golden and _value(config, "numalign_golden_only"):
+        raise pytest.UsageError(
+            "numalign: --golden-only replays the --golden sets alone, and none was given: "
+            "add --golden SET_FOLDER"
+        )
     for folder in golden:
         if not folder.is_dir():
             raise pytest.UsageError(
@@ -341,6 +378,7 @@ def settings_from_config(config: pytest.Config) -> Settings:
         dtypes=dtypes,
         tier=tier,
         golden_dirs=golden,
+        golden_only=bool(_value(config, "numalign_golden_only")),
         candidate_modules=tuple(_value(config, "numalign_candidates")),
         report_dir=Path(str(_value(config, "numalign_report_dir"))),
         baseline=Path(baseline) if baseline else None,
@@ -356,6 +394,8 @@ def settings_from_config(config: pytest.Config) -> Settings:
         truth_cache=resolve_truth_folder(
             str(_value(config, "numalign_truth_cache") or ""), config.rootpath
         ),
+        truth_cache_max_bytes=cache_size,
+        keep_runs=keep_runs,
         compile_backend=str(_value(config, "numalign_compile") or "").strip() or None,
         compile_mode=str(_value(config, "numalign_compile_mode") or "").strip() or None,
         tp=tp,
@@ -386,7 +426,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
     settings = settings_from_config(config)
     config.stash[settings_key] = settings
-    config.stash[previous_truth_cache_key] = use_truth_cache(settings.truth_cache)
+    config.stash[previous_truth_cache_key] = use_truth_cache(
+        settings.truth_cache, settings.truth_cache_max_bytes
+    )
     _import_all(settings.device_plugins, "--device-plugin")
     if settings.device not in ("auto", "cpu"):
         from numalign.replay import DeviceUnavailableError, resolve_device
@@ -525,9 +567,9 @@ def record_drift(request: pytest.FixtureRequest) -> NodeRecorder:
 
 
 def _allure_annotate() -> Any:
-    from numalign.report.allure import annotate
+    from numalign.report.allure import Annotator
 
-    return annotate
+    return Annotator()
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,16 @@ USER_PROPERTY = "numalign.drift"
 TRACEBACK_LINES = 20
 #: Verdicts, from best to worst (a test's outcome is its worst record's).
 VERDICTS: tuple[str, ...] = ("skipped", "passed", "crashed", "error", "failed")
+#: Outcomes of a test as pytest counts them (its terminal's last line), in the order reports
+#: show them, and ``crashed``: a test whose worker died (pytest counts it among the failed).
+OUTCOMES: tuple[str, ...] = (
+    "failed", "error", "crashed", "xpassed", "xfailed", "skipped", "passed",
+)  # fmt: skip
+#: What a record shows, worst first: its verdict, or xfailed and xpassed where its test was
+#: an expected failure (a failing record of an xfailed test is expected, never "failed").
+STATUSES: tuple[str, ...] = OUTCOMES
+#: Statuses that are failures a reviewer must read (xfailed is expected, not one of them).
+FAILING: tuple[str, ...] = ("failed", "error", "crashed", "xpassed")
 #: Model-suite modes that judge the model's end result rather than a capture point.
 END_MODES = ("logits", "continuation", "output")
 #: The dtype names a test id may carry (its parameters are split at the first of them).
@@ -87,6 +97,12 @@ class DriftRecord:
     compile_s: float | None = None
     #: Graph breaks Dynamo made while compiling for this test (``--compile``).
     graph_breaks: int | None = None
+    #: The test's outcome as pytest counts it (one of OUTCOMES), set by the controller when
+    #: the record arrives; None in records written before it (their verdict stands).
+    outcome: str | None = None
+    #: Why the test was expected to fail (``pytest.mark.xfail(reason=...)``, ``pytest.xfail``),
+    #: where it was.
+    xfail_reason: str | None = None
     schema: int = SCHEMA_VERSION
 
     # -- construction -------------------------------------------------------------------------
@@ -155,6 +171,23 @@ class DriftRecord:
         return float(value) if isinstance(value, (int, float)) else None
 
     @property
+    def status(self) -> str:
+        """What reports show and count for this record: its verdict, except in a test pytest
+        counted as an expected failure (a failing record is then ``xfailed``) or as an
+        unexpected pass (``xpassed``)."""
+        if self.outcome == "xfailed" and self.verdict in ("failed", "error", "crashed"):
+            return "xfailed"
+        if self.outcome == "xpassed" and self.verdict == "passed":
+            return "xpassed"
+        return self.verdict
+
+    @property
+    def test_dtype(self) -> str | None:
+        """The dtype the test ran in (from its id), else the record's own (an operator's
+        integer output records int64, its test ran in bfloat16)."""
+        return context_from_test_id(self.test_id).get("dtype") or self.dtype
+
+    @property
     def group(self) -> str:
         """What a trend line follows: the operator; for model suites the model set, with its
         logits, continuation and final outputs followed apart from its points."""
@@ -199,14 +232,39 @@ def context_from_test_id(test_id: str) -> dict[str, Any]:
 
 
 def outcome_of(records: Iterable[DriftRecord]) -> dict[str, str]:
-    """Per test id, its worst record's verdict (failed over error over crashed over passed
-    over skipped)."""
+    """Per test id, its outcome: the one pytest gave it where the records carry it, else its
+    worst record's verdict (failed over error over crashed over passed over skipped)."""
     rank = {v: i for i, v in enumerate(VERDICTS)}
     out: dict[str, str] = {}
+    told: dict[str, str] = {}
     for r in records:
+        if r.outcome in OUTCOMES:
+            told[r.test_id] = r.outcome
         if rank.get(r.verdict, 0) >= rank.get(out.get(r.test_id, "skipped"), 0):
             out[r.test_id] = r.verdict
-    return out
+    return out | told
+
+
+def pytest_outcome(report: Any) -> str | None:
+    """How pytest counts one test report (its terminal summary's categories): ``passed``,
+    ``failed``, ``skipped``, ``xfailed``, ``xpassed`` for the call; ``error`` for a setup or
+    teardown that failed, ``skipped`` for a setup that skipped; None for a setup or teardown
+    that passed (pytest does not count it). A report of a crashed xdist worker is
+    ``crashed``."""
+    when = str(getattr(report, "when", ""))
+    if when == "???":
+        return "crashed"
+    if hasattr(report, "wasxfail"):
+        return "xfailed" if report.skipped else "xpassed" if report.passed else "failed"
+    if when in ("setup", "teardown"):
+        return "error" if report.failed else "skipped" if report.skipped else None
+    return str(report.outcome)
+
+
+def count_outcomes(outcomes: Iterable[str]) -> dict[str, int]:
+    """Counts per outcome, in OUTCOMES' order, the ones seen only."""
+    seen = list(outcomes)
+    return {o: seen.count(o) for o in OUTCOMES if o in seen}
 
 
 @dataclass

@@ -44,6 +44,8 @@ class Settings:
     dtypes: tuple[str, ...] = DEFAULT_DTYPES
     tier: str = DEFAULT_TIER
     golden_dirs: tuple[Path, ...] = ()
+    #: Replay only the sets of ``golden_dirs``, not the rootdir's golden/sets (``numalign run``).
+    golden_only: bool = False
     candidate_modules: tuple[str, ...] = ()
     report_dir: Path = Path("reports")
     baseline: Path | None = None
@@ -59,6 +61,10 @@ class Settings:
     allow_tf32: bool = False
     #: Where the operator suite keeps its float64 truths (``numalign.truths``); None: off.
     truth_cache: Path | None = None
+    #: Size the truth cache is kept under (least recently used entries go first); 0: no cap.
+    truth_cache_max_bytes: int = 0
+    #: Run folders the report folder keeps (older ones are removed); 0: every run.
+    keep_runs: int = 0
     #: What decode replay runs with (--cache-implementation).
     cache_implementations: tuple[str, ...] = DEFAULT_CACHE_IMPLEMENTATIONS
     #: ``torch.compile`` backend the suites run candidates and models through (--compile);
@@ -173,6 +179,27 @@ def parse_seconds(text: str, option: str) -> float:
     if not value > 0:
         raise ValueError(f"{option} {text!r}: give a number of seconds above 0, e.g. {option} 600")
     return value
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_size(text: str, option: str) -> int:
+    """``"4GB"`` -> 4_000_000_000 bytes (kB, MB, GB, TB and KiB, MiB, GiB, TiB; a bare number
+    is bytes; 0: no cap); ValueError naming ``option``."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match[2].lower() if match else ""
+    if not match or unit not in _SIZE_UNITS:
+        raise ValueError(f"{option} {text!r}: give a size such as 4GB, 500MB or 2GiB (0: no cap)")
+    return int(float(match[1]) * _SIZE_UNITS[unit])
+
+
+def parse_count(text: str, option: str) -> int:
+    """``"10"`` -> 10: a whole number 0 or above; ValueError naming ``option``."""
+    if not text.strip().isdigit():
+        raise ValueError(f"{option} {text!r}: give a whole number, 0 or more, e.g. {option} 10")
+    return int(text.strip())
 
 
 def parse_tier(text: str) -> str:

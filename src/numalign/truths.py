@@ -31,6 +31,12 @@ moves its last bit (1e-16 relative); every verdict allows errors of the target d
 rounding (1e-3 for bfloat16) or more, so a truth from a run with other thread counts judges
 the same.
 
+The cache is bounded: a session keeps it under ``--truth-cache-size`` (default 4 GB; a
+main run of the operator suite writes about 2 GB), evicting the least recently used entries
+(a hit touches its file's time) once a write takes it past the cap, down to 90% of it;
+``numalign cache info`` and ``numalign cache prune`` show and trim it by hand. Only files of
+the cache's own naming (``<operator>/<case>-<dtype>-<32 hex>.safetensors``) are ever removed.
+
 The cache is off unless a session turns it on: the pytest plugin does (``--truth-cache``,
 default ``<rootdir>/.numalign-cache/truths`` or ``$NUMALIGN_CACHE/truths``); a script calls
 ``use_truth_cache(folder)``.
@@ -38,6 +44,7 @@ default ``<rootdir>/.numalign-cache/truths`` or ``$NUMALIGN_CACHE/truths``); a s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -64,6 +71,13 @@ FORMAT = "numalign.truth/1"
 CACHE_ENV = "NUMALIGN_CACHE"
 #: The cache root inside the rootdir when ``$NUMALIGN_CACHE`` is not set.
 DEFAULT_ROOT = ".numalign-cache"
+#: Size a session keeps the cache under by default (``--truth-cache-size``): twice what a
+#: main run of the operator suite writes (2 GB), so a run never evicts its own truths.
+DEFAULT_MAX_BYTES = 4 * 10**9
+#: Eviction goes down to this fraction of the cap, so the next writes do not evict again.
+EVICT_TO = 0.9
+#: An entry's file name, as ``TruthCache.path`` makes it: what eviction may remove.
+_ENTRY_NAME = re.compile(r".+-[0-9a-f]{32}\.safetensors")
 #: Values of ``--truth-cache`` that turn the cache off.
 OFF_VALUES: tuple[str, ...] = ("off", "none", "no", "false", "0")
 
@@ -151,8 +165,13 @@ class TruthCache:
 
     folder: Path
     stats: dict[str, int] = field(
-        default_factory=lambda: {"hit": 0, "miss": 0, "rejected": 0, "written": 0}
+        default_factory=lambda: {"hit": 0, "miss": 0, "rejected": 0, "written": 0, "evicted": 0}
     )
+    #: The cap in bytes (0: none); see the module's docstring.
+    max_bytes: int = 0
+    #: Bytes this process believes the cache holds (scanned at its first write, then grown by
+    #: its writes; other workers' writes are seen at the next eviction's scan).
+    _size: int | None = None
 
     def key(self, op: Operator, case: Case, dtype: torch.dtype) -> dict[str, str] | None:
         """The parts that decide the entry's values, or None when the operator's source
@@ -197,6 +216,8 @@ class TruthCache:
             self.stats["rejected"] += 1
             return None
         self.stats["hit"] += 1
+        with contextlib.suppress(OSError):  # its time is its last use: LRU eviction reads it
+            os.utime(path)
         return entry
 
     def store(
@@ -240,7 +261,50 @@ class TruthCache:
         except Exception:  # an unwritable folder or an unsupported dtype: just don't cache
             return None
         self.stats["written"] += 1
+        if self.max_bytes:
+            self._size = (cache_size(self.folder) if self._size is None else self._size) + (
+                path.stat().st_size
+            )
+            if self._size > self.max_bytes:
+                removed, _ = prune_truths(self.folder, int(self.max_bytes * EVICT_TO))
+                self.stats["evicted"] += removed
+                self._size = cache_size(self.folder)
         return path
+
+
+def cache_entries(folder: Path) -> list[tuple[Path, int, float]]:
+    """The cache's entries as (path, bytes, time of last use), least recently used first;
+    only files of the cache's own naming."""
+    out = []
+    for path in folder.glob("*/*.safetensors") if folder.is_dir() else []:
+        if not _ENTRY_NAME.fullmatch(path.name):
+            continue
+        try:
+            stat = path.stat()
+        except OSError:  # removed by another worker meanwhile
+            continue
+        out.append((path, stat.st_size, stat.st_mtime))
+    return sorted(out, key=lambda e: (e[2], str(e[0])))
+
+
+def cache_size(folder: Path) -> int:
+    """Bytes the cache's entries take."""
+    return sum(size for _, size, _ in cache_entries(folder))
+
+
+def prune_truths(folder: Path, max_bytes: int) -> tuple[int, int]:
+    """Removes the least recently used entries until the cache takes at most ``max_bytes``
+    (0: removes every entry); returns (entries removed, bytes freed). A worker reading an
+    entry removed meanwhile gets a miss and computes the truth again."""
+    entries = cache_entries(folder)
+    total = sum(size for _, size, _ in entries)
+    removed = freed = 0
+    for path, size, _ in entries:
+        if total - freed <= max_bytes:
+            break
+        path.unlink(missing_ok=True)
+        removed, freed = removed + 1, freed + size
+    return removed, freed
 
 
 def _save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], target: str) -> None:
@@ -296,12 +360,12 @@ def _decode(data: bytes, key: Mapping[str, str]) -> Entry | None:
 _active: TruthCache | None = None
 
 
-def use_truth_cache(folder: Path | str | None) -> TruthCache | None:
-    """Turns the cache on in ``folder`` (off for None) for this process; returns the cache
-    that was active before."""
+def use_truth_cache(folder: Path | str | None, max_bytes: int = 0) -> TruthCache | None:
+    """Turns the cache on in ``folder`` (off for None) for this process, kept under
+    ``max_bytes`` (0: no cap); returns the cache that was active before."""
     global _active
     previous = _active
-    _active = TruthCache(Path(folder)) if folder is not None else None
+    _active = TruthCache(Path(folder), max_bytes=max_bytes) if folder is not None else None
     return previous
 
 

@@ -14,13 +14,39 @@ from numalign.record import NodeRecorder
 from numalign.replay.compiled import CompileError
 from numalign.replay.engines import Engine, open_engine
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
-from numalign.replay.model import ReplayUnsupported, variant_label
+from numalign.replay.model import ReplayUnsupported, unusable_sets, variant_label
 from numalign.replay.paged import PagedUnsupported
 from numalign.replay.tensor_parallel import (
     NoTensorParallelPlan,
     TensorParallelError,
     TensorParallelUsageError,
 )
+
+#: The parameters of the model suites' tests, each "SET_PATH::..." (test_layers, test_model,
+#: test_decode).
+CASE_PARAMS = ("layer_case", "model_case", "decode_case")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A golden set replay cannot use (stale, its model folder gone) fails once: its first
+    test runs and fails with the message that says how to fix it; its other tests are skipped
+    with the reason, so a stale set is one failure, not one per point."""
+    sets: dict[pytest.Item, str] = {}
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        case = next((params[k] for k in CASE_PARAMS if k in params), None)
+        if isinstance(case, str) and "::" in case:
+            sets[item] = case.partition("::")[0]
+    unusable = unusable_sets(list(sets.values()))
+    first: dict[str, str] = {}
+    for item, path in sets.items():
+        if path not in unusable:
+            continue
+        if path not in first:
+            first[path] = item.nodeid
+            continue
+        reason = unusable[path].splitlines()[0]
+        item.add_marker(pytest.mark.skip(reason=f"{reason} (failed once: {first[path]})"))
 
 
 @pytest.fixture(scope="session")

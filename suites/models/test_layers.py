@@ -33,7 +33,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "layer_case" not in metafunc.fixturenames:
         return
     settings = metafunc.config.stash[settings_key]
-    sets = suite_sets(ROOT, settings.golden_dirs)
+    sets = suite_sets(ROOT, settings.golden_dirs, only=settings.golden_only)
     cases = []
     for path in sets:
         golden = GoldenSet.open_shared(path)

@@ -6,6 +6,7 @@ paged engine cannot serve is skipped with the reason."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -65,7 +66,10 @@ def run_suite(pytester: pytest.Pytester, plugin: str, *args: str) -> pytest.RunR
 
 @pytest.fixture
 def on_path(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", f"{pytester.path}:{ROOT}")
+    monkeypatch.setenv(  # the caller's path after ours: a checkout run with PYTHONPATH=src
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(pytester.path), str(ROOT),
+                                                     os.environ.get("PYTHONPATH")]))
+    )  # fmt: skip
 
 
 def failed_tests(result: pytest.RunResult) -> set[str]:

@@ -6,6 +6,7 @@ a corrupted one with the shard's name, never a numeric verdict."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -30,7 +31,10 @@ def run_suite(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 
 @pytest.fixture
 def on_path(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", f"{pytester.path}:{ROOT}")
+    monkeypatch.setenv(  # the caller's path after ours: a checkout run with PYTHONPATH=src
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(pytester.path), str(ROOT),
+                                                     os.environ.get("PYTHONPATH")]))
+    )  # fmt: skip
 
 
 def test_a_wrong_rms_norm_fails_at_the_mapped_modules_and_is_the_first_divergence(

@@ -8,6 +8,7 @@ naming the numbers."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -71,7 +72,10 @@ modeling_llama.LlamaMLP.forward = dying
 
 @pytest.fixture
 def on_path(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", f"{pytester.path}:{ROOT}")
+    monkeypatch.setenv(  # the caller's path after ours: a checkout run with PYTHONPATH=src
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(pytester.path), str(ROOT),
+                                                     os.environ.get("PYTHONPATH")]))
+    )  # fmt: skip
 
 
 def run_suite(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:

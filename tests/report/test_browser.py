@@ -28,13 +28,13 @@ def browser():  # type: ignore[no-untyped-def]
         browser.close()
 
 
-def _open(browser, run: Path, records: list[DriftRecord]):  # type: ignore[no-untyped-def]
+def _open(browser, run: Path, records: list[DriftRecord], height: int = 1800, **render):  # type: ignore[no-untyped-def]
     """Renders ``records`` into ``run`` and opens drift.html with every network request
     blocked; returns the page and the lists of console errors and blocked requests."""
     run.mkdir()
     write_records(run / "records.jsonl", records)
-    render_run(run)
-    page = browser.new_page(viewport={"width": 1300, "height": 1800})
+    render_run(run, **render)
+    page = browser.new_page(viewport={"width": 1300, "height": height})
     errors: list[str] = []
     blocked: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
@@ -71,9 +71,9 @@ def test_drift_report_renders_sorts_and_filters_offline(
     rows = page.locator("#offenders tbody tr")
     total = rows.count()
     assert total == len([r for r in run_records if r.verdict != "skipped"])
-    assert rows.first.locator("td").nth(1).inner_text() == "failed"
+    assert rows.first.locator("td").nth(2).inner_text() == "failed"
     page.locator("#offenders th[data-key=point]").click()
-    points = [rows.nth(i).locator("td").nth(3).inner_text() for i in range(total)]
+    points = [rows.nth(i).locator("td").nth(4).inner_text() for i in range(total)]
     assert points == sorted(points, key=str.lower) or points == sorted(points)
     page.locator("#filter").fill("softmax")
     assert 0 < rows.count() < total
@@ -120,5 +120,117 @@ def test_a_deep_model_report_is_readable(
     page.screenshot(path=str(run / "drift.png"), full_page=True)
     assert (run / "curves.png").stat().st_size > 10_000
     shutil.copy(run / "curves.png", tmp_path / "deep-curves.png")
+    assert errors == [] and blocked == []
+    page.close()
+
+
+#: The reviewer's first screen: a laptop's browser window below its toolbars.
+FIRST_SCREEN = {"width": 1300, "height": 900}
+
+
+def _first_minute_records(run_records: list[DriftRecord]) -> list[DriftRecord]:
+    """The run a reviewer opens: operator failures, a decode failing from step 2, an
+    expected failure, and a float32 model whose every use of budget is exactly 0."""
+    from tests.report.conftest import model_records, operator_record
+
+    records = list(run_records)
+    decode = "suites/models/test_decode.py::test_decode[tiny-llama-bfloat16-dynamic]"
+    for step in range(4):
+        for point in ("model.layers.0.self_attn", "model.layers.1.mlp"):
+            scale = 0.001 if step < 2 else 0.2
+            r = operator_record(point, "bfloat16", scale, case=f"s{step}").with_fields(
+                suite="models", model="tiny-llama", mode="decode", step=step,
+                request="text-leftpad", test_id=decode, candidate="transformers",
+            )  # fmt: skip
+            records.append(r.with_fields(outcome="failed"))
+    paged = "suites/models/test_decode.py::test_decode[tiny-llama-bfloat16-paged]"
+    known = operator_record("model.layers.0.self_attn", "bfloat16", 0.2, case="p").with_fields(
+        suite="models", model="tiny-llama", mode="decode", step=1, test_id=paged,
+        outcome="xfailed", xfail_reason="paged kernel rounds twice (issue 9)",
+    )  # fmt: skip
+    records.append(known)
+    exact = model_records("tiny-exact", "float32", layers=3)
+    for r in exact:  # bit-exact: every comparison passes with no use of its budget
+        r.verdict, r.message, r.budget_used = "passed", None, 0.0
+    return records + exact
+
+
+def test_the_first_screen_names_every_failure(  # type: ignore[no-untyped-def]
+    browser, tmp_path: Path, run_records: list[DriftRecord]
+) -> None:
+    import json
+
+    records = _first_minute_records(run_records)
+    history = tmp_path / "history.jsonl"
+    history.write_text("".join(json.dumps({
+        "run_id": f"run{i}", "worst_budget_used": {
+            "models": {"tiny-llama": 0.1 * (i + 1), "tiny-llama logits": 0.05},
+            "operators": {"gelu": 0.5},
+        }}) + "\n" for i in range(3)))  # fmt: skip
+    run = tmp_path / "first"
+    page, errors, blocked = _open(
+        browser, run, records, height=FIRST_SCREEN["height"], history=history
+    )
+    assert errors == [] and blocked == []
+    # the verdict, then every failing test, on the first screen, each linked to its message
+    verdict = page.locator(".run-verdict")
+    assert verdict.inner_text().startswith("FAILED")
+    failing = {r.test_id for r in records if r.status in ("failed", "error", "crashed")}
+    rows = page.locator("#failures tbody tr")
+    assert {rows.nth(i).locator("td.test").inner_text() for i in range(rows.count())} == failing
+    last = rows.nth(rows.count() - 1).bounding_box()
+    assert last is not None and last["y"] + last["height"] <= FIRST_SCREEN["height"]
+    decode_row = page.locator("#failures tr", has_text="test_decode[tiny-llama-bfloat16-dynamic]")
+    cells = decode_row.locator("td").all_inner_texts()
+    assert cells[:3] == ["failed", "tiny-llama", "bfloat16"] and cells[6] == "3"  # worst step
+    # the expected failure is apart, with its reason, never among the failures
+    assert "paged" not in page.locator("#failures").inner_text()
+    assert "paged kernel rounds twice (issue 9)" in page.locator("#expected").inner_text()
+    # a failure's link opens its message
+    decode_row.locator("a").click()
+    assert page.locator("details[open] pre").count() == 1
+    # the navigation bar reaches every section, and stays on screen while scrolling
+    targets = page.locator("nav#nav a").evaluate_all("els => els.map(e => e.hash.slice(1))")
+    sections = page.locator("main > section").evaluate_all("els => els.map(e => e.id)")
+    assert targets == sections
+    page.locator("nav#nav a[href='#trend']").click()
+    nav = page.locator("nav#nav").bounding_box()
+    assert nav is not None and nav["y"] == 0
+    # cards in tests and in records
+    assert page.locator(".cards-row").count() == 2
+    # decode drift charted by step, the first failing step marked
+    page.locator("input[name=metric][value=decode]").check()
+    chart = page.locator(".curve[data-model=tiny-llama] .chart-box[data-metric=decode] svg")
+    assert chart.count() == 1
+    x_ticks = chart.locator("text.tick[transform]").all_text_contents()
+    assert x_ticks == ["0", "1", "2", "3"]  # the steps, 0 the prefill's cache
+    assert "first failure: step 2" in (chart.text_content() or "")
+    # a chart with nothing to draw says why
+    exact = page.locator(".curve[data-model=tiny-exact] .chart-box[data-metric=decode]")
+    assert exact.count() == 0  # no decode records: no decode chart
+    page.locator("input[name=metric][value=accumulated]").check()
+    caption = page.locator(".curve[data-model=tiny-exact] .chart-caption").first
+    assert "exactly 0" in caption.inner_text()
+    # readable axes: ticks within decades where the axis spans few
+    assert page.locator("svg .grid.minor").count() > 0
+    # the trend: one chart per model or operator, picked by a selector
+    options = page.locator("#trend-picker option").all_inner_texts()
+    assert options == ["models/tiny-llama", "operators/gelu"]
+    assert page.locator(".trend-box:not([hidden])").count() == 1
+    page.locator("#trend-picker").select_option("operators/gelu")
+    shown = page.locator(".trend-box:not([hidden])")
+    assert shown.get_attribute("data-key") == "operators/gelu"
+    legend = page.locator(".trend-box[data-key='models/tiny-llama'] text.legend")
+    assert legend.all_text_contents() == ["points", "logits"]
+    # the model column stays visible when the table scrolls sideways
+    page.locator("#offenders-wrap").evaluate("el => { el.scrollLeft = 400; }")
+    wrap = page.locator("#offenders-wrap").bounding_box()
+    first_cell = page.locator("#offenders tbody tr").first.locator("td").first.bounding_box()
+    assert wrap is not None and first_cell is not None
+    assert abs(first_cell["x"] - wrap["x"]) <= 2  # stuck at the left edge (border: 1 px)
+    page.set_viewport_size(FIRST_SCREEN)
+    page.evaluate("window.scrollTo(0, 0)")
+    page.screenshot(path=str(run / "first-screen.png"))
+    shutil.copy(run / "first-screen.png", tmp_path / "first-screen.png")
     assert errors == [] and blocked == []
     page.close()

@@ -171,17 +171,27 @@ class _Recorder:
 
 
 class _Progress:
-    """A progress bar on a terminal (tqdm, which transformers brings): one step per request
-    forward and per calibrated dtype; silent elsewhere."""
+    """Progress of a capture, one step per request forward and per calibration member (with
+    the dtypes it calibrates): a bar on a terminal (tqdm, which transformers brings), one
+    flushed line per step on stderr elsewhere (a CI log shows the capture advancing), nothing
+    with ``mode`` "off"."""
 
-    def __init__(self, enabled: bool, total: int, name: str) -> None:
+    def __init__(self, mode: str, total: int, name: str) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, desc=f"capture {name}", unit="step", disable=not enabled)
+        self.mode, self.total, self.name, self.done = mode, total, name, 0
+        self.started = time.monotonic()
+        self.bar = tqdm(total=total, desc=f"capture {name}", unit="step",
+                        disable=mode != "bar")  # fmt: skip
 
     def step(self, text: str) -> None:
+        self.done += 1
         self.bar.set_postfix_str(text)
         self.bar.update(1)
+        if self.mode == "lines":
+            elapsed = time.monotonic() - self.started
+            print(f"numalign capture {self.name}: step {self.done}/{self.total}: {text} "
+                  f"({elapsed:.0f} s so far)", file=sys.stderr, flush=True)  # fmt: skip
 
     def close(self) -> None:
         self.bar.close()
@@ -222,7 +232,9 @@ def capture(
     model_dir, out = Path(model_dir).resolve(), Path(out)
     if reference_dtype not in ("float32", "float64"):
         raise ValueError(f"--reference-dtype {reference_dtype!r}: float32 or float64")
-    show = sys.stderr.isatty() if progress is None else progress
+    # None: a bar on a terminal, lines in a log; True: the bar; False: silent
+    show = ("bar" if sys.stderr.isatty() else "lines") if progress is None else (
+        "bar" if progress else "off")  # fmt: skip
     # eager attention by default: the reference implementation, whose explicit 4D masks every
     # other attention implementation accepts when a point is replayed alone
     attn_implementation = attn_implementation or "eager"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from numalign.compare import CompareResult, ControlErrors, compare
 from numalign.compare.logits import logits_stats
-from numalign.golden.manifest import OUTPUT_POINT, Continuation
+from numalign.golden.manifest import OUTPUT_POINT, Continuation, GoldenSetError
 from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import DEFAULT_SETS, discover_sets
 from numalign.replay.compiled import compile_model, compile_spec, observe, take_stats
@@ -522,12 +522,38 @@ def variant_label(settings: Settings) -> str | None:
     return ",".join(parts) or None
 
 
-def suite_sets(root: Path, extra: Sequence[Path]) -> list[Path]:
-    """The golden sets the model suites replay: ``root``/golden/sets and each --golden."""
+def suite_sets(root: Path, extra: Sequence[Path], *, only: bool = False) -> list[Path]:
+    """The golden sets the model suites replay: ``root``/golden/sets and each --golden (with
+    ``only``, --golden-only: the --golden sets alone). Two different sets of one name are an
+    error naming both: their tests would share ids, and one would be replayed for the other."""
     unique: dict[Path, Path] = {}
-    for path in discover_sets([root / DEFAULT_SETS, *extra]):
+    for path in discover_sets([*([] if only else [root / DEFAULT_SETS]), *extra]):
         unique.setdefault(path.resolve(), path)
+    by_name: dict[str, list[Path]] = {}
+    for path in unique.values():
+        by_name.setdefault(path.name, []).append(path)
+    clashes = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    if clashes:
+        listed = "; ".join(f"{n}: {', '.join(map(str, ps))}" for n, ps in sorted(clashes.items()))
+        raise GoldenSetError(
+            f"golden sets share a name ({listed}); test ids name a set by its folder's name: "
+            "rename one folder, or replay one set alone with --golden SET --golden-only"
+        )
     return list(unique.values())
+
+
+def unusable_sets(paths: Sequence[str | Path]) -> dict[str, str]:
+    """Of the golden sets at ``paths``, those replay cannot use (a stale set: its model
+    changed since the capture; a missing model folder; a broken manifest), each with the
+    message that says why and how to fix it. The model suites fail one test of such a set with
+    that message and skip its others, instead of failing every test with it."""
+    out: dict[str, str] = {}
+    for path in dict.fromkeys(str(p) for p in paths):
+        try:
+            open_fresh(path)
+        except GoldenSetError as exc:
+            out[path] = str(exc)
+    return out
 
 
 def open_fresh(path: str | Path) -> GoldenSet:

@@ -15,33 +15,59 @@ from numalign.record import DriftRecord
 _WIDTH, _HEIGHT = 560, 240
 
 
+class Annotator:
+    """Labels and attachments of one test's records (one per test: ``record_drift``). The
+    labels come from the test's first record and are given once, whatever the number of its
+    records: epic = suite, feature = operator or model, story = the dtype the test ran in
+    (from its id; an int64 output of a bfloat16 test files under bfloat16). Every failing
+    record attaches its metrics and error histogram; what the test's outcome is, xfail
+    included, Allure takes from pytest, so its counts are pytest's."""
+
+    def __init__(self) -> None:
+        self.labelled = False
+        self.parameters: set[str] = set()
+
+    def __call__(self, record: DriftRecord) -> None:
+        import allure
+
+        if not self.labelled:
+            self.labelled = True
+            allure.dynamic.epic(str(record.suite))
+            allure.dynamic.feature(record.group)
+            allure.dynamic.story(str(record.test_dtype))
+        for name in ("candidate", "case", "request", "device", "swap"):
+            value = getattr(record, name)
+            if value and name not in self.parameters:  # one value per parameter: the first
+                self.parameters.add(name)
+                allure.dynamic.parameter(name, str(value))
+        if record.verdict in ("failed", "crashed", "error"):
+            _attach(record)
+
+
 def annotate(record: DriftRecord) -> None:
-    """Adds the record's labels, and for a failure its attachments, to the running test."""
+    """Labels one record on its own (a test with a single record); ``Annotator`` for a
+    test's several."""
+    Annotator()(record)
+
+
+def _attach(record: DriftRecord) -> None:
     import allure
 
-    allure.dynamic.epic(str(record.suite))
-    allure.dynamic.feature(record.group)
-    allure.dynamic.story(str(record.dtype))
-    for name in ("candidate", "case", "request", "device", "swap"):
-        value = getattr(record, name)
-        if value:
-            allure.dynamic.parameter(name, str(value))
-    if record.verdict in ("failed", "crashed", "error"):
-        point = record.point or "output"
-        data = record.to_dict()
+    point = record.point or "output"
+    data = record.to_dict()
+    allure.attach(
+        json.dumps({k: data[k] for k in ("point", "request", "rule", "reason", "budget_used",
+                                         "budget", "metrics")}, indent=2),
+        name=f"{point} metrics",
+        attachment_type=allure.attachment_type.JSON,
+    )  # fmt: skip
+    octaves = record.metrics.get("ulp_octaves") or []
+    if octaves:
         allure.attach(
-            json.dumps({k: data[k] for k in ("point", "request", "rule", "reason", "budget_used",
-                                             "budget", "metrics")}, indent=2),
-            name=f"{point} metrics",
-            attachment_type=allure.attachment_type.JSON,
-        )  # fmt: skip
-        octaves = record.metrics.get("ulp_octaves") or []
-        if octaves:
-            allure.attach(
-                histogram_png(octaves, title=f"{point}: error in ulps"),
-                name=f"{point} error histogram",
-                attachment_type=allure.attachment_type.PNG,
-            )
+            histogram_png(octaves, title=f"{point}: error in ulps"),
+            name=f"{point} error histogram",
+            attachment_type=allure.attachment_type.PNG,
+        )
 
 
 def histogram_png(octaves: list[list[Any]], *, title: str) -> bytes:

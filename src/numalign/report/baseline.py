@@ -47,7 +47,8 @@ def diff_runs(
 ) -> BaselineDiff:
     """Flags records whose budget use grew beyond ``factor`` times the baseline's (above
     ``NOISE_FLOOR``), or that passed in the baseline and fail or crash now, even while
-    others still pass. Lists keys new in this run and keys that vanished from it."""
+    others still pass; a record of an expected failure (xfailed) is never flagged. Lists
+    keys new in this run and keys that vanished from it."""
     if factor <= 1.0:
         raise ValueError(f"the regression factor must be above 1, got {factor}")
     before = {r.key: r for r in baseline if r.verdict != "skipped"}
@@ -62,9 +63,12 @@ def diff_runs(
         if record.golden_fingerprint != old.golden_fingerprint:
             diff.recaptured.append(str(record.model or record.golden_fingerprint))
         used, old_used = record.used, old.used
-        newly_failing = old.verdict == "passed" and record.verdict != "passed"
+        # an expected failure (xfailed) is not a regression: pytest does not fail on it
+        expected = record.status == "xfailed"
+        newly_failing = old.verdict == "passed" and record.verdict != "passed" and not expected
         grew = (
-            used is not None
+            not expected
+            and used is not None
             and old_used is not None
             and used > NOISE_FLOOR
             and used > factor * old_used
@@ -80,8 +84,8 @@ def diff_runs(
                     "baseline_budget_used": old_used,
                     "budget_used": used,
                     "growth": (used / old_used) if used is not None and old_used else None,
-                    "baseline_verdict": old.verdict,
-                    "verdict": record.verdict,
+                    "baseline_verdict": old.status,
+                    "verdict": record.status,
                 }
             )
     diff.vanished = sorted(set(before) - set(now))

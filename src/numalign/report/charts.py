@@ -19,8 +19,27 @@ class Series:
     dashed: bool = False
 
 
+#: A y axis spanning this many decades or fewer also has ticks at 2 and 5 of each decade
+#: (more would crowd the 210-pixel plot: 3 ticks a decade at 4 decades is 12 labels).
+_MINOR_TICK_DECADES = 3
+
+
 def _fmt(value: float) -> str:
     return f"{value:.3g}"
+
+
+def empty_caption(title: str, series: Sequence[Series]) -> str:
+    """What a chart with nothing to draw says instead: that every value is exactly 0 (a
+    candidate that matches bit for bit has no use of budget to put on a log axis), or that
+    nothing was recorded."""
+    values = [v for s in series for v in s.values if v is not None]
+    if values and all(v == 0 for v in values):
+        why = f"every one of the {len(values)} values is exactly 0 (bit-exact): nothing to draw"
+    elif values:
+        why = "no finite positive value to draw on a log axis"
+    else:
+        why = "no record has a value for this chart"
+    return f'<p class="empty chart-caption">{escape(title)}: {why}.</p>'
 
 
 def line_chart(
@@ -36,14 +55,16 @@ def line_chart(
 ) -> str:
     """A line chart with a log10 y axis; values <= 0 or None are gaps. ``threshold`` (value,
     label) draws a dashed horizontal line (the budget); ``marker`` (x index, label) a vertical
-    one (the first divergence)."""
+    one (the first divergence). With nothing to draw, a caption says why instead (every value
+    exactly 0, or none recorded), never an empty frame. The y axis has a tick at every decade,
+    and at 2 and 5 within a decade where it spans three decades or fewer."""
     left, right, top, bottom = 70, 240, 28, 70
     plot_w, plot_h = width - left - right, height - top - bottom
     positive = [v for s in series for v in s.values if v is not None and v > 0 and math.isfinite(v)]
+    if not positive or not x_labels:
+        return empty_caption(title, series)
     if threshold is not None:
         positive.append(threshold[0])
-    if not positive or not x_labels:
-        return f'<p class="empty">{escape(title)}: no positive values to draw.</p>'
     lo = math.floor(math.log10(min(positive)))
     hi = math.ceil(math.log10(max(positive)))
     hi = hi if hi > lo else lo + 1
@@ -61,14 +82,21 @@ def line_chart(
         f"<title>{escape(title)}</title>",
         f'<text x="{left}" y="16" class="chart-title">{escape(title)}</text>',
     ]
+    minor = (2.0, 5.0) if hi - lo <= _MINOR_TICK_DECADES else ()
     for p in range(lo, hi + 1):
-        yy = y(10.0**p)
-        parts.append(
-            f'<line x1="{left}" x2="{left + plot_w}" y1="{yy:.1f}" y2="{yy:.1f}" class="grid"/>'
-        )
-        parts.append(
-            f'<text x="{left - 6}" y="{yy + 4:.1f}" class="tick" text-anchor="end">1e{p}</text>'
-        )
+        for mantissa in (1.0, *minor):
+            if p == hi and mantissa > 1.0:
+                break
+            yy = y(mantissa * 10.0**p)
+            label = f"1e{p}" if mantissa == 1.0 else _fmt(mantissa * 10.0**p)
+            parts.append(
+                f'<line x1="{left}" x2="{left + plot_w}" y1="{yy:.1f}" y2="{yy:.1f}" '
+                f'class="grid{"" if mantissa == 1.0 else " minor"}"/>'
+            )
+            parts.append(
+                f'<text x="{left - 6}" y="{yy + 4:.1f}" class="tick" text-anchor="end">'
+                f"{label}</text>"
+            )
     step = max(1, math.ceil(n / 24))
     for i in range(0, n, step):
         label = escape(x_labels[i][-28:])

@@ -10,9 +10,19 @@ from typing import Any
 
 import pytest
 
-from numalign.record import DriftRecord, RecordWriter, crashed_record, new_run_id, records_of
+from numalign.record import (
+    FAILING,
+    DriftRecord,
+    RecordWriter,
+    count_outcomes,
+    crashed_record,
+    new_run_id,
+    pytest_outcome,
+    records_of,
+)
 from numalign.report.baseline import BaselineDiff
 from numalign.report.history import HISTORY_FILE
+from numalign.report.retention import prune_runs
 from numalign.report.run import render_run
 from numalign.settings import Settings
 
@@ -29,23 +39,33 @@ class DriftCollector:
         self.run_dir = settings.report_dir / self.run_id
         self.writer = RecordWriter(self.run_dir / "records.jsonl")
         self.outcomes: dict[str, str] = {}
+        #: Every counted report's outcome, as pytest's terminal counts them (a test whose
+        #: call passed and whose teardown failed counts once passed and once error).
+        self.counted: list[str] = []
         self.written: list[Path] = []
         self.records: list[DriftRecord] = []
         self.diff: BaselineDiff | None = None
+        self.pruned: list[Path] = []
 
     # -- pytest hooks -------------------------------------------------------------------------
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if str(report.when) == "???":  # xdist's report for a test whose worker died
-            self.writer.write(crashed_record(report.nodeid, str(report.longrepr)))
+        outcome = pytest_outcome(report)
+        if outcome is not None:
+            self.counted.append(outcome)
+        if outcome == "crashed":  # xdist's report for a test whose worker died
+            record = crashed_record(report.nodeid, str(report.longrepr))
+            self.writer.write(record.with_fields(outcome="crashed"))
             self.outcomes[report.nodeid] = "crashed"
             return
         # every phase's report carries the test's user properties so far: records are read
-        # from the call, or from a setup that failed (there is no call then)
-        if report.when == "call" or (report.when == "setup" and report.failed):
-            for record in records_of(report.user_properties):
-                self.writer.write(record)
+        # from the call, or from a setup that failed (there is no call then); each carries
+        # the test's outcome as pytest counts it, and an expected failure's reason
+        reason = getattr(report, "wasxfail", None) or None
         if report.when == "call" or (report.when == "setup" and not report.passed):
-            self.outcomes[report.nodeid] = report.outcome
+            for record in records_of(report.user_properties):
+                self.writer.write(record.with_fields(outcome=outcome, xfail_reason=reason))
+        if outcome is not None and report.when in ("setup", "call"):
+            self.outcomes[report.nodeid] = outcome
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self.writer.close()
@@ -55,7 +75,7 @@ class DriftCollector:
         history = settings.history or settings.report_dir / HISTORY_FILE
         rendered = render_run(
             self.run_dir,
-            header=self.header(),
+            header=self.header() | {"tests": count_outcomes(self.counted)},
             baseline=settings.baseline,
             factor=settings.regression_factor,
             history=history,
@@ -65,6 +85,10 @@ class DriftCollector:
         self.written = [self.writer.path, *rendered.written]
         self.diff = rendered.diff
         self._point_latest()
+        baseline = settings.baseline
+        if baseline is not None and baseline.is_file():
+            baseline = baseline.parent
+        self.pruned = prune_runs(settings.report_dir, settings.keep_runs, [baseline, self.run_dir])
         if self.diff and self.diff.regressed and settings.fail_on_regression:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -74,10 +98,17 @@ class DriftCollector:
         tr = terminalreporter
         tr.write_sep("-", "numalign drift")
         worst = sorted(
-            (r for r in self.records if r.used is not None), key=lambda r: -(r.used or 0.0)
+            (r for r in self.records if r.used is not None and r.status != "xfailed"),
+            key=lambda r: (r.status not in FAILING, -(r.used or 0.0)),
         )[:WORST_SHOWN]
         for record in worst:
-            tr.write_line(f"{record.used:8.3g} of budget  {record.verdict:<7} {record.test_id}")
+            tr.write_line(f"{record.used:8.3g} of budget  {record.status:<7} {record.test_id}")
+        expected = {r.test_id: r.xfail_reason for r in self.records if r.status == "xfailed"}
+        for test_id, why in list(expected.items())[:WORST_SHOWN]:
+            tr.write_line(f"expected failure  {test_id}: {(why or 'xfail').splitlines()[0]}")
+        tests = outcome_line(count_outcomes(self.counted), "tests")
+        records = outcome_line(count_outcomes(r.status for r in self.records), "records")
+        tr.write_line(f"numalign: {tests}; {records}")
         if self.diff is not None:
             tr.write_line(
                 f"numalign: {len(self.diff.regressed)} regression(s) against "
@@ -87,6 +118,11 @@ class DriftCollector:
             for item in self.diff.regressed[:WORST_SHOWN]:
                 growth = f"{item['growth']:.3g}x" if item["growth"] else "newly failing"
                 tr.write_line(f"  regressed {growth:>10}  {item['test_id']}")
+        if self.pruned:
+            tr.write_line(
+                f"numalign: removed {len(self.pruned)} old run(s) of {self.settings.report_dir} "
+                f"(--keep-runs {self.settings.keep_runs})"
+            )
         tr.write_line(
             f"numalign: {self.writer.count} drift records; report: {self.run_dir / 'drift.html'}"
         )
@@ -119,3 +155,11 @@ class DriftCollector:
             tmp.replace(latest)
         except OSError:  # file systems without symlinks: a text pointer instead
             (self.settings.report_dir / "LATEST").write_text(self.run_id + "\n", encoding="utf-8")
+
+
+def outcome_line(counts: dict[str, int], what: str) -> str:
+    """``"5 tests: 4 failed, 1 xfailed"``: counts in OUTCOMES' order, as pytest words them
+    (pytest counts a crashed test among the failed)."""
+    total = sum(counts.values())
+    parts = ", ".join(f"{n} {o}" for o, n in counts.items())
+    return f"{total} {what}: {parts or 'none'}"

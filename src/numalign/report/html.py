@@ -9,13 +9,16 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from numalign.record import END_MODES, VERDICTS, DriftRecord
+from numalign.record import END_MODES, FAILING, STATUSES, DriftRecord
 from numalign.report.charts import PALETTE, Series, budget_color, line_chart
 
 #: Rows of the worst-offenders table embedded in the page (the full set is in drift.csv).
 TABLE_ROWS = 1000
 #: Tests whose failure messages are embedded (the rest are in records.jsonl).
 MESSAGES = 300
+#: Failing tests listed at the top of the page (all of them, for any run a reviewer reads
+#: whole; a run failing more is broken at its root, and the table below has every record).
+FAILURES_LISTED = 200
 #: Other failing records listed under a test's message.
 MESSAGE_OTHERS = 20
 #: Kinds of capture point a layer chart draws, one series each, in this order.
@@ -31,6 +34,7 @@ _KIND_WORDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 CURVE_MODES: tuple[tuple[str, str], ...] = (
     ("accumulated", "whole model (accumulated)"),
     ("isolated", "each point alone (isolated)"),
+    ("decode", "decode, by step"),
 )
 
 
@@ -39,13 +43,48 @@ def _num(value: Any) -> float | None:
 
 
 def _summary_rows(records: list[DriftRecord]) -> list[dict[str, Any]]:
+    """Records per suite and dtype of the test (not of each output: an operator's indices
+    are int64 in a bfloat16 test), per status."""
     counts: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for record in records:
-        counts[(str(record.suite), str(record.dtype))][record.verdict] += 1
+        counts[(str(record.suite), str(record.test_dtype))][record.status] += 1
     return [
-        {"suite": suite, "dtype": dtype, **{v: counts[(suite, dtype)].get(v, 0) for v in VERDICTS}}
+        {"suite": suite, "dtype": dtype, **{v: counts[(suite, dtype)].get(v, 0) for v in STATUSES}}
         for suite, dtype in sorted(counts)
     ]
+
+
+def _what(r: DriftRecord) -> str:
+    """The model, or the operator, a record is about."""
+    return r.model or (r.point or "?").split(".")[0]
+
+
+def _failures(records: list[DriftRecord], status: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Per test whose records have one of ``status``, its worst such record: what (model or
+    operator), dtype, variant, point, request, step, use of budget, the test, how many of its
+    records share the status; worst first (no use of budget: an error, the worst)."""
+    by_test: dict[str, list[DriftRecord]] = defaultdict(list)
+    for r in records:
+        if r.status in status:
+            by_test[r.test_id].append(r)
+
+    def badness(r: DriftRecord) -> float:
+        used = _num(r.budget_used)
+        return math.inf if used is None else used
+
+    ranked: list[tuple[float, str, dict[str, Any]]] = []
+    for test_id, items in by_test.items():
+        worst = max(items, key=badness)
+        ranked.append((badness(worst), test_id, {
+            "what": _what(worst), "dtype": worst.test_dtype, "swap": worst.swap or "",
+            "point": worst.point or "", "request": worst.request or worst.case or "",
+            "step": worst.step, "used": _num(worst.budget_used), "status": worst.status,
+            "test_id": test_id, "count": len(items), "rule": worst.rule or "",
+            "reason": worst.xfail_reason if worst.status == "xfailed" else worst.reason,
+            "anchor": None,
+        }))  # fmt: skip
+    ranked.sort(key=lambda item: (-item[0], item[1]))
+    return [row for _, _, row in ranked]
 
 
 def _heatmap(records: list[DriftRecord]) -> dict[str, Any]:
@@ -53,12 +92,14 @@ def _heatmap(records: list[DriftRecord]) -> dict[str, Any]:
     for record in records:
         if record.suite != "operators":
             continue
+        if record.status == "xfailed":  # expected: listed apart, not coloured as a failure
+            continue
         used = _num(record.budget_used)
-        if used is None and record.verdict in ("failed", "crashed", "error"):
+        if used is None and record.status in FAILING:
             used = math.inf
         if used is None:
             continue
-        key = (record.group, str(record.dtype))
+        key = (record.group, str(record.test_dtype))
         worst[key] = max(worst.get(key, 0.0), used)
     operators = sorted({k[0] for k in worst})
     dtypes = sorted({k[1] for k in worst})
@@ -98,7 +139,7 @@ def _curves(records: list[DriftRecord]) -> list[dict[str, Any]]:
     by_model: dict[tuple[str, str], list[DriftRecord]] = defaultdict(list)
     for record in records:
         if record.suite == "models" and record.model and record.mode in dict(CURVE_MODES):
-            by_model[(record.model, str(record.dtype))].append(record)
+            by_model[(record.model, str(record.test_dtype))].append(record)
     out = []
     for (model, dtype), items in sorted(by_model.items()):
         stacks: dict[str, int] = defaultdict(int)
@@ -110,7 +151,7 @@ def _curves(records: list[DriftRecord]) -> list[dict[str, Any]]:
         charts = []
         for stack in sorted(stacks, key=lambda k: -stacks[k]):
             labels = [str(i) for i in range(stacks[stack])]
-            for mode, _ in CURVE_MODES:
+            for mode in ("accumulated", "isolated"):
                 lines: dict[str, list[float | None]] = {
                     kind: [None] * len(labels) for kind in POINT_KINDS
                 }
@@ -137,10 +178,41 @@ def _curves(records: list[DriftRecord]) -> list[dict[str, Any]]:
                     y_label="use of budget", threshold=(1.0, "budget"), marker=marker,
                 )  # fmt: skip
                 charts.append({"mode": mode, "stack": stack, "svg": svg})
+        decode = [r for r in items if r.mode == "decode" and r.step is not None]
+        if decode:
+            svg = _decode_chart(model, dtype, decode)
+            charts.append({"mode": "decode", "stack": "", "svg": svg})
         outside = _outside(items)
         out.append({"model": model, "dtype": dtype, "charts": charts,
                     "divergence": divergence, "outside": outside})  # fmt: skip
     return out
+
+
+def _decode_chart(model: str, dtype: str, items: list[DriftRecord]) -> str:
+    """Decode replay's use of budget by step (0: the prefill's cache, then each generated
+    token), one line per kind of point (the worst over layers, requests and caches), the
+    budget's 1.0 line and the first failing step marked."""
+    steps = sorted({int(r.step) for r in items if r.step is not None})
+    at = {step: i for i, step in enumerate(steps)}
+    lines: dict[str, list[float | None]] = {kind: [None] * len(steps) for kind in POINT_KINDS}
+    first_failing = None
+    for r in items:
+        i = at[int(r.step or 0)]
+        kind = point_place(r.point or "")[2]
+        used = _num(r.budget_used)
+        if used is not None and (lines[kind][i] is None or used > (lines[kind][i] or 0.0)):
+            lines[kind][i] = used
+        if r.status in FAILING and (first_failing is None or i < first_failing[0]):
+            first_failing = (i, f"first failure: step {r.step}, {r.point}")
+    series = [
+        Series(kind, lines[kind], PALETTE[k % len(PALETTE)])
+        for k, kind in enumerate(POINT_KINDS)
+        if any(v is not None for v in lines[kind])
+    ]
+    return line_chart(
+        series, [str(s) for s in steps], title=f"{model} [{dtype}] decode: use of budget by step",
+        y_label="use of budget", threshold=(1.0, "budget"), marker=first_failing,
+    )  # fmt: skip
 
 
 def _outside(items: list[DriftRecord]) -> list[dict[str, Any]]:
@@ -163,13 +235,13 @@ def _end_results(records: list[DriftRecord]) -> list[dict[str, Any]]:
     for r in records:
         if r.suite != "models" or r.mode not in END_MODES:
             continue
-        key = (str(r.model), str(r.dtype), str(r.request), str(r.swap or ""))
+        key = (str(r.model), str(r.test_dtype), str(r.request), str(r.swap or ""))
         row = rows.setdefault(key, {"model": key[0], "dtype": key[1], "request": key[2],
                                     "swap": key[3], "items": []})  # fmt: skip
         m, b = r.metrics, r.budget
         if r.mode == "logits":
             row["logits"] = {
-                "verdict": r.verdict, "used": _num(r.budget_used),
+                "verdict": r.status, "used": _num(r.budget_used),
                 "top1": _num(m.get("top1_agreement")), "top5": _num(m.get("top5_overlap")),
                 "kl": _num(m.get("kl_max")), "kl_budget": _num(b.get("kl_max")),
                 "max_abs": _num(m.get("max_abs")), "max_abs_budget": _num(b.get("max_abs")),
@@ -177,18 +249,21 @@ def _end_results(records: list[DriftRecord]) -> list[dict[str, Any]]:
             }  # fmt: skip
         elif r.mode == "continuation":
             row["continuation"] = {
-                "verdict": r.verdict, "steps": m.get("steps"),
+                "verdict": r.status, "steps": m.get("steps"),
                 "first": m.get("first_divergence"), "reason": r.reason,
             }  # fmt: skip
         else:
-            row["items"].append({"point": r.point, "verdict": r.verdict,
+            row["items"].append({"point": r.point, "verdict": r.status,
                                  "used": _num(r.budget_used)})  # fmt: skip
     return [rows[k] for k in sorted(rows)]
 
 
-def _trend(history: list[dict[str, Any]]) -> str:
+def _trend(history: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """One chart per model or operator (what a selector picks): its worst use of budget per
+    run, one line each for its points and, for a model, its logits, continuation and final
+    outputs; runs that did not test it are gaps."""
     if len(history) < 2:
-        return ""
+        return []
     keys = sorted(
         {
             (suite, group)
@@ -197,22 +272,30 @@ def _trend(history: list[dict[str, Any]]) -> str:
             for group in groups
         }
     )
-    keys = keys[: len(PALETTE) * 2]
-    series = []
-    for k, (suite, group) in enumerate(keys):
-        values = [
-            _num(((h.get("worst_budget_used") or {}).get(suite) or {}).get(group)) for h in history
-        ]
-        series.append(
-            Series(f"{suite}/{group}", values, PALETTE[k % len(PALETTE)], dashed=k >= len(PALETTE))
-        )
+    charts: dict[tuple[str, str], list[tuple[str, str]]] = defaultdict(list)
+    for suite, group in keys:
+        charts[(suite, group.split(" ")[0])].append((suite, group))
     labels = [str(h.get("run_id")) for h in history]
-    return line_chart(series, labels, title="worst use of budget per run", y_label="use of budget")
+    out = []
+    for (suite, what), members in sorted(charts.items()):
+        series = []
+        for k, (_, group) in enumerate(members):
+            values = [
+                _num(((h.get("worst_budget_used") or {}).get(suite) or {}).get(group))
+                for h in history
+            ]
+            name = group.partition(" ")[2] or ("points" if suite == "models" else what)
+            series.append(Series(name, values, PALETTE[k % len(PALETTE)]))
+        title = f"{suite}/{what}: worst use of budget per run"
+        svg = line_chart(series, labels, title=title, y_label="use of budget",
+                         threshold=(1.0, "budget"))  # fmt: skip
+        out.append({"key": f"{suite}/{what}", "svg": svg})
+    return out
 
 
 def _table(records: list[DriftRecord]) -> list[dict[str, Any]]:
     def badness(r: DriftRecord) -> float:
-        if r.verdict in ("failed", "crashed", "error"):
+        if r.status in FAILING:
             used = _num(r.budget_used)
             return math.inf if used is None else 1e300 + used
         return _num(r.budget_used) or 0.0
@@ -222,21 +305,23 @@ def _table(records: list[DriftRecord]) -> list[dict[str, Any]]:
     for r in worst[:TABLE_ROWS]:
         m = r.metrics
         rows.append({
-            "used": _num(r.budget_used), "verdict": r.verdict, "suite": r.suite,
-            "point": r.point, "candidate": r.candidate, "dtype": r.dtype,
-            "case": r.request or r.case, "max_abs": _num(m.get("max_abs")),
-            "rel_l2": _num(m.get("rel_l2")), "ulp_p99": _num(m.get("ulp_p99")),
-            "test_id": r.test_id, "anchor": None,
+            "used": _num(r.budget_used), "verdict": r.status, "what": _what(r),
+            "suite": r.suite, "point": r.point, "candidate": r.candidate,
+            "dtype": r.test_dtype, "case": r.request or r.case, "step": r.step,
+            "swap": r.swap, "max_abs": _num(m.get("max_abs")), "rel_l2": _num(m.get("rel_l2")),
+            "ulp_p99": _num(m.get("ulp_p99")), "test_id": r.test_id, "anchor": None,
         })  # fmt: skip
     return rows
 
 
-def _messages(records: list[DriftRecord], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _messages(records: list[DriftRecord], *row_lists: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Failure messages grouped per test: the worst failing record's message, then the other
-    failing records of the test (point, request, use of budget), not every request again."""
+    failing records of the test (point, request, use of budget), not every request again.
+    Failures come first; an expected failure (xfailed) follows, labelled with its reason.
+    Rows of ``row_lists`` get the anchor of their test's message."""
     by_test: dict[str, list[DriftRecord]] = defaultdict(list)
     for r in records:
-        if r.verdict in ("failed", "crashed", "error") and r.message:
+        if (r.status in FAILING or r.status == "xfailed") and r.message:
             by_test[r.test_id].append(r)
     anchors: dict[str, str] = {}
     out: list[dict[str, Any]] = []
@@ -245,20 +330,26 @@ def _messages(records: list[DriftRecord], rows: list[dict[str, Any]]) -> list[di
         used = _num(r.budget_used)
         return math.inf if used is None else used
 
-    ranked = sorted(by_test.items(), key=lambda kv: -max(badness(r) for r in kv[1]))
-    for test_id, failing in ranked[:MESSAGES]:
+    def rank(kv: tuple[str, list[DriftRecord]]) -> tuple[bool, float]:
+        expected = all(r.status == "xfailed" for r in kv[1])
+        return (expected, -max(badness(r) for r in kv[1]))
+
+    for test_id, failing in sorted(by_test.items(), key=rank)[:MESSAGES]:
         failing.sort(key=lambda r: -badness(r))
         anchor = anchors[test_id] = f"msg-{len(out)}"
         others = [
             {"point": r.point, "request": r.request or r.case, "used": _num(r.budget_used),
-             "verdict": r.verdict}
+             "verdict": r.status}
             for r in failing[1 : 1 + MESSAGE_OTHERS]
         ]  # fmt: skip
         out.append({"anchor": anchor, "test_id": test_id, "text": failing[0].message,
-                    "verdict": failing[0].verdict, "count": len(failing), "others": others,
-                    "more": max(0, len(failing) - 1 - MESSAGE_OTHERS)})  # fmt: skip
-    for row in rows:
-        row["anchor"] = anchors.get(str(row["test_id"]))
+                    "verdict": failing[0].status, "count": len(failing), "others": others,
+                    "more": max(0, len(failing) - 1 - MESSAGE_OTHERS),
+                    "expected": failing[0].xfail_reason if failing[0].status == "xfailed"
+                    else None})  # fmt: skip
+    for rows in row_lists:
+        for row in rows:
+            row["anchor"] = anchors.get(str(row["test_id"]))
     return out
 
 
@@ -299,20 +390,32 @@ def render_html(
         autoescape=select_autoescape(["html", "j2"]),
     )
     rows = _table(records)
-    messages = _messages(records, rows)
+    failures = _failures(records, FAILING)
+    expected = _failures(records, ("xfailed",))
+    messages = _messages(records, rows, failures, expected)
+    tests = dict(summary.get("tests") or {})
+    failing_tests = sum(tests.get(o, 0) for o in FAILING)
+    verdict = "failed" if failing_tests or failures else "passed"
     fingerprints = sorted({str(r.golden_fingerprint) for r in records if r.golden_fingerprint})
     return env.get_template("drift.html.j2").render(
         summary=summary,
         summary_rows=_summary_rows(records),
+        statuses=STATUSES,
+        tests=tests,
+        test_total=sum(tests.values()),
+        records_by_status={o: sum(1 for r in records if r.status == o) for o in STATUSES},
+        run_verdict=verdict,
+        failures=failures[:FAILURES_LISTED],
+        failures_more=max(0, len(failures) - FAILURES_LISTED),
+        expected=expected[:FAILURES_LISTED],
         heatmap=_heatmap(records),
         curves=_curves(records),
         curve_modes=CURVE_MODES,
         end_results=_end_results(records),
-        verdicts=VERDICTS[1:],
         baseline=baseline,
         variants=_colored(variants),
         compiled=compiled,
-        trend_svg=_trend(history or []),
+        trends=_trend(history or []),
         rows_json=_script_json(rows),
         messages=messages,
         fingerprints=fingerprints,

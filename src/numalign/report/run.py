@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from numalign.record import DriftRecord, merge_records, outcome_of, read_records, write_records
+from numalign.record import (
+    DriftRecord,
+    count_outcomes,
+    merge_records,
+    outcome_of,
+    read_records,
+    write_records,
+)
 from numalign.report.baseline import DEFAULT_REGRESSION_FACTOR, BaselineDiff, diff_runs
 from numalign.report.history import append_history, history_entry, read_history
 from numalign.report.html import write_html
@@ -82,7 +89,8 @@ def render_run(
 def merge_runs(sources: list[Path], out_dir: Path) -> Path:
     """Joins the records of several runs (shards, machines) into ``out_dir``/records.jsonl;
     a record key seen twice keeps the later source's record."""
-    merged = merge_records(read_records(s) for s in sources)
+    runs = [read_records(s) for s in sources]
+    merged = merge_records(runs)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_records(out_dir / "records.jsonl", merged)
     headers = [
@@ -93,6 +101,16 @@ def merge_runs(sources: list[Path], out_dir: Path) -> Path:
     header = dict(headers[0]) if headers else {}
     header["run_id"] = out_dir.name
     header["merged_from"] = [str(s) for s in sources]
-    header["tests"] = dict(Counter(outcome_of(merged).values()))
+    # shards (disjoint tests) add up their controllers' counts, tests without records
+    # included; runs that share tests count the merged records' tests
+    ids = [{r.test_id for r in run} for run in runs]
+    disjoint = sum(map(len, ids)) == len(set().union(*ids))
+    if disjoint and len(headers) == len(sources) and all(h.get("tests") for h in headers):
+        total: Counter[str] = Counter()
+        for h in headers:
+            total.update(h["tests"])
+        header["tests"] = count_outcomes(o for o, n in total.items() for _ in range(n))
+    else:
+        header["tests"] = count_outcomes(outcome_of(merged).values())
     (out_dir / "summary.json").write_text(json.dumps(header, indent=2) + "\n", encoding="utf-8")
     return out_dir

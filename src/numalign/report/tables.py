@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign.record import DriftRecord
+from numalign.record import DriftRecord, count_outcomes
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -41,6 +41,8 @@ TABLE_COLUMNS: tuple[str, ...] = (
     "output",
     "step",
     "verdict",
+    "outcome",
+    "xfail_reason",
     "rule",
     "budget_used",
     "duration_s",
@@ -69,22 +71,31 @@ def records_frame(records: list[DriftRecord]) -> pd.DataFrame:
 def summarize(
     records: list[DriftRecord], outcomes: dict[str, str], header: dict[str, Any]
 ) -> dict[str, Any]:
-    """Counts of tests per outcome, and of records per (suite, dtype, verdict)."""
+    """Counts of tests per outcome as pytest counts them (``header["tests"]``, the
+    controller's count, where it has one: it includes tests that left no record; else per
+    test id from the records), of records per status (``DriftRecord.status``: an expected
+    failure's records are ``xfailed``), per (suite, dtype of the test, status), and the
+    expected failures with their reasons."""
     per_group: Counter[tuple[str, str, str]] = Counter()
     worst: dict[str, float] = {}
+    expected: dict[str, str] = {}
     for record in records:
-        per_group[(str(record.suite), str(record.dtype), record.verdict)] += 1
-        if record.used is not None:
+        per_group[(str(record.suite), str(record.test_dtype), record.status)] += 1
+        if record.status == "xfailed":
+            expected.setdefault(record.test_id, record.xfail_reason or "")
+        if record.used is not None and record.status != "xfailed":
             suite = str(record.suite)
             worst[suite] = max(worst.get(suite, 0.0), record.used)
     return {
         **header,
-        "tests": dict(Counter(outcomes.values())),
+        "tests": header.get("tests") or count_outcomes(outcomes.values()),
         "records": len(records),
+        "records_by_status": count_outcomes(r.status for r in records),
         "by_suite_dtype": [
             {"suite": s, "dtype": d, "verdict": v, "count": n}
             for (s, d, v), n in sorted(per_group.items())
         ],
+        "expected_failures": [{"test_id": t, "reason": r} for t, r in sorted(expected.items())],
         "worst_budget_used": worst,
     }
 

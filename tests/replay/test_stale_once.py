@@ -1,0 +1,40 @@
+"""A stale golden set fails once, with the message that says how to recapture it; its other
+tests are skipped with the reason, not failed one by one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from numalign.replay.ensemble import capture_calibrated
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Points captured: enough tests (one per point) to tell once from every time.
+POINTS = ["model.layers.0.mlp", "model.layers.1.mlp", "model.layers.0.self_attn"]
+
+
+def test_a_stale_set_fails_once_and_skips_its_other_tests(tmp_path: Path) -> None:
+    model = tmp_path / "models" / "tiny-llama-stale"
+    shutil.copytree(ROOT / "golden" / "models" / "tiny-llama", model)
+    golden = capture_calibrated(
+        model, tmp_path / "sets" / "tiny-llama-stale", calibrate=["float32"], points=POINTS,
+        decode_steps=0, long=0, progress=False,
+    )  # fmt: skip
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 1e-5}))  # changed
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "suites/models/test_layers.py", "-p", "no:cacheprovider",
+         "--golden", str(golden.path), "--golden-only", "--dtype", "float32",
+         "--report-dir", str(tmp_path / "reports"), "-rs", "-q"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    out = done.stdout
+    last = out.strip().splitlines()[-1]
+    assert "1 failed" in last and f"{len(POINTS) - 1} skipped" in last, out
+    # -rs groups the skips of one reason: the set's other tests, naming the failed one
+    assert f"SKIPPED [{len(POINTS) - 1}]" in out
+    assert "failed once: suites/models/test_layers.py::test_layer[tiny-llama-stale/" in out
+    assert "numalign capture" in out  # the failure says how to recapture
