@@ -96,7 +96,17 @@ def test_bytes_on_disk_are_the_unique_tensor_bytes(golden: GoldenSet) -> None:
 
 
 def test_layer_replay_in_float32_reproduces_the_golden_outputs(golden: GoldenSet) -> None:
+    import transformers
+
     from numalign.golden.reference import load_model
+
+    if transformers.__version__ != golden.reference.transformers:
+        # another transformers' modelling code is another implementation (Gemma 2's layer on
+        # 5.19 differs from 5.24's by 2e-3): the suites judge it within the calibration
+        pytest.skip(
+            f"captured with transformers {golden.reference.transformers}, running "
+            f"{transformers.__version__}: bit-for-bit reproduction holds for the same code only"
+        )
 
     model = load_model(
         golden.model_dir, "float32", attn_implementation=None, trust_remote_code=False

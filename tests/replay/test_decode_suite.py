@@ -139,14 +139,24 @@ def test_models_the_paged_engine_cannot_serve_are_skipped_with_the_reason(
 #: runs this kernel; the reference and the signature model do not).
 PAGED_SCALE = """
 from transformers import AttentionInterface
-from transformers.integrations import eager_paged
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-original = eager_paged.eager_paged_attention_forward
 
-def forward(module, query, key, value, attention_mask, scaling, **kwargs):
-    return original(module, query, key, value, attention_mask, scaling * 1.05, **kwargs)
+def scaled(original):
+    # attention scores 5% too large in whichever kernel the paged engine runs: "paged|eager"
+    # (scaling positional) or, before transformers 5.20, plain "sdpa" (scaling a keyword)
+    def forward(module, query, key, value, attention_mask, *args, **kwargs):
+        if args:
+            args = (args[0] * 1.05, *args[1:])
+        else:
+            kwargs["scaling"] = (kwargs.get("scaling") or module.scaling) * 1.05
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
 
-AttentionInterface.register("paged|eager", forward)
+    return forward
+
+
+for name in ("paged|eager", "sdpa"):
+    AttentionInterface.register(name, scaled(ALL_ATTENTION_FUNCTIONS[name]))
 """
 
 

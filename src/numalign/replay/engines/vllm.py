@@ -66,6 +66,10 @@ MAX_ROWS = 16
 #: How long serving a set may take before the replay gives up (a hung engine must not hang
 #: the session): the zoo's sets take about a second.
 SERVE_TIMEOUT_S = 300.0
+#: The KV cache a replay reserves: what its rows need, MARGIN times over, at least FLOOR (a
+#: cache sized to the replay, not a share of the machine: on CPU vLLM's share counts the whole
+#: process's memory, golden tensors and a previous engine's pages included).
+KV_MARGIN, KV_FLOOR_BYTES = 4, 64 << 20
 #: vLLM's messages for a model or configuration it does not serve (the test skips with it).
 UNSUPPORTED = ("Unsupported CPU attention", "not supported", "There is no module or parameter",
                "is not supported", "does not support")  # fmt: skip
@@ -288,6 +292,7 @@ class VllmEngine:
                 llm = LLM(
                     model=str(golden.model_dir), skip_tokenizer_init=True, dtype=dtype,
                     gpu_memory_utilization=self.settings.vllm_memory, max_model_len=length,
+                    kv_cache_memory_bytes=_kv_cache_bytes(golden, dtype),
                     max_num_batched_tokens=MAX_BATCH_TOKENS, max_num_seqs=MAX_ROWS,
                     enable_prefix_caching=False,
                     enforce_eager=self.settings.compile_backend is None,
@@ -445,6 +450,26 @@ def _rows(golden: GoldenSet, request: str) -> list[tuple[str, int]] | None:
 
 def _row_lengths(golden: GoldenSet) -> list[int]:
     return [n for r in golden.requests for _, n in (_rows(golden, r.name) or [])]
+
+
+def _kv_cache_bytes(golden: GoldenSet, dtype: str) -> int:
+    """The KV cache the set's rows need (keys and values of every layer for every position
+    served, each row rounded up to whole pages of 16 tokens), KV_MARGIN times over, at least
+    KV_FLOOR_BYTES."""
+    import json
+
+    import torch
+
+    config = json.loads((golden.model_dir / "config.json").read_text(encoding="utf-8"))
+    config = config.get("text_config", config)
+    heads = int(config.get("num_attention_heads") or 1)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config.get("hidden_size") or 64) // heads)
+    layers = int(config.get("num_hidden_layers") or 1)
+    steps = _decode_steps(golden) + 1
+    tokens = sum(-(-(n + steps) // 16) * 16 + 16 for n in _row_lengths(golden))
+    per_token = 2 * layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
+    return max(KV_FLOOR_BYTES, KV_MARGIN * tokens * per_token)
 
 
 def _decode_steps(golden: GoldenSet) -> int:
