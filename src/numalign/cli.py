@@ -100,6 +100,7 @@ def _capture(args: argparse.Namespace) -> int:
         attn_implementation=args.attn_implementation,
         trust_remote_code=args.trust_remote_code,
         placement=placement,
+        force=args.force,
     )
     print(f"{golden.path}: {len(golden.points)} points, {golden.disk_bytes() / 1e6:.2f} MB")
     return 0
@@ -233,7 +234,16 @@ def build_parser() -> argparse.ArgumentParser:
         "decode, calibrates lower dtypes, and writes the set atomically.",
     )
     cap.add_argument("model_dir", metavar="MODEL_DIR")
-    cap.add_argument("--out", required=True, help="the golden set folder, e.g. golden/sets/NAME")
+    cap.add_argument(
+        "--out",
+        required=True,
+        help="the golden set folder, e.g. golden/sets/NAME: a new folder, or a set of this model",
+    )
+    cap.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a set of another model at --out (kept under its folder's .versions/)",
+    )
     cap.add_argument(
         "--points", nargs="+", metavar="PATTERN", help="module name patterns (fnmatch)"
     )

@@ -18,7 +18,6 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 from numalign.golden.decode import DEFAULT_DECODE_STEPS, record_decode
 from numalign.golden.fingerprint import fingerprint_and_files
+from numalign.golden.folders import (
+    check_target,
+    clear_temporary,
+    keep_version,
+    remove_abandoned,
+    temporary_folder,
+)
 from numalign.golden.manifest import (
     Call,
     Continuation,
@@ -60,8 +66,8 @@ from numalign.golden.requests import (
 from numalign.golden.store import (
     DEFAULT_SHARD_BYTES,
     GoldenSet,
+    GoldenSetError,
     ShardWriter,
-    remove_abandoned,
     replace_set,
     write_manifest,
 )
@@ -205,6 +211,7 @@ def capture(
     progress: bool | None = None,
     finish: Callable[[GoldenSet, Callable[[str], None]], None] | None = None,
     finish_steps: int = 0,
+    force: bool = False,
 ) -> GoldenSet:
     """Captures a golden set of the model in ``model_dir`` into ``out`` (replaced atomically:
     an interrupted capture leaves any previous set untouched and no partial folder).
@@ -214,12 +221,16 @@ def capture(
     ``long``: the length of the long requests (None: past every length boundary of the
     model, ``requests.long_length``; 0: none). Encoders get no long requests and no decode.
 
+    ``out`` must not exist, be empty or hold a set of this model (``folders.check_target``);
+    ``force`` replaces a set of another model, kept under ``<sets>/.versions/``.
+
     ``placement``: big-model loading (``reference.Placement``: accelerate's device map and
     disk offload), for a model whose weights do not fit in memory; the set is the same as an
     in-memory capture's."""
     import torch
 
     model_dir, out = Path(model_dir).resolve(), Path(out)
+    check_target(out, model_dir, force=force)  # first: never load a model to then refuse
     if reference_dtype not in ("float32", "float64"):
         raise ValueError(f"--reference-dtype {reference_dtype!r}: float32 or float64")
     show = sys.stderr.isatty() if progress is None else progress
@@ -247,10 +258,7 @@ def capture(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned(out.parent)
-    tmp = out.parent / f".{out.name}.capture-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = temporary_folder(out)
     bar = _Progress(show, len(requests) + finish_steps, out.name)
     try:
         writer = ShardWriter(tmp, max_shard_bytes)
@@ -275,13 +283,24 @@ def capture(
         del model, recorder
         if finish is not None:
             finish(GoldenSet.open(tmp), bar.step)
+        if check_target(out, model_dir, force=force):  # again: it may have changed meanwhile
+            kept = keep_version(out, _stamp(out))
+            print(f"numalign capture: kept the replaced set under {kept}", file=sys.stderr)
         replace_set(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        clear_temporary(tmp)
         raise
     finally:
         bar.close()
     return GoldenSet.open(out)
+
+
+def _stamp(folder: Path) -> str:
+    """When the set at ``folder`` was captured (its name under .versions), or ``unreadable``."""
+    try:
+        return GoldenSet.open(folder).manifest.created or "unknown"
+    except GoldenSetError:
+        return "unreadable"
 
 
 def _manifest(

@@ -11,13 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from numalign.golden.folders import MARKER, mark, marked, remove_abandoned, remove_written
 from numalign.golden.fingerprint import changed_files, fingerprint, settled_stat
 from numalign.golden.manifest import (
     CACHE_POINT,
@@ -427,42 +427,34 @@ def with_shards(manifest: Manifest, writer: ShardWriter) -> Manifest:
 
 
 def replace_set(tmp: Path, out: Path) -> None:
-    """Moves a finished set into place; a set it replaces is renamed aside first and removed
-    after, so a kill at any moment leaves one whole set (or an explained .previous)."""
+    """Moves a finished set into place; a set it replaces is renamed aside first (marked
+    ``previous`` before the rename, so discovery never replays it) and its files removed
+    after, so a kill at any moment leaves one whole set (or an explained .previous). Only the
+    files a set consists of are deleted (``folders.remove_written``)."""
     previous = out.with_name(out.name + ".previous")
-    if previous.exists():
-        shutil.rmtree(previous)
+    if previous.exists() and not (marked(previous) and remove_written(previous)):
+        raise GoldenSetError(
+            f"{previous}: in the way of replacing {out}, and not a previous set numalign "
+            "marked; move it elsewhere (mv it back to its name if it is the set you want)"
+        )
     if out.exists():
+        mark(out, "previous", name=previous.name)
         os.replace(out, previous)
     os.replace(tmp, out)
+    (out / MARKER).unlink(missing_ok=True)
     if previous.exists():
-        shutil.rmtree(previous)
-
-
-def remove_abandoned(folder: Path) -> list[Path]:
-    """Removes the temporary folders of captures whose process died (a SIGKILL cannot clean
-    up after itself); a live capture's folder is left alone."""
-    removed = []
-    for tmp in folder.glob(".*.capture-*"):
-        pid = tmp.name.rpartition("-")[2]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            removed.append(tmp)
-        except PermissionError:  # alive, another user's
-            pass
-    return removed
+        remove_written(previous)
 
 
 def discover_sets(folders: Sequence[Path]) -> list[Path]:
-    """Golden set folders under each folder (a folder that is itself a set counts)."""
+    """Golden set folders under each folder (a folder that is itself a set counts); the
+    temporary and previous folders numalign marked (``folders.marked``) are not sets."""
     found: list[Path] = []
     for folder in folders:
-        if (folder / MANIFEST).is_file():
+        if (folder / MANIFEST).is_file() and not marked(folder):
             found.append(folder)
         elif folder.is_dir():
-            found += sorted(p for p in folder.iterdir() if (p / MANIFEST).is_file())
+            found += sorted(
+                p for p in folder.iterdir() if (p / MANIFEST).is_file() and not marked(p)
+            )
     return found
