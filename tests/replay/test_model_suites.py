@@ -206,3 +206,31 @@ def test_a_corrupted_golden_tensor_is_an_error_naming_the_shard(
     assert records and {r.verdict for r in records} == {"error"}
     assert {r.error for r in records} == {"GoldenSetError"}
     assert all(r.model == "flipped-llama" and r.dtype == "float32" for r in records)
+
+
+def test_a_broken_manifest_is_one_error_record_and_the_other_sets_replay(
+    pytester: pytest.Pytester, on_path: None
+) -> None:
+    from numalign.record import read_records
+
+    sets = pytester.path / "sets"
+    (sets / "broken-llama").mkdir(parents=True)
+    (sets / "broken-llama" / "manifest.json").write_text("{not json")
+    result = pytester.runpytest_subprocess(
+        str(SUITES / "test_layers.py"), "--rootdir", str(ROOT), "-p", "no:cacheprovider",
+        "--report-dir", str(pytester.path / "reports"), "-q", "--tb=line", "--golden", str(sets),
+        "--dtype", "float32", "-k", "broken-llama or tiny-bert",
+    )  # fmt: skip
+    text = result.stdout.str()
+    assert "error during collection" not in text, text[-3000:]
+    result.assert_outcomes(failed=1, passed=len(_bert_points()))
+    records = read_records(pytester.path / "reports" / "latest")
+    broken = [r for r in records if "broken-llama" in r.test_id]
+    assert len(broken) == 1 and broken[0].verdict == "error", broken
+    assert "not valid JSON" in (broken[0].reason or "") + (broken[0].message or "")
+
+
+def _bert_points() -> list[str]:
+    from numalign.golden import GoldenSet
+
+    return [p.name for p in GoldenSet.open(ROOT / "golden" / "sets" / "tiny-bert").points]
