@@ -231,6 +231,7 @@ def capture(
 
     model_dir, out = Path(model_dir).resolve(), Path(out)
     check_target(out, model_dir, force=force)  # first: never load a model to then refuse
+    _check_counts(continuation=continuation, decode_steps=decode_steps, image=image)
     if reference_dtype not in ("float32", "float64"):
         raise ValueError(f"--reference-dtype {reference_dtype!r}: float32 or float64")
     show = sys.stderr.isatty() if progress is None else progress
@@ -293,6 +294,16 @@ def capture(
     finally:
         bar.close()
     return GoldenSet.open(out)
+
+
+def _check_counts(*, continuation: int, decode_steps: int, image: str | None) -> None:
+    """Capture's counts are whole numbers of at least 0 and its image a file (ValueError
+    naming the option otherwise), checked before the model loads."""
+    for option, value in (("--continuation", continuation), ("--decode-steps", decode_steps)):
+        if value < 0:
+            raise ValueError(f"{option} {value}: a number of tokens, 0 or more (0: none)")
+    if image is not None and not Path(image).is_file():
+        raise ValueError(f"--image {image}: no such file; give an image file (PNG, JPEG, ...)")
 
 
 def _stamp(folder: Path) -> str:
