@@ -173,3 +173,20 @@ def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid  # reaped: no process has it (pids are not reused this quickly)
+
+
+def test_a_non_finite_reference_is_refused_naming_the_first_point(
+    tmp_path: Path, model_copy: Path
+) -> None:
+    """Issue 27, item 10: one inf weight captured 100% NaN logits that every replay passed."""
+    from safetensors.torch import load_file, save_file
+
+    from numalign.golden.capture import NonFiniteReferenceError
+
+    weights = model_copy / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["model.layers.1.mlp.down_proj.weight"][0, 0] = float("inf")
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(NonFiniteReferenceError, match=r"not finite: model.layers.1.mlp output .* of request text-\w+ holds \d+ NaN or Inf"):
+        _capture(model_copy, tmp_path / "sets" / "inf-llama")
+    assert not (tmp_path / "sets").exists() or not any((tmp_path / "sets").iterdir())

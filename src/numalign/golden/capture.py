@@ -146,6 +146,9 @@ class _Recorder:
 
     writer: ShardWriter
     calls: dict[str, dict[str, list[Call]]] = field(default_factory=dict)
+    #: the first call whose outputs are not all finite: (request, point, output path,
+    #: non-finite count, element count)
+    nonfinite: tuple[str, str, str, int, int] | None = None
 
     def on_call(
         self, request: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -173,6 +176,12 @@ class _Recorder:
         outputs = {
             p: put(f"{base}/out/{p}", t) for p, t in flatten(output) if isinstance(t, torch.Tensor)
         }
+        if self.nonfinite is None:
+            for p, t in flatten(output):
+                bad = _nonfinite(t)
+                if bad:
+                    self.nonfinite = (request, name, p, bad, t.numel())
+                    break
         calls.append(Call(arg_keys, arg_json, kw_keys, kw_json, outputs))
 
 
@@ -373,6 +382,7 @@ def _record_request(
 
     with torch.no_grad(), hooks(model, point_names, on_call):
         finals = model_outputs(model(**request.inputs, **forward_kwargs(model)))
+    _refuse_nonfinite(recorder, name, finals)
     if "logits" in finals:
         manifest.logits[name] = writer.put(f"{name}/logits", finals["logits"])
     else:
@@ -383,6 +393,43 @@ def _record_request(
     if request.generate and continuation > 0 and name in manifest.logits:
         manifest.continuation[name] = _greedy(model, request, continuation, writer)
     manifest.requests.append(Request(name, inputs))
+
+
+class NonFiniteReferenceError(ValueError):
+    """The reference produced NaN or Inf: a set of it would pass any replay vacuously."""
+
+
+def _nonfinite(t: Any) -> int:
+    """How many values of a floating tensor are NaN or Inf (0 for anything else)."""
+    import torch
+
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return 0
+    return int((~torch.isfinite(t.detach())).sum())
+
+
+def _refuse_nonfinite(recorder: _Recorder, request: str, finals: dict[str, Any]) -> None:
+    """NonFiniteReferenceError naming the first capture point (in the order the forward ran
+    them) whose outputs hold NaN or Inf, or the final output that does: NaN matches NaN, so
+    a non-finite golden value would make every replay pass."""
+    where = recorder.nonfinite
+    if where is None:
+        for key, t in finals.items():
+            bad = _nonfinite(t)
+            if bad:
+                where = (request, f"the model's {key}", "", bad, t.numel())
+                break
+    if where is None:
+        return
+    req, point, path, bad, total = where
+    output = f" output {path!r}" if path else ""
+    raise NonFiniteReferenceError(
+        f"the reference is not finite: {point}{output} of request {req} holds {bad} NaN or "
+        f"Inf of {total} values, the first capture point where they appear; a golden set of "
+        "it would pass any replay (NaN matches NaN). Check the checkpoint's weights for "
+        "inf/nan (torch.isfinite), or capture in float64 (--reference-dtype float64) if "
+        "float32 overflows; no set was written"
+    )
 
 
 def _greedy(model: Any, request: CaptureRequest, steps: int, writer: ShardWriter) -> Continuation:
