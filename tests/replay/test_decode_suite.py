@@ -65,7 +65,7 @@ def run_suite(pytester: pytest.Pytester, plugin: str, *args: str) -> pytest.RunR
 
 @pytest.fixture
 def on_path(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", f"{pytester.path}:{ROOT}")
+    monkeypatch.setenv("PYTHONPATH", f"{pytester.path}:{ROOT / 'src'}:{ROOT}")  # this tree
 
 
 def failed_tests(result: pytest.RunResult) -> set[str]:

@@ -30,7 +30,7 @@ def run_suite(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 
 @pytest.fixture
 def on_path(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", f"{pytester.path}:{ROOT}")
+    monkeypatch.setenv("PYTHONPATH", f"{pytester.path}:{ROOT / 'src'}:{ROOT}")  # this tree
 
 
 def test_a_wrong_rms_norm_fails_at_the_mapped_modules_and_is_the_first_divergence(
@@ -234,3 +234,26 @@ def _bert_points() -> list[str]:
     from numalign.golden import GoldenSet
 
     return [p.name for p in GoldenSet.open(ROOT / "golden" / "sets" / "tiny-bert").points]
+
+
+def test_a_set_without_calibration_is_refused_with_the_reason_not_judged_by_one_ulp(
+    pytester: pytest.Pytester, on_path: None
+) -> None:
+    """Issue 27, item 5: a set captured with --calibrate '' failed honest replays ("the
+    control is exact here": a budget of one ulp). Its replays skip, saying why; a session
+    with nothing else to test says nothing was tested."""
+    from numalign.replay.ensemble import capture_calibrated
+
+    sets = pytester.path / "sets"
+    capture_calibrated(ROOT / "golden" / "models" / "tiny-llama", sets / "bare-llama",
+                       calibrate=(), progress=False, continuation=2, decode_steps=0)  # fmt: skip
+    result = pytester.runpytest_subprocess(
+        str(SUITES / "test_layers.py"), str(SUITES / "test_model.py"), "--rootdir", str(ROOT),
+        "-p", "no:cacheprovider", "--report-dir", str(pytester.path / "reports"), "-q", "-rs",
+        "--tb=line", "--golden", str(sets), "--dtype", "bfloat16", "-k", "bare-llama",
+    )  # fmt: skip
+    text = result.stdout.str()
+    assert "control is exact here" not in text and "failed" not in text, text[-3000:]
+    assert "no calibration of model.layers.0" in text and "--calibrate bfloat16" in text
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    assert "none ran (all skipped" in text

@@ -71,7 +71,7 @@ modeling_llama.LlamaMLP.forward = dying
 
 @pytest.fixture
 def on_path(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", f"{pytester.path}:{ROOT}")
+    monkeypatch.setenv("PYTHONPATH", f"{pytester.path}:{ROOT / 'src'}:{ROOT}")  # this tree
 
 
 def run_suite(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:

@@ -82,7 +82,12 @@ def control_for(
     if borrowed is not None:
         candidates.append(borrowed)
     if not candidates:
-        return Control(ControlErrors(max_abs=0.0, rel_l2=0.0), reduction, calibrated=False)
+        raise Uncalibrated(
+            f"{golden.path}: no calibration of {point} in {dtype} (captured with --calibrate "
+            f"'' or without {dtype}): not judged, since a budget without a control would be "
+            f"one ulp and the tolerance table is not made for whole modules; capture it "
+            f"again with --calibrate {dtype}"
+        )
     errors = [c for c, _ in candidates]
     kls = [kl for _, kl in candidates if kl is not None]
     norms = [e.norm_ratio for e in errors if e.norm_ratio is not None]
@@ -185,6 +190,11 @@ def chance_zero_reach(errors: ControlErrors, expected: torch.Tensor, dtype: str)
 class ReplayUnsupported(RuntimeError):
     """transformers cannot load this model with the asked-for implementation (Gemma 2 has
     no SDPA path, say): the replay is skipped with transformers' reason."""
+
+
+class Uncalibrated(ReplayUnsupported):
+    """The set has no calibration of a point in the replay's dtype (``--calibrate ''``): the
+    replay is skipped with that reason, never judged against a budget of one ulp."""
 
 
 @dataclass
@@ -455,8 +465,9 @@ def judge_logits(
     if not control.calibrated or control.kl_max is None:
         return LogitsResult(
             request, None, None,
-            skipped="the golden set has no logits calibration (captured by an older numalign): "
-            "capture it again to judge the logits",
+            skipped="the golden set has no logits calibration in this dtype (captured with "
+            "--calibrate '' or without it, or by an older numalign): capture it again with "
+            "--calibrate DTYPE to judge the logits",
         )  # fmt: skip
     values = compare_point(actual, expected, "logits", control, policy)
     near_tie = 2.0 * float(values.budget.get("max_abs", 0.0))
