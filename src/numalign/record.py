@@ -236,10 +236,14 @@ class RecordWriter:
 def write_records(path: Path, records: Iterable[DriftRecord]) -> Path:
     """Writes a whole records.jsonl atomically (a partial file never replaces a whole one)."""
     tmp = path.with_suffix(".jsonl.tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        for record in records:
-            fh.write(json.dumps(record.to_dict(), allow_nan=False) + "\n")
-    tmp.replace(path)
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            for record in records:
+                fh.write(json.dumps(record.to_dict(), allow_nan=False) + "\n")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no torn temporary file behind
+        raise
     return path
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from numalign.report.atomic import write_text_atomic
 from numalign.record import DriftRecord, merge_records, outcome_of, read_records, write_records
 from numalign.report.baseline import DEFAULT_REGRESSION_FACTOR, BaselineDiff, diff_runs
 from numalign.report.history import append_history, history_entry, read_history
@@ -55,9 +56,7 @@ def render_run(
         baseline_dict = rendered.diff.to_dict() | {"path": str(baseline)}
         summary["regressions"] = len(rendered.diff.regressed)
         regressions = run_dir / "regressions.json"
-        regressions.write_text(
-            json.dumps(baseline_dict, indent=2, allow_nan=False) + "\n", encoding="utf-8"
-        )
+        write_text_atomic(regressions, json.dumps(baseline_dict, indent=2, allow_nan=False) + "\n")
         rendered.written.append(regressions)
     rendered.written += write_tables(run_dir, records, summary)
     entries = read_history(history) if history is not None else []
@@ -94,5 +93,5 @@ def merge_runs(sources: list[Path], out_dir: Path) -> Path:
     header["run_id"] = out_dir.name
     header["merged_from"] = [str(s) for s in sources]
     header["tests"] = dict(Counter(outcome_of(merged).values()))
-    (out_dir / "summary.json").write_text(json.dumps(header, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(out_dir / "summary.json", json.dumps(header, indent=2) + "\n")
     return out_dir
