@@ -120,10 +120,41 @@ class GoldenSet:
             _SHARED[str(manifest_path)] = (key, golden)
         return golden
 
-    def verify(self) -> None:
-        """Checks every shard's size and sha256 against the manifest."""
+    def verify(self, *, contents: bool = False) -> None:
+        """Checks every shard's size and sha256 against the manifest; with ``contents``, also
+        what the suites rely on: each shard's header parses (offsets in range), and every
+        tensor the manifest names is in its shard with the manifest's dtype and shape."""
         for name in self.manifest.shards:
             self.verify_shard(name, cached=False)
+        if contents:
+            self._verify_contents()
+
+    def _verify_contents(self) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        by_shard: dict[str, list[str]] = {}
+        for key, info in self.manifest.tensors.items():
+            by_shard.setdefault(info.shard, []).append(key)
+        for shard, keys in by_shard.items():
+            path = self.path / shard
+            if shard not in self.manifest.shards:
+                raise GoldenSetError(
+                    f"{self.path / MANIFEST}: tensor {keys[0]!r} is in shard {shard}, which "
+                    "the manifest has no checksum of; capture the set again"
+                )
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as handle:
+                    stored = set(handle.keys())  # type: ignore[no-untyped-call]
+                    for key in keys:
+                        if key not in stored:
+                            raise GoldenSetError(f"{path}: tensor {key!r} is missing; capture again")
+                        view = handle.get_slice(key)  # type: ignore[no-untyped-call]
+                        _check_header(path, key, self.manifest.tensors[key], view)
+                        handle.get_tensor(key)  # type: ignore[no-untyped-call]
+            except SafetensorError as exc:
+                raise GoldenSetError(
+                    f"{path}: unreadable ({exc}); restore it or capture the set again"
+                ) from None
 
     def verify_shard(self, name: str, *, cached: bool = True) -> None:
         """Checks one shard's size and sha256 against the manifest (GoldenSetError naming the
@@ -399,9 +430,30 @@ class ShardWriter:
         name = self._shard_name(len(self.shards) + 1)
         path = self.folder / name
         save_file(self._buffer, str(path))
+        os.chmod(path, 0o666 & ~_umask())  # readable as the manifest is (safetensors: 0600)
         self.shards[name] = ShardInfo(sha256=sha256_file(path), bytes=path.stat().st_size)
         self._buffer = {}
         self._buffer_bytes = 0
+
+
+#: safetensors' dtype names, as the manifest writes torch's.
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+
+def _check_header(path: Path, key: str, info: TensorInfo, view: Any) -> None:
+    """A shard's header entry for ``key`` agrees with the manifest (GoldenSetError naming
+    both otherwise)."""
+    dtype = _SAFETENSORS_DTYPES.get(view.get_dtype(), view.get_dtype())
+    shape = list(view.get_shape())
+    if dtype != info.dtype or shape != list(info.shape):
+        raise GoldenSetError(
+            f"{path}: tensor {key!r} is {dtype}{shape} where the manifest says "
+            f"{info.dtype}{list(info.shape)}; the manifest does not match the shard: capture "
+            "the set again"
+        )
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:
@@ -410,6 +462,12 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
     if t.numel() == 0:
         return b""
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> Path:
