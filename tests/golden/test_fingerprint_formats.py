@@ -51,3 +51,19 @@ def test_a_bin_index_names_its_missing_shards(model_copy: Path) -> None:
     assert missing_shards(model_copy) == ["pytorch_model-00001-of-00002.bin"]
     with pytest.raises(FileNotFoundError, match=r"a shard the checkpoint's index names"):
         fingerprint_and_files(model_copy)
+
+
+def test_a_checkpoint_pickling_objects_is_a_clear_error(tmp_path: Path, model_copy: Path) -> None:
+    """Issue 27, item 11: an unsupported pickle gave torch's raw traceback."""
+    import fractions
+
+    from numalign.golden.capture import capture
+
+    weights = _as_bin(model_copy)
+    tensors = torch.load(weights, weights_only=True)
+    torch.save({**tensors, "extra": fractions.Fraction(1, 3)}, weights)
+    with pytest.raises(ValueError, match=r"holds objects that are not plain tensors .*"
+                       r"Fraction.*never unpickles them. Convert it to safetensors"):  # fmt: skip
+        capture(model_copy, tmp_path / "set", continuation=0, decode_steps=0, long=0,
+                progress=False)  # fmt: skip
+    assert not (tmp_path / "set").exists()
