@@ -9,7 +9,6 @@ import pytest
 import numalign
 from numalign.cli import main
 
-
 LLAMA = Path(__file__).resolve().parents[1] / "golden" / "models" / "tiny-llama"
 
 

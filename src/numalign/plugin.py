@@ -400,7 +400,6 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"numalign: {exc}") from None
     if not hasattr(config, "workerinput"):  # the xdist controller, or a plain session
         from numalign.report import DriftCollector
-
         from numalign.selection import RanNothingGuard
 
         collector = DriftCollector(settings)

@@ -187,6 +187,7 @@ def test_a_non_finite_reference_is_refused_naming_the_first_point(
     tensors = load_file(str(weights))
     tensors["model.layers.1.mlp.down_proj.weight"][0, 0] = float("inf")
     save_file(tensors, str(weights), metadata={"format": "pt"})
-    with pytest.raises(NonFiniteReferenceError, match=r"not finite: model.layers.1.mlp output .* of request text-\w+ holds \d+ NaN or Inf"):
+    where = r"not finite: model.layers.1.mlp output .* of request text-\w+ holds \d+ NaN or Inf"
+    with pytest.raises(NonFiniteReferenceError, match=where):
         _capture(model_copy, tmp_path / "sets" / "inf-llama")
     assert not (tmp_path / "sets").exists() or not any((tmp_path / "sets").iterdir())

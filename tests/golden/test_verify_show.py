@@ -38,9 +38,7 @@ def _first_float(data: dict) -> str:  # type: ignore[type-arg]
         (lambda d: d["tensors"][_first_float(d)].update(dtype="float16"), r"where the manifest"),
         (lambda d: d["tensors"][_first_float(d)].update(shape=[3, 7]), r"where the manifest"),
         (
-            lambda d: d["tensors"].update(
-                {"ghost/out/0": {**d["tensors"][_first_float(d)]}}
-            ),
+            lambda d: d["tensors"].update({"ghost/out/0": {**d["tensors"][_first_float(d)]}}),
             r"tensor 'ghost/out/0' is missing",
         ),
     ],

@@ -25,8 +25,8 @@ from pathlib import Path
 from numalign.golden.manifest import MANIFEST, GoldenSetError
 
 __all__ = [
-    "MARKER", "VERSIONS", "CaptureTargetError", "check_target", "clear_temporary", "keep_version", "mark",
-    "marked", "remove_abandoned", "remove_written", "temporary_folder",
+    "MARKER", "VERSIONS", "CaptureTargetError", "check_target", "clear_temporary",
+    "keep_version", "mark", "marked", "remove_abandoned", "remove_written", "temporary_folder",
 ]  # fmt: skip
 
 #: The marker file of numalign's transient folders.

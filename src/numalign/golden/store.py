@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign.golden.folders import MARKER, mark, marked, remove_abandoned, remove_written
 from numalign.golden.fingerprint import changed_files, fingerprint, settled_stat
+from numalign.golden.folders import MARKER, mark, marked, remove_abandoned, remove_written
 from numalign.golden.manifest import (
     CACHE_POINT,
     FORMAT,
@@ -144,13 +144,15 @@ class GoldenSet:
                 )
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as handle:
-                    stored = set(handle.keys())  # type: ignore[no-untyped-call]
+                    stored = set(handle.keys())
                     for key in keys:
                         if key not in stored:
-                            raise GoldenSetError(f"{path}: tensor {key!r} is missing; capture again")
-                        view = handle.get_slice(key)  # type: ignore[no-untyped-call]
+                            raise GoldenSetError(
+                                f"{path}: tensor {key!r} is missing; capture the set again"
+                            )
+                        view = handle.get_slice(key)
                         _check_header(path, key, self.manifest.tensors[key], view)
-                        handle.get_tensor(key)  # type: ignore[no-untyped-call]
+                        handle.get_tensor(key)
             except SafetensorError as exc:
                 raise GoldenSetError(
                     f"{path}: unreadable ({exc}); restore it or capture the set again"

@@ -21,6 +21,7 @@ are killed) and fails the call with the launcher's log; the next call starts a f
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import pickle
@@ -383,10 +384,8 @@ def _reap(pids: list[int], grace_s: float = 5.0) -> None:
         time.sleep(0.1)
     for pid in pids:
         if _running(pid):
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def _running(pid: int) -> bool:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from numalign.report.atomic import write_text_atomic
 from numalign.record import DriftRecord, merge_records, outcome_of, read_records, write_records
+from numalign.report.atomic import write_text_atomic
 from numalign.report.baseline import DEFAULT_REGRESSION_FACTOR, BaselineDiff, diff_runs
 from numalign.report.history import append_history, history_entry, read_history
 from numalign.report.html import write_html

@@ -7,8 +7,8 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign.report.atomic import write_atomic, write_text_atomic
 from numalign.record import DriftRecord
+from numalign.report.atomic import write_atomic, write_text_atomic
 
 if TYPE_CHECKING:
     import pandas as pd
