@@ -14,14 +14,9 @@ import pytest
 
 from numalign.golden import GoldenSet, GoldenSetError
 from numalign.golden.capture import capture
-from numalign.golden.folders import (
-    MARKER,
-    CaptureTargetError,
-    mark,
-    remove_abandoned,
-    temporary_folder,
-)
+from numalign.golden.folders import MARKER, mark, remove_abandoned, temporary_folder
 from numalign.golden.store import discover_sets, replace_set
+from numalign.golden.target import CaptureTargetError
 
 
 def _capture(model: Path, out: Path, **kwargs: object) -> GoldenSet:

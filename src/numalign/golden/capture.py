@@ -27,13 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from numalign.golden.decode import DEFAULT_DECODE_STEPS, record_decode
 from numalign.golden.fingerprint import fingerprint_and_files
-from numalign.golden.folders import (
-    check_target,
-    clear_temporary,
-    keep_version,
-    remove_abandoned,
-    temporary_folder,
-)
+from numalign.golden.folders import clear_temporary, remove_abandoned, temporary_folder
 from numalign.golden.manifest import (
     Call,
     Continuation,
@@ -71,6 +65,7 @@ from numalign.golden.store import (
     replace_set,
     write_manifest,
 )
+from numalign.golden.target import check_target, keep_version
 
 if TYPE_CHECKING:
     import torch
