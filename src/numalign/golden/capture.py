@@ -144,6 +144,9 @@ class _Recorder:
     #: the first call whose outputs are not all finite: (request, point, output path,
     #: non-finite count, element count)
     nonfinite: tuple[str, str, str, int, int] | None = None
+    #: the current request's attention mask ([batch, sequence]): padded positions may hold
+    #: NaN (a query row with every key masked) and are never compared
+    mask: Any = None
 
     def on_call(
         self, request: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -171,12 +174,13 @@ class _Recorder:
         outputs = {
             p: put(f"{base}/out/{p}", t) for p, t in flatten(output) if isinstance(t, torch.Tensor)
         }
-        if self.nonfinite is None:
-            for p, t in flatten(output):
-                bad = _nonfinite(t)
-                if bad:
-                    self.nonfinite = (request, name, p, bad, t.numel())
-                    break
+        # the point's main output (hidden states; not attention weights, whose padded query
+        # rows are NaN where every key is masked), at the positions the mask keeps
+        first = next(((p, t) for p, t in flatten(output) if isinstance(t, torch.Tensor)), None)
+        if self.nonfinite is None and first is not None:
+            bad = _nonfinite(first[1], self.mask)
+            if bad:
+                self.nonfinite = (request, name, first[0], bad, first[1].numel())
         calls.append(Call(arg_keys, arg_json, kw_keys, kw_json, outputs))
 
 
@@ -375,6 +379,7 @@ def _record_request(
     def on_call(point: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         recorder.on_call(name, point, args, kwargs, output)
 
+    recorder.mask = request.inputs.get("attention_mask")
     with torch.no_grad(), hooks(model, point_names, on_call):
         finals = model_outputs(model(**request.inputs, **forward_kwargs(model)))
     _refuse_nonfinite(recorder, name, finals)
@@ -394,13 +399,18 @@ class NonFiniteReferenceError(ValueError):
     """The reference produced NaN or Inf: a set of it would pass any replay vacuously."""
 
 
-def _nonfinite(t: Any) -> int:
-    """How many values of a floating tensor are NaN or Inf (0 for anything else)."""
+def _nonfinite(t: Any, mask: Any = None) -> int:
+    """How many values of a floating tensor are NaN or Inf at the positions ``mask`` keeps
+    (a [batch, sequence] attention mask, where ``t`` starts with those dimensions; padded
+    positions are never compared); 0 for anything else."""
     import torch
 
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         return 0
-    return int((~torch.isfinite(t.detach())).sum())
+    t = t.detach()
+    if isinstance(mask, torch.Tensor) and t.dim() >= 2 and t.shape[:2] == mask.shape:
+        t = t[mask.to(t.device).bool()]
+    return int((~torch.isfinite(t)).sum())
 
 
 def _refuse_nonfinite(recorder: _Recorder, request: str, finals: dict[str, Any]) -> None:
@@ -410,7 +420,7 @@ def _refuse_nonfinite(recorder: _Recorder, request: str, finals: dict[str, Any])
     where = recorder.nonfinite
     if where is None:
         for key, t in finals.items():
-            bad = _nonfinite(t)
+            bad = _nonfinite(t, recorder.mask)
             if bad:
                 where = (request, f"the model's {key}", "", bad, t.numel())
                 break
@@ -422,8 +432,8 @@ def _refuse_nonfinite(recorder: _Recorder, request: str, finals: dict[str, Any])
         f"the reference is not finite: {point}{output} of request {req} holds {bad} NaN or "
         f"Inf of {total} values, the first capture point where they appear; a golden set of "
         "it would pass any replay (NaN matches NaN). Check the checkpoint's weights for "
-        "inf/nan (torch.isfinite), or capture in float64 (--reference-dtype float64) if "
-        "float32 overflows; no set was written"
+        "inf/nan (torch.isfinite), and try another --reference-dtype or --attn-implementation "
+        "(eager attention in float64 gives left-padded batches NaN); no set was written"
     )
 
 

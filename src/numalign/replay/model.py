@@ -82,12 +82,7 @@ def control_for(
     if borrowed is not None:
         candidates.append(borrowed)
     if not candidates:
-        raise Uncalibrated(
-            f"{golden.path}: no calibration of {point} in {dtype} (captured with --calibrate "
-            f"'' or without {dtype}): not judged, since a budget without a control would be "
-            f"one ulp and the tolerance table is not made for whole modules; capture it "
-            f"again with --calibrate {dtype}"
-        )
+        return Control(ControlErrors(max_abs=0.0, rel_l2=0.0), reduction, calibrated=False)
     errors = [c for c, _ in candidates]
     kls = [kl for _, kl in candidates if kl is not None]
     norms = [e.norm_ratio for e in errors if e.norm_ratio is not None]
@@ -157,6 +152,14 @@ def compare_point(
     actual = whole(actual, tuple(expected.shape))  # a tensor-parallel rank's shard
     if not expected.is_floating_point():
         return compare(actual, expected, name=name)
+    if not control.calibrated:  # a budget without a control would be one ulp
+        dtype = str(actual.dtype).removeprefix("torch.")
+        raise Uncalibrated(
+            f"{name}: the golden set has no calibration of it in {dtype} (captured with "
+            f"--calibrate '' or without {dtype}): not judged, since a budget without a control "
+            "would be one ulp and the tolerance table is not made for whole modules; capture "
+            f"it again with --calibrate {dtype}"
+        )
     reach = chance_zero_reach(control.errors, expected, str(actual.dtype).removeprefix("torch."))
     return compare(actual, expected, control_errors=control.errors,
                    reduction_length=control.reduction, op_class="matmul", name=name,
