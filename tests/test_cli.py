@@ -2,9 +2,14 @@
 
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 import numalign
 from numalign.cli import main
+
+LLAMA = Path(__file__).resolve().parents[1] / "golden" / "models" / "tiny-llama"
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -136,3 +141,21 @@ def test_run_passes_tp_to_the_suites(monkeypatch, tmp_path) -> None:  # type: ig
     assert status == 0
     extra = list(asked["extra"])  # type: ignore[call-overload]
     assert extra[extra.index("--tp") + 1] == "2"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [  # issue 27: accepted (the counts), or a raw traceback (the dtype)
+        (["--decode-steps", "-1"], "--decode-steps -1: a number of tokens, 0 or more"),
+        (["--continuation", "-3"], "--continuation -3: a number of tokens, 0 or more"),
+        (["--image", "no/such.png"], "--image no/such.png: no such file"),
+        (["--calibrate", "bfloat17"], "unknown dtype bfloat17; allowed: float32, bfloat16"),
+    ],
+)
+def test_capture_refuses_bad_counts_files_and_dtypes(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    out = run("capture", str(LLAMA), "--out", str(tmp_path / "set"), *args)
+    assert out.returncode == 1, out.stderr
+    assert f"numalign capture: {message}" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "set").exists()

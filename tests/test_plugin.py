@@ -69,6 +69,15 @@ def test_command_line_wins_over_ini(pytester: pytest.Pytester) -> None:
         ),
         (["--tp", "two"], "*--tp 'two': give the number of tensor-parallel ranks*"),
         (["--tp-timeout", "soon"], "*--tp-timeout 'soon': give a number of seconds above 0*"),
+        (  # issue 27: accepted at start, then a traceback after the whole run
+            ["--drift-baseline", "."],
+            "*--drift-baseline .: no records at .: expected a run folder holding records.jsonl*",
+        ),
+        (  # issue 27: the typo skipped every MoE test and exited 0
+            ["--experts-implementation", "grouped-mm"],
+            "*unknown --experts-implementation 'grouped-mm'; transformers offers: eager, *"
+            "grouped_mm*Did you mean 'grouped_mm'?*",
+        ),
     ],
 )
 def test_bad_values_are_usage_errors(

@@ -4,6 +4,7 @@ change of what decides the values, damaged entries recomputed, and the plugin's 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -240,3 +241,59 @@ def test_the_suite_fills_the_cache_and_off_leaves_none(pytester: pytest.Pytester
     pytester.runpytest_subprocess().assert_outcomes(passed=1)
     entries = list((pytester.path / ".numalign-cache" / "truths").rglob("*.safetensors"))
     assert len(entries) == 1 and "tiny-3x8-torch.float16" in entries[0].name
+
+
+def _forge(cache: TruthCache, scale: float, secret: bytes | None) -> None:
+    """Rewrites the entry with its truth scaled and a checksum computed as the old scheme
+    (sha256, anyone can) or with ``secret``: what a writer to a shared cache can do."""
+    import hashlib
+
+    from safetensors.torch import load, save_file
+
+    from numalign import truths
+
+    key = cache.key(RMS, CASE, torch.bfloat16)
+    assert key is not None
+    path = cache.path(key)
+    data = path.read_bytes()
+    metadata = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+    tensors = load(data)
+    tensors["truth.out"] = tensors["truth.out"] * scale
+    if secret is None:
+        digest = hashlib.sha256()
+        for name in sorted(tensors):
+            t = tensors[name]
+            digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            digest.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().data)
+        metadata["checksum"] = digest.hexdigest()
+    else:
+        metadata["checksum"] = truths._checksum(tensors, metadata, secret)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+@pytest.mark.parametrize("forger", ["plain sha256", "another user's secret"])
+def test_a_forged_entry_is_not_trusted(
+    cache: TruthCache, forger: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 27, item 9: the checksum was computed by whoever wrote the entry, so a wrong
+    truth with a right checksum made a known-wrong kernel pass."""
+    _, truth = _fresh()
+    _forge(cache, 1.05, None if forger == "plain sha256" else b"not this user's secret")
+    assert cache.load(RMS, CASE, torch.bfloat16) is None
+    assert cache.stats["rejected"] == 1
+    _, again = _fresh()  # recomputed from the reference, and written back signed
+    assert _same_bits(again["out"], truth["out"])
+
+
+def test_a_shared_secret_lets_several_writers_share_a_cache(
+    cache: TruthCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    own = cache.secret  # this user's, read before the shared one is set
+    monkeypatch.setenv("NUMALIGN_CACHE_SECRET", "ci-secret")
+    shared = TruthCache(cache.folder)
+    assert shared.secret == b"ci-secret" != own
+    _fresh()  # written by this process, signed with its own secret
+    assert shared.load(RMS, CASE, torch.bfloat16) is None  # not the shared secret's
+    _forge(cache, 1.0, b"ci-secret")  # another machine with the shared secret wrote it
+    assert shared.load(RMS, CASE, torch.bfloat16) is not None
+    assert cache.load(RMS, CASE, torch.bfloat16) is None  # not this user's own secret

@@ -133,6 +133,7 @@ def _capture(args: argparse.Namespace) -> int:
         attn_implementation=args.attn_implementation,
         trust_remote_code=args.trust_remote_code,
         placement=placement,
+        force=args.force,
     )
     print(f"{golden.path}: {len(golden.points)} points, {golden.disk_bytes() / 1e6:.2f} MB")
     return 0
@@ -155,20 +156,18 @@ def _golden(args: argparse.Namespace) -> int:
     from numalign.golden import GoldenSet
 
     if args.action == "ls":
-        for folder in discover_sets([Path(args.target or DEFAULT_SETS)]):
-            g = GoldenSet.open(folder)
-            fresh = "fresh" if g.model_dir.is_dir() and g.fingerprint_matches() else "STALE"
-            print(f"{g.name:24} {g.model.architecture:36} {len(g.points):4} points "
-                  f"{g.disk_bytes() / 1e6:8.2f} MB  {fresh}")  # fmt: skip
-        return 0
+        return _golden_ls(Path(args.target or DEFAULT_SETS))
     if not args.target:
         print(f"numalign golden {args.action}: give a golden set folder", file=sys.stderr)
         return 2
     g = GoldenSet.open(args.target)
     if args.action == "verify":
-        g.verify()
+        g.verify(contents=True)
         g.check_fresh()
-        print(f"{g.path}: {len(g.manifest.shards)} shard(s) verified; model fresh")
+        print(
+            f"{g.path}: {len(g.manifest.shards)} shard(s) and {len(g.manifest.tensors)} "
+            "tensor(s) verified; model fresh"
+        )
         return 0
     m, ref = g.manifest, g.reference
     print(f"set        {g.path}")
@@ -185,13 +184,41 @@ def _golden(args: argparse.Namespace) -> int:
         f"{g.unique_tensor_bytes() / 1e6:.2f} MB of unique tensors"
     )
     for point in g.points:
-        call = next(iter(point.calls.values()))[0]
+        calls = [c for request in point.calls.values() for c in request]
         outputs = ", ".join(
-            f"{path}: {m.tensors[key].dtype}{m.tensors[key].shape}"
-            for path, key in call.outputs.items()
+            f"{path}: {_described(m.tensors.get(key))}"
+            for path, key in (calls[0].outputs.items() if calls else ())
         )
-        print(f"  {point.name:52} {point.type:28} {outputs}")
+        print(f"  {point.name:52} {point.type:28} {outputs or '(no calls)'}")
     return 0
+
+
+def _described(info: object) -> str:
+    """A tensor's dtype and shape from the manifest, or what is wrong (show never raises)."""
+    if info is None:
+        return "MISSING from the manifest (numalign golden verify)"
+    return f"{getattr(info, 'dtype', '?')}{getattr(info, 'shape', '?')}"
+
+
+def _golden_ls(folder: Path) -> int:
+    """One line per set under ``folder``; a set that cannot be read is a line saying why
+    (exit 1), never the end of the listing."""
+    from numalign.golden import GoldenSet, GoldenSetError
+
+    if not folder.is_dir():
+        print(f"numalign golden ls: {folder}: no such folder", file=sys.stderr)
+        return 2
+    status = 0
+    for path in discover_sets([folder]):
+        try:
+            g = GoldenSet.open(path)
+            fresh = "fresh" if g.model_dir.is_dir() and g.fingerprint_matches() else "STALE"
+            print(f"{g.name:24} {g.model.architecture:36} {len(g.points):4} points "
+                  f"{g.disk_bytes() / 1e6:8.2f} MB  {fresh}")  # fmt: skip
+        except (GoldenSetError, OSError, ValueError) as exc:
+            print(f"{path.name:24} BROKEN: {exc}")
+            status = 1
+    return status
 
 
 def _inventory(args: argparse.Namespace) -> int:
@@ -359,7 +386,16 @@ def build_parser() -> argparse.ArgumentParser:
         "decode, calibrates lower dtypes, and writes the set atomically.",
     )
     cap.add_argument("model_dir", metavar="MODEL_DIR", help="a local Hugging Face model folder")
-    cap.add_argument("--out", required=True, help="the golden set folder, e.g. golden/sets/NAME")
+    cap.add_argument(
+        "--out",
+        required=True,
+        help="the golden set folder, e.g. golden/sets/NAME: a new folder, or a set of this model",
+    )
+    cap.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a set of another model at --out (kept under its folder's .versions/)",
+    )
     cap.add_argument(
         "--points", nargs="+", metavar="PATTERN",
         help="module name patterns (fnmatch) to capture (none: every point of the model)",

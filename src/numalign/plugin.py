@@ -24,6 +24,7 @@ from numalign.settings import (
     parse_count,
     parse_dtypes,
     parse_engine,
+    parse_experts_implementation,
     parse_seconds,
     parse_shard,
     parse_size,
@@ -340,6 +341,9 @@ def settings_from_config(config: pytest.Config) -> Settings:
         cache_size = parse_size(str(_value(config, "numalign_truth_cache_size")),
                                 "--truth-cache-size")  # fmt: skip
         keep_runs = parse_count(str(_value(config, "numalign_keep_runs")), "--keep-runs")
+        experts = parse_experts_implementation(
+            str(_value(config, "numalign_experts_implementation") or "")
+        )
     except ValueError as exc:
         raise pytest.UsageError(f"numalign: {exc}") from None
     golden = tuple(Path(p) for p in _value(config, "numalign_golden"))
@@ -359,6 +363,8 @@ def settings_from_config(config: pytest.Config) -> Settings:
         raise pytest.UsageError(
             f"numalign: --drift-baseline {baseline}: no such run folder or records file"
         )
+    if baseline:
+        _check_baseline(Path(baseline))
     try:
         factor = float(_value(config, "numalign_regression_factor"))
     except ValueError:
@@ -388,7 +394,7 @@ def settings_from_config(config: pytest.Config) -> Settings:
         swaps=tuple(_value(config, "numalign_swap")),
         shard=shard,
         attn_implementation=attn or None,
-        experts_implementation=str(_value(config, "numalign_experts_implementation") or "") or None,
+        experts_implementation=experts,
         allow_tf32=bool(_value(config, "numalign_allow_tf32")),
         cache_implementations=caches,
         truth_cache=resolve_truth_folder(
@@ -408,6 +414,20 @@ def settings_from_config(config: pytest.Config) -> Settings:
     if conflict:
         raise pytest.UsageError(f"numalign: {conflict}")
     return settings
+
+
+def _check_baseline(path: Path) -> None:
+    """The baseline is a run's records, read now: a wrong path fails before the first test,
+    not after the whole run."""
+    from numalign.record import read_records
+
+    try:
+        read_records(path)
+    except (OSError, ValueError) as exc:
+        raise pytest.UsageError(
+            f"numalign: --drift-baseline {path}: {exc}; give a run folder under --report-dir "
+            "(reports/<run-id>/) or its records.jsonl"
+        ) from None
 
 
 def _import_all(modules: tuple[str, ...], what: str) -> None:
@@ -455,10 +475,12 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"numalign: {exc}") from None
     if not hasattr(config, "workerinput"):  # the xdist controller, or a plain session
         from numalign.report import DriftCollector
+        from numalign.selection import RanNothingGuard
 
         collector = DriftCollector(settings)
         config.stash[collector_key] = collector
         config.pluginmanager.register(collector, "numalign-drift")
+        config.pluginmanager.register(RanNothingGuard(), "numalign-ran-nothing")
 
 
 def _check_compile(settings: Settings) -> None:

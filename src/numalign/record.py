@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -300,10 +301,14 @@ class RecordWriter:
 def write_records(path: Path, records: Iterable[DriftRecord]) -> Path:
     """Writes a whole records.jsonl atomically (a partial file never replaces a whole one)."""
     tmp = path.with_suffix(".jsonl.tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        for record in records:
-            fh.write(json.dumps(record.to_dict(), allow_nan=False) + "\n")
-    tmp.replace(path)
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            for record in records:
+                fh.write(json.dumps(record.to_dict(), allow_nan=False) + "\n")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no torn temporary file behind
+        raise
     return path
 
 
@@ -339,9 +344,11 @@ def _parse(file: Path, lines: list[str]) -> Iterator[DriftRecord]:
 
 
 def new_run_id(now: float | None = None) -> str:
-    """A sortable run id: UTC time to the second plus the process id."""
+    """A sortable run id: UTC time to the second, the process id and 48 random bits (process
+    ids repeat across containers and machines writing one report folder; two shards started
+    in the same second must not share a run)."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
-    return f"{stamp}-{os.getpid()}"
+    return f"{stamp}-{os.getpid()}-{secrets.token_hex(6)}"
 
 
 def merge_records(runs: Iterable[list[DriftRecord]]) -> list[DriftRecord]:

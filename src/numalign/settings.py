@@ -162,6 +162,26 @@ def parse_share(text: str, option: str) -> float:
     return value
 
 
+def parse_experts_implementation(text: str) -> str | None:
+    """An MoE experts implementation transformers offers (``eager`` or a key of its experts
+    interface, e.g. ``grouped_mm``), None for the model's default; ValueError naming the
+    offered ones otherwise. Imports transformers, only when a value is given."""
+    name = text.strip()
+    if not name:
+        return None
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    offered = ("eager", *ALL_EXPERTS_FUNCTIONS.valid_keys())
+    if name not in offered:
+        near = [o for o in offered if o.replace("_", "-") == name.replace("_", "-").lower()]
+        hint = f" Did you mean {near[0]!r}?" if near else ""
+        raise ValueError(
+            f"unknown --experts-implementation {name!r}; transformers offers: "
+            f"{', '.join(offered)}.{hint}"
+        )
+    return name
+
+
 def parse_tp(text: str) -> int:
     """``"2"`` -> 2: a whole number of ranks, at least 1."""
     value = text.strip() or "1"

@@ -22,8 +22,13 @@ cannot be read (defined in a REPL or by ``exec``) is never cached.
 Entries are safetensors files (never pickle) under ``<folder>/<operator>/``: tensors
 ``inputs.<name>`` and ``truth.<name>``; the metadata holds the key's parts (checked on
 reading, so a hash collision or a misplaced file is a miss), the non-tensor inputs as JSON,
-and a sha256 of every tensor's bytes, so a truncated or damaged file is recomputed, never
-trusted. Writes go to a temporary file in the same folder and are renamed into place, so
+and an HMAC-SHA256 of all of it (the metadata and every tensor's bytes) keyed by a secret, so
+a truncated, damaged or forged file is recomputed, never trusted. The checksum alone would not
+do: whoever writes an entry computes it, so a writer to a shared cache could make a wrong
+kernel pass. The secret is ``$NUMALIGN_CACHE_SECRET`` where set (a cache shared by users or
+machines: give them all the same secret, as a CI secret), else this user's own, made once in
+``~/.cache/numalign/truth-secret`` (mode 0600): entries written by anyone else are misses.
+Writes go to a temporary file in the same folder and are renamed into place, so
 parallel workers never read half a file. The folder holds a ``.gitignore`` of ``*``.
 
 The float64 truth is deterministic up to how a CPU reduction is split among threads, which
@@ -47,10 +52,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import hmac
 import inspect
 import json
 import os
 import re
+import secrets
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
@@ -66,7 +73,9 @@ if TYPE_CHECKING:
     from numalign.registry import Operator
 
 #: Format tag of an entry's metadata; a different tag is a miss.
-FORMAT = "numalign.truth/1"
+FORMAT = "numalign.truth/2"
+#: Environment variable holding the secret a shared cache's entries are signed with.
+SECRET_ENV = "NUMALIGN_CACHE_SECRET"
 #: Environment variable naming the cache root (truths go to its ``truths/`` folder).
 CACHE_ENV = "NUMALIGN_CACHE"
 #: The cache root inside the rootdir when ``$NUMALIGN_CACHE`` is not set.
@@ -145,11 +154,44 @@ def _json_exact(value: Any) -> bool:
     return False
 
 
-def _checksum(tensors: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+def cache_secret() -> bytes:
+    """The key entries are signed with: ``$NUMALIGN_CACHE_SECRET`` (a cache shared by
+    several users or machines: CI sets the same secret everywhere), else this user's own,
+    created once in ``$XDG_CACHE_HOME/numalign/truth-secret`` (``~/.cache``), readable by
+    this user only."""
+    shared = os.environ.get(SECRET_ENV, "")
+    if shared:
+        return shared.encode()
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = home / "numalign" / "truth-secret"
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".truth-secret.")  # mode 0600
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(secrets.token_hex(32).encode())
+    try:
+        os.link(tmp, path)  # never replaces a secret another process made meanwhile
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    return path.read_bytes()
+
+
+def _checksum(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], secret: bytes
+) -> str:
+    """HMAC-SHA256, keyed by ``secret``, over the entry's metadata (its key, input names and
+    plain inputs) and every tensor's name, dtype, shape and bytes, in name order: only a
+    writer holding the secret makes an entry this reader trusts."""
     import torch
 
-    digest = hashlib.sha256()
+    digest = hmac.new(secret, digestmod=hashlib.sha256)
+    digest.update(json.dumps({k: metadata[k] for k in sorted(metadata) if k != "checksum"},
+                             sort_keys=True).encode())  # fmt: skip
     for name in sorted(tensors):
         tensor = tensors[name]
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
@@ -172,6 +214,10 @@ class TruthCache:
     #: Bytes this process believes the cache holds (scanned at its first write, then grown by
     #: its writes; other workers' writes are seen at the next eviction's scan).
     _size: int | None = None
+
+    @functools.cached_property
+    def secret(self) -> bytes:
+        return cache_secret()
 
     def key(self, op: Operator, case: Case, dtype: torch.dtype) -> dict[str, str] | None:
         """The parts that decide the entry's values, or None when the operator's source
@@ -211,7 +257,7 @@ class TruthCache:
         except OSError:
             self.stats["miss"] += 1
             return None
-        entry = _decode(data, key)
+        entry = _decode(data, key, self.secret)
         if entry is None:
             self.stats["rejected"] += 1
             return None
@@ -253,8 +299,8 @@ class TruthCache:
             "inputs": json.dumps(list(inputs)),
             "truth": json.dumps(list(truth)),
             "plain": json.dumps(plain),
-            "checksum": _checksum(tensors),
         }
+        metadata["checksum"] = _checksum(tensors, metadata, self.secret)
         path = self.path(key)
         try:
             _write_atomic(path, lambda target: _save(tensors, metadata, target))
@@ -333,7 +379,7 @@ def _write_atomic(path: Path, write: Callable[[str], None]) -> None:
         raise
 
 
-def _decode(data: bytes, key: Mapping[str, str]) -> Entry | None:
+def _decode(data: bytes, key: Mapping[str, str], secret: bytes) -> Entry | None:
     """(inputs, truth) from an entry's bytes, or None when they are not a sound entry of
     ``key``."""
     try:
@@ -344,7 +390,7 @@ def _decode(data: bytes, key: Mapping[str, str]) -> Entry | None:
         if json.loads(metadata["numalign"]) != dict(key):
             return None
         tensors = load(data)
-        if _checksum(tensors) != metadata["checksum"]:
+        if not hmac.compare_digest(_checksum(tensors, metadata, secret), metadata["checksum"]):
             return None
         plain = json.loads(metadata["plain"])
         inputs = {

@@ -66,9 +66,9 @@ def run_suite(pytester: pytest.Pytester, plugin: str, *args: str) -> pytest.RunR
 
 @pytest.fixture
 def on_path(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(  # the caller's path after ours: a checkout run with PYTHONPATH=src
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(pytester.path), str(ROOT),
-                                                     os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv(  # this tree's src first, then the caller's path
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(pytester.path), str(ROOT / "src"),
+                                                     str(ROOT), os.environ.get("PYTHONPATH")]))
     )  # fmt: skip
 
 

@@ -31,9 +31,9 @@ def run_suite(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 
 @pytest.fixture
 def on_path(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(  # the caller's path after ours: a checkout run with PYTHONPATH=src
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(pytester.path), str(ROOT),
-                                                     os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv(  # this tree's src first, then the caller's path
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(pytester.path), str(ROOT / "src"),
+                                                     str(ROOT), os.environ.get("PYTHONPATH")]))
     )  # fmt: skip
 
 
@@ -217,3 +217,54 @@ def test_a_corrupted_golden_tensor_is_an_error_naming_the_shard(
     assert records and {r.verdict for r in records} == {"error"}
     assert {r.error for r in records} == {"GoldenSetError"}
     assert all(r.model == "flipped-llama" and r.dtype == "float32" for r in records)
+
+
+def test_a_broken_manifest_is_one_error_record_and_the_other_sets_replay(
+    pytester: pytest.Pytester, on_path: None
+) -> None:
+    from numalign.record import read_records
+
+    sets = pytester.path / "sets"
+    (sets / "broken-llama").mkdir(parents=True)
+    (sets / "broken-llama" / "manifest.json").write_text("{not json")
+    result = pytester.runpytest_subprocess(
+        str(SUITES / "test_layers.py"), "--rootdir", str(ROOT), "-p", "no:cacheprovider",
+        "--report-dir", str(pytester.path / "reports"), "-q", "--tb=line", "--golden", str(sets),
+        "--dtype", "float32", "-k", "broken-llama or tiny-bert",
+    )  # fmt: skip
+    text = result.stdout.str()
+    assert "error during collection" not in text, text[-3000:]
+    result.assert_outcomes(failed=1, passed=len(_bert_points()))
+    records = read_records(pytester.path / "reports" / "latest")
+    broken = [r for r in records if "broken-llama" in r.test_id]
+    assert len(broken) == 1 and broken[0].verdict == "error", broken
+    assert "not valid JSON" in (broken[0].reason or "") + (broken[0].message or "")
+
+
+def _bert_points() -> list[str]:
+    from numalign.golden import GoldenSet
+
+    return [p.name for p in GoldenSet.open(ROOT / "golden" / "sets" / "tiny-bert").points]
+
+
+def test_a_set_without_calibration_is_refused_with_the_reason_not_judged_by_one_ulp(
+    pytester: pytest.Pytester, on_path: None
+) -> None:
+    """Issue 27, item 5: a set captured with --calibrate '' failed honest replays ("the
+    control is exact here": a budget of one ulp). Its replays skip, saying why; a session
+    with nothing else to test says nothing was tested."""
+    from numalign.replay.ensemble import capture_calibrated
+
+    sets = pytester.path / "sets"
+    capture_calibrated(ROOT / "golden" / "models" / "tiny-llama", sets / "bare-llama",
+                       calibrate=(), progress=False, continuation=2, decode_steps=0)  # fmt: skip
+    result = pytester.runpytest_subprocess(
+        str(SUITES / "test_layers.py"), str(SUITES / "test_model.py"), "--rootdir", str(ROOT),
+        "-p", "no:cacheprovider", "--report-dir", str(pytester.path / "reports"), "-q", "-rs",
+        "--tb=line", "--golden", str(sets), "--dtype", "bfloat16", "-k", "bare-llama",
+    )  # fmt: skip
+    text = result.stdout.str()
+    assert "control is exact here" not in text and "failed" not in text, text[-3000:]
+    assert "no calibration of it in bfloat16" in text and "--calibrate bfloat16" in text
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    assert "none ran (all skipped" in text

@@ -126,3 +126,41 @@ def test_a_launcher_that_is_not_there_says_so() -> None:
     settings = Settings(device="cpu", tp_launcher="/nonexistent/srun -N2 torchrun")
     with pytest.raises(TensorParallelUsageError, match="'/nonexistent/srun' cannot start"):
         RankGroup(2, settings, timeout=10.0).call(tp_calls.rank_and_sum)
+
+
+#: Seconds the ranks of a stopped group may take to be gone: the controller's grace before it
+#: kills them (5 s) and a loaded 2-core machine's scheduling.
+REAP_S = 30.0
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _gone(pids: list[int]) -> bool:
+    deadline = time.monotonic() + REAP_S
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not any(_alive(p) for p in pids)
+
+
+def test_no_rank_outlives_a_rank_s_death_or_the_group(group: RankGroup) -> None:
+    """Issue 27, item 12: after a test killed a rank, its peer (waiting in a collective) was
+    alive 37 minutes later."""
+    pids = group.call(tp_calls.rank_pids)
+    assert len(pids) == 2
+    with pytest.raises(RankCrashed):
+        group.call(tp_calls.die_on_rank_1)
+    assert _gone(pids), [p for p in pids if _alive(p)]
+    pids = group.call(tp_calls.rank_pids)  # a fresh group, stopped at the session's end
+    group.close()
+    assert _gone(pids), [p for p in pids if _alive(p)]
+    pids = group.call(tp_calls.rank_pids)
+    group.call(tp_calls.linger_on_rank_1)  # a rank that does not exit when asked
+    group.close()
+    assert _gone(pids), [p for p in pids if _alive(p)]

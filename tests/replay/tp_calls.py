@@ -41,3 +41,21 @@ def hang_on_rank_1() -> None:
     if dist.get_rank() == 1:
         time.sleep(3600)
     dist.barrier()
+
+
+def rank_pids() -> list[int]:
+    """Every rank's process id, in rank order (an all-gather)."""
+    pids: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    return [int(p) for p in pids]  # type: ignore[call-overload]
+
+
+def linger_on_rank_1() -> None:
+    """Rank 1 keeps a thread that never ends and ignores SIGTERM: asked to stop, it finishes
+    its loop but its interpreter never exits (a stuck kernel thread, a hung destroy)."""
+    import signal
+    import threading
+
+    if dist.get_rank() == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()

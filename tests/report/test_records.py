@@ -163,3 +163,16 @@ def test_a_point_called_twice_in_one_request_keeps_both_records() -> None:
     diff = diff_runs([first, record(1, 1.0)], [first, second])
     assert diff.compared == 2
     assert [r["key"] for r in diff.regressed] == [second.key]
+
+
+def test_run_ids_differ_in_one_second_and_one_pid_namespace() -> None:
+    """Issue 27, item 8: two shards in two containers (both pid 1) started in the same second
+    shared one run folder; the random suffix tells them apart, and ids still sort by time."""
+    from unittest import mock
+
+    from numalign.record import new_run_id
+
+    with mock.patch("os.getpid", return_value=1):
+        ids = {new_run_id(now=1.7e9) for _ in range(50)}
+    assert len(ids) == 50
+    assert new_run_id(now=1.7e9) < new_run_id(now=1.7e9 + 1)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from numalign.golden.decode import DEFAULT_DECODE_STEPS, record_decode
 from numalign.golden.fingerprint import fingerprint_and_files
+from numalign.golden.folders import clear_temporary, remove_abandoned, temporary_folder
 from numalign.golden.manifest import (
     Call,
     Continuation,
@@ -60,11 +60,12 @@ from numalign.golden.requests import (
 from numalign.golden.store import (
     DEFAULT_SHARD_BYTES,
     GoldenSet,
+    GoldenSetError,
     ShardWriter,
-    remove_abandoned,
     replace_set,
     write_manifest,
 )
+from numalign.golden.target import check_target, keep_version
 
 if TYPE_CHECKING:
     import torch
@@ -140,6 +141,12 @@ class _Recorder:
 
     writer: ShardWriter
     calls: dict[str, dict[str, list[Call]]] = field(default_factory=dict)
+    #: the first call whose outputs are not all finite: (request, point, output path,
+    #: non-finite count, element count)
+    nonfinite: tuple[str, str, str, int, int] | None = None
+    #: the current request's attention mask ([batch, sequence]): padded positions may hold
+    #: NaN (a query row with every key masked) and are never compared
+    mask: Any = None
 
     def on_call(
         self, request: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -167,6 +174,13 @@ class _Recorder:
         outputs = {
             p: put(f"{base}/out/{p}", t) for p, t in flatten(output) if isinstance(t, torch.Tensor)
         }
+        # the point's main output (hidden states; not attention weights, whose padded query
+        # rows are NaN where every key is masked), at the positions the mask keeps
+        first = next(((p, t) for p, t in flatten(output) if isinstance(t, torch.Tensor)), None)
+        if self.nonfinite is None and first is not None:
+            bad = _nonfinite(first[1], self.mask)
+            if bad:
+                self.nonfinite = (request, name, first[0], bad, first[1].numel())
         calls.append(Call(arg_keys, arg_json, kw_keys, kw_json, outputs))
 
 
@@ -215,6 +229,7 @@ def capture(
     progress: bool | None = None,
     finish: Callable[[GoldenSet, Callable[[str], None]], None] | None = None,
     finish_steps: int = 0,
+    force: bool = False,
 ) -> GoldenSet:
     """Captures a golden set of the model in ``model_dir`` into ``out`` (replaced atomically:
     an interrupted capture leaves any previous set untouched and no partial folder).
@@ -224,12 +239,17 @@ def capture(
     ``long``: the length of the long requests (None: past every length boundary of the
     model, ``requests.long_length``; 0: none). Encoders get no long requests and no decode.
 
+    ``out`` must not exist, be empty or hold a set of this model (``folders.check_target``);
+    ``force`` replaces a set of another model, kept under ``<sets>/.versions/``.
+
     ``placement``: big-model loading (``reference.Placement``: accelerate's device map and
     disk offload), for a model whose weights do not fit in memory; the set is the same as an
     in-memory capture's."""
     import torch
 
     model_dir, out = Path(model_dir).resolve(), Path(out)
+    check_target(out, model_dir, force=force)  # first: never load a model to then refuse
+    _check_counts(continuation=continuation, decode_steps=decode_steps, image=image)
     if reference_dtype not in ("float32", "float64"):
         raise ValueError(f"--reference-dtype {reference_dtype!r}: float32 or float64")
     # None: a bar on a terminal, lines in a log; True: the bar; False: silent
@@ -259,10 +279,7 @@ def capture(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned(out.parent)
-    tmp = out.parent / f".{out.name}.capture-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = temporary_folder(out)
     bar = _Progress(show, len(requests) + finish_steps, out.name)
     try:
         writer = ShardWriter(tmp, max_shard_bytes)
@@ -287,13 +304,34 @@ def capture(
         del model, recorder
         if finish is not None:
             finish(GoldenSet.open(tmp), bar.step)
+        if check_target(out, model_dir, force=force):  # again: it may have changed meanwhile
+            kept = keep_version(out, _stamp(out))
+            print(f"numalign capture: kept the replaced set under {kept}", file=sys.stderr)
         replace_set(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        clear_temporary(tmp)
         raise
     finally:
         bar.close()
     return GoldenSet.open(out)
+
+
+def _check_counts(*, continuation: int, decode_steps: int, image: str | None) -> None:
+    """Capture's counts are whole numbers of at least 0 and its image a file (ValueError
+    naming the option otherwise), checked before the model loads."""
+    for option, value in (("--continuation", continuation), ("--decode-steps", decode_steps)):
+        if value < 0:
+            raise ValueError(f"{option} {value}: a number of tokens, 0 or more (0: none)")
+    if image is not None and not Path(image).is_file():
+        raise ValueError(f"--image {image}: no such file; give an image file (PNG, JPEG, ...)")
+
+
+def _stamp(folder: Path) -> str:
+    """When the set at ``folder`` was captured (its name under .versions), or ``unreadable``."""
+    try:
+        return GoldenSet.open(folder).manifest.created or "unknown"
+    except GoldenSetError:
+        return "unreadable"
 
 
 def _manifest(
@@ -353,8 +391,10 @@ def _record_request(
     def on_call(point: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         recorder.on_call(name, point, args, kwargs, output)
 
+    recorder.mask = request.inputs.get("attention_mask")
     with torch.no_grad(), hooks(model, point_names, on_call):
         finals = model_outputs(model(**request.inputs, **forward_kwargs(model)))
+    _refuse_nonfinite(recorder, name, finals)
     if "logits" in finals:
         manifest.logits[name] = writer.put(f"{name}/logits", finals["logits"])
     else:
@@ -365,6 +405,48 @@ def _record_request(
     if request.generate and continuation > 0 and name in manifest.logits:
         manifest.continuation[name] = _greedy(model, request, continuation, writer)
     manifest.requests.append(Request(name, inputs))
+
+
+class NonFiniteReferenceError(ValueError):
+    """The reference produced NaN or Inf: a set of it would pass any replay vacuously."""
+
+
+def _nonfinite(t: Any, mask: Any = None) -> int:
+    """How many values of a floating tensor are NaN or Inf at the positions ``mask`` keeps
+    (a [batch, sequence] attention mask, where ``t`` starts with those dimensions; padded
+    positions are never compared); 0 for anything else."""
+    import torch
+
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return 0
+    t = t.detach()
+    if isinstance(mask, torch.Tensor) and t.dim() >= 2 and t.shape[:2] == mask.shape:
+        t = t[mask.to(t.device).bool()]
+    return int((~torch.isfinite(t)).sum())
+
+
+def _refuse_nonfinite(recorder: _Recorder, request: str, finals: dict[str, Any]) -> None:
+    """NonFiniteReferenceError naming the first capture point (in the order the forward ran
+    them) whose outputs hold NaN or Inf, or the final output that does: NaN matches NaN, so
+    a non-finite golden value would make every replay pass."""
+    where = recorder.nonfinite
+    if where is None:
+        for key, t in finals.items():
+            bad = _nonfinite(t, recorder.mask)
+            if bad:
+                where = (request, f"the model's {key}", "", bad, t.numel())
+                break
+    if where is None:
+        return
+    req, point, path, bad, total = where
+    output = f" output {path!r}" if path else ""
+    raise NonFiniteReferenceError(
+        f"the reference is not finite: {point}{output} of request {req} holds {bad} NaN or "
+        f"Inf of {total} values, the first capture point where they appear; a golden set of "
+        "it would pass any replay (NaN matches NaN). Check the checkpoint's weights for "
+        "inf/nan (torch.isfinite), and try another --reference-dtype or --attn-implementation "
+        "(eager attention in float64 gives left-padded batches NaN); no set was written"
+    )
 
 
 def _greedy(model: Any, request: CaptureRequest, steps: int, writer: ShardWriter) -> Continuation:

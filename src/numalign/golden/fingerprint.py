@@ -1,4 +1,5 @@
-"""Model fingerprints: sha256 over config.json and the weight files, in name order, and the
+"""Model fingerprints: sha256 over config.json, the weight files (every format) and a remote-
+code model's modules, in name order, and the
 sha256 of each file, so that a changed or missing file (one shard of a sharded checkpoint) is
 named, not only noticed."""
 
@@ -33,9 +34,11 @@ def settled_stat(path: Path) -> tuple[object, ...] | None:
     return (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
-#: Files that define a model's numerics: its config and its weights (one file, or shards
-#: with their index).
-_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json")
+#: Files that define a model's numerics: its config, its weights in every format
+#: from_pretrained loads (safetensors, PyTorch's .bin/.pt/.pth, GGUF; one file, or shards with
+#: their index) and the Python modules of a ``trust_remote_code`` model (its own code).
+_INDEXES = ("*.safetensors.index.json", "*.bin.index.json", "*.pt.index.json")
+_PATTERNS = ("config.json", "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", *_INDEXES, "*.py")
 
 
 def model_files(model_dir: Path) -> list[Path]:
@@ -90,14 +93,15 @@ def fingerprint_and_files(model_dir: str | Path) -> tuple[str, dict[str, str]]:
 
 
 def missing_shards(folder: Path) -> list[str]:
-    """The weight files each ``*.safetensors.index.json`` names that are not in ``folder``."""
+    """The weight files each index (``*.safetensors.index.json``, ``*.bin.index.json``)
+    names that are not in ``folder``."""
     missing: set[str] = set()
-    for index in folder.glob("*.safetensors.index.json"):
+    for index in sorted(p for pattern in _INDEXES for p in folder.glob(pattern)):
         try:
             names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
         except (json.JSONDecodeError, KeyError, AttributeError):
             raise ValueError(
-                f"{index}: not a safetensors index (no weight_map); save the model again"
+                f"{index}: not a checkpoint index (no weight_map); save the model again"
             ) from None
         missing |= {n for n in names if not (folder / n).is_file()}
     return sorted(missing)

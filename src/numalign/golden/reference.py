@@ -140,7 +140,20 @@ def load_model(
         kwargs["tp_plan"] = tp_plan
     if placement is not None:
         kwargs.update(placement.kwargs())
-    model = cls.from_pretrained(model_dir, **kwargs)
+    try:
+        model = cls.from_pretrained(model_dir, **kwargs)
+    except Exception as exc:
+        # torch refused an object of a weights-only load (pickle's UnpicklingError; by name:
+        # this package imports no pickle module)
+        if type(exc).__name__ != "UnpicklingError":
+            raise
+        detail = next((ln.strip() for ln in str(exc).splitlines() if "Unsupported" in ln), "")
+        raise ValueError(
+            f"{model_dir}: its PyTorch checkpoint holds objects that are not plain tensors "
+            f"({detail or 'weights_only refused it'}); numalign never unpickles them. Convert "
+            "it to safetensors where you trust it: model.save_pretrained(DIR, "
+            "safe_serialization=True)"
+        ) from None
     model.eval()
     return model
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.golden.fingerprint import changed_files, fingerprint, settled_stat
+from numalign.golden.folders import MARKER, mark, marked, remove_abandoned, remove_written
 from numalign.golden.manifest import (
     CACHE_POINT,
     FORMAT,
@@ -120,10 +120,43 @@ class GoldenSet:
             _SHARED[str(manifest_path)] = (key, golden)
         return golden
 
-    def verify(self) -> None:
-        """Checks every shard's size and sha256 against the manifest."""
+    def verify(self, *, contents: bool = False) -> None:
+        """Checks every shard's size and sha256 against the manifest; with ``contents``, also
+        what the suites rely on: each shard's header parses (offsets in range), and every
+        tensor the manifest names is in its shard with the manifest's dtype and shape."""
         for name in self.manifest.shards:
             self.verify_shard(name, cached=False)
+        if contents:
+            self._verify_contents()
+
+    def _verify_contents(self) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        by_shard: dict[str, list[str]] = {}
+        for key, info in self.manifest.tensors.items():
+            by_shard.setdefault(info.shard, []).append(key)
+        for shard, keys in by_shard.items():
+            path = self.path / shard
+            if shard not in self.manifest.shards:
+                raise GoldenSetError(
+                    f"{self.path / MANIFEST}: tensor {keys[0]!r} is in shard {shard}, which "
+                    "the manifest has no checksum of; capture the set again"
+                )
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as handle:
+                    stored = set(handle.keys())
+                    for key in keys:
+                        if key not in stored:
+                            raise GoldenSetError(
+                                f"{path}: tensor {key!r} is missing; capture the set again"
+                            )
+                        view = handle.get_slice(key)
+                        _check_header(path, key, self.manifest.tensors[key], view)
+                        handle.get_tensor(key)
+            except SafetensorError as exc:
+                raise GoldenSetError(
+                    f"{path}: unreadable ({exc}); restore it or capture the set again"
+                ) from None
 
     def verify_shard(self, name: str, *, cached: bool = True) -> None:
         """Checks one shard's size and sha256 against the manifest (GoldenSetError naming the
@@ -399,9 +432,30 @@ class ShardWriter:
         name = self._shard_name(len(self.shards) + 1)
         path = self.folder / name
         save_file(self._buffer, str(path))
+        os.chmod(path, 0o666 & ~_umask())  # readable as the manifest is (safetensors: 0600)
         self.shards[name] = ShardInfo(sha256=sha256_file(path), bytes=path.stat().st_size)
         self._buffer = {}
         self._buffer_bytes = 0
+
+
+#: safetensors' dtype names, as the manifest writes torch's.
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+
+def _check_header(path: Path, key: str, info: TensorInfo, view: Any) -> None:
+    """A shard's header entry for ``key`` agrees with the manifest (GoldenSetError naming
+    both otherwise)."""
+    dtype = _SAFETENSORS_DTYPES.get(view.get_dtype(), view.get_dtype())
+    shape = list(view.get_shape())
+    if dtype != info.dtype or shape != list(info.shape):
+        raise GoldenSetError(
+            f"{path}: tensor {key!r} is {dtype}{shape} where the manifest says "
+            f"{info.dtype}{list(info.shape)}; the manifest does not match the shard: capture "
+            "the set again"
+        )
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:
@@ -410,6 +464,12 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
     if t.numel() == 0:
         return b""
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> Path:
@@ -427,42 +487,34 @@ def with_shards(manifest: Manifest, writer: ShardWriter) -> Manifest:
 
 
 def replace_set(tmp: Path, out: Path) -> None:
-    """Moves a finished set into place; a set it replaces is renamed aside first and removed
-    after, so a kill at any moment leaves one whole set (or an explained .previous)."""
+    """Moves a finished set into place; a set it replaces is renamed aside first (marked
+    ``previous`` before the rename, so discovery never replays it) and its files removed
+    after, so a kill at any moment leaves one whole set (or an explained .previous). Only the
+    files a set consists of are deleted (``folders.remove_written``)."""
     previous = out.with_name(out.name + ".previous")
-    if previous.exists():
-        shutil.rmtree(previous)
+    if previous.exists() and not (marked(previous) and remove_written(previous)):
+        raise GoldenSetError(
+            f"{previous}: in the way of replacing {out}, and not a previous set numalign "
+            "marked; move it elsewhere (mv it back to its name if it is the set you want)"
+        )
     if out.exists():
+        mark(out, "previous", name=previous.name)
         os.replace(out, previous)
     os.replace(tmp, out)
+    (out / MARKER).unlink(missing_ok=True)
     if previous.exists():
-        shutil.rmtree(previous)
-
-
-def remove_abandoned(folder: Path) -> list[Path]:
-    """Removes the temporary folders of captures whose process died (a SIGKILL cannot clean
-    up after itself); a live capture's folder is left alone."""
-    removed = []
-    for tmp in folder.glob(".*.capture-*"):
-        pid = tmp.name.rpartition("-")[2]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            removed.append(tmp)
-        except PermissionError:  # alive, another user's
-            pass
-    return removed
+        remove_written(previous)
 
 
 def discover_sets(folders: Sequence[Path]) -> list[Path]:
-    """Golden set folders under each folder (a folder that is itself a set counts)."""
+    """Golden set folders under each folder (a folder that is itself a set counts); the
+    temporary and previous folders numalign marked (``folders.marked``) are not sets."""
     found: list[Path] = []
     for folder in folders:
-        if (folder / MANIFEST).is_file():
+        if (folder / MANIFEST).is_file() and not marked(folder):
             found.append(folder)
         elif folder.is_dir():
-            found += sorted(p for p in folder.iterdir() if (p / MANIFEST).is_file())
+            found += sorted(
+                p for p in folder.iterdir() if (p / MANIFEST).is_file() and not marked(p)
+            )
     return found

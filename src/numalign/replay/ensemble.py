@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from numalign.golden.capture import capture
 from numalign.golden.manifest import Calibration
+from numalign.settings import parse_dtypes
 
 if TYPE_CHECKING:
     from numalign.golden.reference import Placement
@@ -373,7 +374,8 @@ def capture_calibrated(
     """``numalign capture``: a capture (``golden.capture.capture``, same ``options``) that is
     calibrated in ``calibrate`` over the ensemble before it is moved into place, so a set
     never appears without its calibration."""
-    dtypes = tuple(calibrate)
+    # the one dtype parser, before anything loads (ValueError naming the allowed dtypes)
+    dtypes = parse_dtypes(",".join(calibrate)) if calibrate else ()
     placement = options.get("placement")
     chosen = (
         list(members)

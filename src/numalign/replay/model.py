@@ -152,6 +152,14 @@ def compare_point(
     actual = whole(actual, tuple(expected.shape))  # a tensor-parallel rank's shard
     if not expected.is_floating_point():
         return compare(actual, expected, name=name)
+    if not control.calibrated:  # a budget without a control would be one ulp
+        dtype = str(actual.dtype).removeprefix("torch.")
+        raise Uncalibrated(
+            f"{name}: the golden set has no calibration of it in {dtype} (captured with "
+            f"--calibrate '' or without {dtype}): not judged, since a budget without a control "
+            "would be one ulp and the tolerance table is not made for whole modules; capture "
+            f"it again with --calibrate {dtype}"
+        )
     reach = chance_zero_reach(control.errors, expected, str(actual.dtype).removeprefix("torch."))
     return compare(actual, expected, control_errors=control.errors,
                    reduction_length=control.reduction, op_class="matmul", name=name,
@@ -185,6 +193,11 @@ def chance_zero_reach(errors: ControlErrors, expected: torch.Tensor, dtype: str)
 class ReplayUnsupported(RuntimeError):
     """transformers cannot load this model with the asked-for implementation (Gemma 2 has
     no SDPA path, say): the replay is skipped with transformers' reason."""
+
+
+class Uncalibrated(ReplayUnsupported):
+    """The set has no calibration of a point in the replay's dtype (``--calibrate ''``): the
+    replay is skipped with that reason, never judged against a budget of one ulp."""
 
 
 @dataclass
@@ -456,8 +469,9 @@ def judge_logits(
     if not control.calibrated or control.kl_max is None:
         return LogitsResult(
             request, None, None,
-            skipped="the golden set has no logits calibration (captured by an older numalign): "
-            "capture it again to judge the logits",
+            skipped="the golden set has no logits calibration in this dtype (captured with "
+            "--calibrate '' or without it, or by an older numalign): capture it again with "
+            "--calibrate DTYPE to judge the logits",
         )  # fmt: skip
     values = compare_point(actual, expected, "logits", control, policy)
     near_tie = 2.0 * float(values.budget.get("max_abs", 0.0))

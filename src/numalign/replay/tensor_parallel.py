@@ -21,6 +21,7 @@ are killed) and fails the call with the launcher's log; the next call starts a f
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import pickle
@@ -179,6 +180,9 @@ class RankGroup:
     process: subprocess.Popen[bytes] | None = None
     ranks: list[Connection] = field(default_factory=list)
     log: Path | None = None
+    #: the ranks' process ids, as they said on connecting (this machine's ranks only: a
+    #: --tp-launcher's may run elsewhere)
+    pids: list[int] = field(default_factory=list)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on every rank (``fn`` importable by name, arguments picklable);
@@ -249,11 +253,13 @@ class RankGroup:
             try:
                 while len(accepted) < self.size:
                     connection = listener.accept()
-                    rank, world = receive(connection)
+                    rank, world, pid = receive(connection)
                     if int(world) != self.size:
                         wrong.append(int(world))
                         return
                     accepted[int(rank)] = connection
+                    if not self.settings.tp_launcher:
+                        self.pids.append(int(pid))
             except (OSError, EOFError):  # the listener closed on a timeout
                 return
 
@@ -361,11 +367,36 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+        _reap(self.pids)  # torchrun starts each rank in a session of its own
+        self.pids = []
         if self.log is not None:
             self.log.unlink(missing_ok=True)
             self.log = None
         if self in _GROUPS:
             _GROUPS.remove(self)
+
+
+def _reap(pids: list[int], grace_s: float = 5.0) -> None:
+    """Kills the ranks among ``pids`` still running after ``grace_s`` seconds (their
+    launcher stopped them, or they finish on their own meanwhile)."""
+    deadline = time.monotonic() + grace_s
+    while pids and time.monotonic() < deadline and any(_running(p) for p in pids):
+        time.sleep(0.1)
+    for pid in pids:
+        if _running(pid):
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs and is a rank (a zombie does not run; a reused id is another
+    program's, left alone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X") and b"numalign.replay.tp_rank" in command
 
 
 _GROUPS: list[RankGroup] = []

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import threading
+import time
 import traceback
 from multiprocessing.connection import Client
 from typing import TYPE_CHECKING, Any
@@ -25,7 +27,10 @@ if TYPE_CHECKING:
 
 def _serve(connection: Any, rank: int) -> None:
     while True:
-        message = receive(connection)
+        try:
+            message = receive(connection)
+        except (EOFError, OSError):  # the controller is gone: nothing to clean up for it
+            os._exit(1)
         if message is None:
             return
         fn, args = message
@@ -37,6 +42,19 @@ def _serve(connection: Any, rank: int) -> None:
             send(connection, ("error", f"{type(exc).__name__}: {exc}\n{text}"))
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
+
+
+def _exit_with_launcher() -> None:
+    """Ends this rank when its launcher dies (it is then reparented): a rank stuck in a
+    collective or a thread never outlives its group."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="numalign-tp-watchdog").start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = int(os.environ["RANK"])
     connection = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
-    send(connection, (rank, int(os.environ["WORLD_SIZE"])))
+    send(connection, (rank, int(os.environ["WORLD_SIZE"]), os.getpid()))
+    _exit_with_launcher()
     settings: Settings = receive(connection)
     for name in settings.device_plugins:
         importlib.import_module(name)
@@ -62,10 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type != "cpu":
         getattr(torch, device.type).set_device(device)
     dist.init_process_group(BACKENDS.get(device.type, "gloo"))
-    try:
-        _serve(connection, rank)
-    finally:
-        dist.destroy_process_group()
+    _serve(connection, rank)
+    dist.destroy_process_group()  # not after a failure: a dead peer would hang it
     return 0
 
 

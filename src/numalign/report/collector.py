@@ -3,6 +3,7 @@ tables at the end, and names what it wrote in the terminal summary."""
 
 from __future__ import annotations
 
+import errno
 import os
 import platform
 from pathlib import Path
@@ -18,7 +19,9 @@ from numalign.record import (
     crashed_record,
     new_run_id,
     pytest_outcome,
+    read_records,
     records_of,
+    write_records,
 )
 from numalign.report.baseline import BaselineDiff
 from numalign.report.history import HISTORY_FILE
@@ -28,6 +31,15 @@ from numalign.settings import Settings
 
 #: How many of the worst records the terminal summary names.
 WORST_SHOWN = 5
+
+
+def _failure_line(run_dir: Path, exc: BaseException) -> str:
+    """What went wrong writing a run's report, and how to finish it, as one line."""
+    what = "free space on that disk" if getattr(exc, "errno", None) == errno.ENOSPC else "fix it"
+    return (
+        f"numalign: the report of {run_dir} is incomplete: {type(exc).__name__}: {exc}; "
+        f"{what}, then rebuild it with: numalign report {run_dir}"
+    )
 
 
 class DriftCollector:
@@ -46,6 +58,10 @@ class DriftCollector:
         self.records: list[DriftRecord] = []
         self.diff: BaselineDiff | None = None
         self.pruned: list[Path] = []
+        #: records not written yet (the disk failed): written whole at the session's end
+        self.unwritten: list[DriftRecord] = []
+        #: what went wrong writing the run, as one line for the closing summary
+        self.failure: str | None = None
 
     # -- pytest hooks -------------------------------------------------------------------------
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -54,7 +70,7 @@ class DriftCollector:
             self.counted.append(outcome)
         if outcome == "crashed":  # xdist's report for a test whose worker died
             record = crashed_record(report.nodeid, str(report.longrepr))
-            self.writer.write(record.with_fields(outcome="crashed"))
+            self._write(record.with_fields(outcome="crashed"))
             self.outcomes[report.nodeid] = "crashed"
             return
         # every phase's report carries the test's user properties so far: records are read
@@ -63,14 +79,49 @@ class DriftCollector:
         reason = getattr(report, "wasxfail", None) or None
         if report.when == "call" or (report.when == "setup" and not report.passed):
             for record in records_of(report.user_properties):
-                self.writer.write(record.with_fields(outcome=outcome, xfail_reason=reason))
+                self._write(record.with_fields(outcome=outcome, xfail_reason=reason))
         if outcome is not None and report.when in ("setup", "call"):
             self.outcomes[report.nodeid] = outcome
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        self.writer.close()
-        if self.writer.count == 0:  # no numalign comparison ran: write nothing
+        try:
+            self._finish_records()
+            if self.writer.count == 0:  # no numalign comparison ran: write nothing
+                return
+            self._render(session)
+        except (OSError, ValueError) as exc:  # a full disk, a baseline gone meanwhile, ...
+            self.failure = self.failure or _failure_line(self.run_dir, exc)
+        if self.failure and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def _write(self, record: DriftRecord) -> None:
+        """Writes a record as it arrives; after the disk failed once, keeps it (and every
+        later one) for ``_finish_records``: a record is never lost to a full disk."""
+        if not self.unwritten:
+            try:
+                self.writer.write(record)
+                return
+            except OSError as exc:
+                self.failure = _failure_line(self.run_dir, exc)
+        self.unwritten.append(record)
+
+    def _finish_records(self) -> None:
+        """Closes records.jsonl; where writes failed, rewrites it whole (atomically: the
+        records written before, a cut last line dropped, and the kept ones)."""
+        try:
+            self.writer.close()
+        except OSError as exc:
+            self.failure = self.failure or _failure_line(self.run_dir, exc)
+        if not self.unwritten:
             return
+        path = self.writer.path
+        before = read_records(path) if path.is_file() else []
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_records(path, [*before, *self.unwritten])
+        self.writer.count = len(before) + len(self.unwritten)
+        self.unwritten = []
+
+    def _render(self, session: pytest.Session) -> None:
         settings = self.settings
         history = settings.history or settings.report_dir / HISTORY_FILE
         rendered = render_run(
@@ -93,6 +144,8 @@ class DriftCollector:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.failure:
+            terminalreporter.write_line(self.failure, red=True)
         if not self.written:
             return
         tr = terminalreporter

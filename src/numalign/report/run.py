@@ -17,6 +17,7 @@ from numalign.record import (
     read_records,
     write_records,
 )
+from numalign.report.atomic import write_text_atomic
 from numalign.report.baseline import DEFAULT_REGRESSION_FACTOR, BaselineDiff, diff_runs
 from numalign.report.history import append_history, history_entry, read_history
 from numalign.report.html import write_html
@@ -62,9 +63,7 @@ def render_run(
         baseline_dict = rendered.diff.to_dict() | {"path": str(baseline)}
         summary["regressions"] = len(rendered.diff.regressed)
         regressions = run_dir / "regressions.json"
-        regressions.write_text(
-            json.dumps(baseline_dict, indent=2, allow_nan=False) + "\n", encoding="utf-8"
-        )
+        write_text_atomic(regressions, json.dumps(baseline_dict, indent=2, allow_nan=False) + "\n")
         rendered.written.append(regressions)
     rendered.written += write_tables(run_dir, records, summary)
     entries = read_history(history) if history is not None else []
@@ -112,5 +111,5 @@ def merge_runs(sources: list[Path], out_dir: Path) -> Path:
         header["tests"] = count_outcomes(o for o, n in total.items() for _ in range(n))
     else:
         header["tests"] = count_outcomes(outcome_of(merged).values())
-    (out_dir / "summary.json").write_text(json.dumps(header, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(out_dir / "summary.json", json.dumps(header, indent=2) + "\n")
     return out_dir

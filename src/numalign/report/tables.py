@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.record import DriftRecord, count_outcomes
+from numalign.report.atomic import write_atomic, write_text_atomic
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -101,16 +102,17 @@ def summarize(
 
 
 def write_tables(run_dir: Path, records: list[DriftRecord], summary: dict[str, Any]) -> list[Path]:
-    """Writes drift.csv (and drift.parquet when pyarrow is installed) and summary.json."""
+    """Writes drift.csv (and drift.parquet when pyarrow is installed) and summary.json, each
+    atomically (``atomic.write_atomic``)."""
     frame = records_frame(records)
     written = [run_dir / "drift.csv", run_dir / "summary.json"]
-    frame.to_csv(written[0], index=False)
-    written[1].write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    write_atomic(written[0], lambda tmp: frame.to_csv(tmp, index=False))
+    write_text_atomic(written[1], json.dumps(summary, indent=2, allow_nan=False) + "\n")
     try:
         import pyarrow  # noqa: F401
     except ImportError:
         pass
     else:
-        frame.to_parquet(run_dir / "drift.parquet", index=False)
+        write_atomic(run_dir / "drift.parquet", lambda tmp: frame.to_parquet(tmp, index=False))
         written.append(run_dir / "drift.parquet")
     return written

@@ -1,0 +1,83 @@
+"""Reports survive a full disk and errors at the session's end (issue 27, item 7): the session
+runs every test, writes what it can, says in one line what to free or fix, and ``numalign
+report`` rebuilds the rest; no file is left torn."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+from numalign.record import RecordWriter, read_records
+
+COMPARISONS = """
+import pytest
+import torch
+from numalign.compare import compare
+
+@pytest.mark.parametrize("i", range(10))
+def test_compare(i, record_drift):
+    t = torch.full((8,), float(i), dtype=torch.float64)
+    record_drift(compare(t.float(), t, name=f"p{i}"), suite="operators", candidate="c",
+                 device="cpu", case=str(i))
+"""
+
+
+def _full() -> OSError:
+    return OSError(errno.ENOSPC, "No space left on device")
+
+
+def _run(pytester: pytest.Pytester) -> pytest.RunResult:
+    pytester.makepyfile(COMPARISONS)
+    return pytester.runpytest("--report-dir", "out", "-p", "no:cacheprovider")
+
+
+def test_a_disk_full_during_the_run_loses_no_record_and_no_test(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = RecordWriter.write
+    calls = []
+
+    def filling(self: RecordWriter, record: object) -> None:
+        calls.append(record)
+        if 3 <= len(calls) <= 5:  # full for three records, then space is freed
+            raise _full()
+        real(self, record)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RecordWriter, "write", filling)
+    result = _run(pytester)
+    result.assert_outcomes(passed=10)  # no INTERNALERROR after 2 tests
+    assert result.ret == pytest.ExitCode.TESTS_FAILED  # the report was at risk: not green
+    result.stdout.fnmatch_lines(["*numalign: the report of *is incomplete: OSError: *No space "
+                                 "left on device; free space on that disk, then rebuild it "
+                                 "with: numalign report *"])  # fmt: skip
+    run = next(p for p in (pytester.path / "out").iterdir() if p.name[0].isdigit())
+    assert sorted(int(r.case) for r in read_records(run)) == list(range(10))
+
+
+def test_a_disk_full_at_the_tables_leaves_no_torn_file_and_report_rebuilds(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pandas
+
+    from numalign.report import render_run
+
+    real = pandas.DataFrame.to_csv
+
+    def torn(self: pandas.DataFrame, path: object, **kwargs: object) -> None:
+        Path(str(path)).write_text("suite,operator\noperators,p")  # 100 KB in the issue
+        raise _full()
+
+    monkeypatch.setattr(pandas.DataFrame, "to_csv", torn)
+    result = _run(pytester)
+    result.assert_outcomes(passed=10)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*is incomplete: OSError*free space on that disk*"])
+    run = next(p for p in (pytester.path / "out").iterdir() if p.name[0].isdigit())
+    assert len(read_records(run)) == 10
+    assert sorted(p.name for p in run.iterdir()) == ["records.jsonl"]  # nothing torn
+    monkeypatch.setattr(pandas.DataFrame, "to_csv", real)  # space freed
+    render_run(run)
+    assert (run / "drift.html").is_file()
+    assert (run / "drift.csv").read_text().count("\n") == 11  # a header and 10 records
