@@ -46,7 +46,8 @@ def record_decode(
     reset_decode_state(model)
     recorded: list[DecodeStep] = []
     with torch.no_grad():
-        logits = model(**request.inputs, **prefill_kwargs(model, request.inputs, cache)).logits[:, -1]
+        kwargs = prefill_kwargs(model, request.inputs, cache)
+        logits = model(**request.inputs, **kwargs).logits[:, -1]
         prefill = {k: writer.put(f"{name}/decode/prefill/{k}", t)
                    for k, t in cache_state(cache).items()}  # fmt: skip
         inputs = dict(request.inputs)
