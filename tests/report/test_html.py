@@ -81,6 +81,29 @@ def test_a_deep_model_has_one_series_per_kind_and_messages_once_per_test(
     assert html.count('<details id="msg-') == len(failing_tests) == 1
     assert "failing records)" in html and "and " in html
     # the logits and continuation section
-    section = html[html.index('<section id="logits">') : html.index('<section id="regressions">')]
+    section = html[html.index('<section id="logits">') : html.index('<section id="coverage">')]
     assert section.count("<tr><td>deep-llama</td>") == 2  # one row per request
     assert "differs at step" not in section and "8 tokens agree" in section
+
+
+def test_points_per_engine_count_what_was_judged_and_what_was_not() -> None:
+    from numalign.replay.verdict import unmapped_records
+
+    test_id = "suites/models/test_model.py::test_model[tiny-mistral-float32]"
+    context = {"suite": "models", "model": "tiny-mistral", "candidate": "vllm"}
+    judged = [
+        DriftRecord(test_id=test_id, point=p, mode="accumulated", budget_used=0.1, **context)
+        for p in ("model.norm", "model.layers.0.input_layernorm", "model.layers.0.mlp")
+    ]
+    # the residual stream of a fused norm is the norm's point, judged once
+    judged.append(judged[1].with_fields(point="model.layers.0.input_layernorm.residual"))
+    unmapped = unmapped_records(
+        {"model.layers.0.self_attn.q_proj": "vLLM's LlamaForCausalLM has no module ... qkv_proj"},
+        test_id, "accumulated", **context,
+    )  # fmt: skip
+    html = render_html([*judged, *unmapped], HEADER)
+    section = html[html.index('<section id="coverage">') : html.index('<section id="regressions">')]
+    row = re.sub(r"\s+", " ", section[section.index("<tbody>") :])
+    assert '<td>tiny-mistral</td><td>vllm</td><td class="num">3</td><td class="num">1</td>' in row
+    reason = "vLLM&#39;s LlamaForCausalLM has no module ... qkv_proj"
+    assert f'title="{reason}">model.layers.0.self_attn.q_proj' in row

@@ -258,6 +258,29 @@ def _end_results(records: list[DriftRecord]) -> list[dict[str, Any]]:
     return [rows[k] for k in sorted(rows)]
 
 
+def _coverage(records: list[DriftRecord]) -> list[dict[str, Any]]:
+    """Per model and engine (the records' candidate): the capture points it judged and those
+    it has no counterpart for (skipped records of rule ``unmapped``, with their reasons)."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in records:
+        if r.suite != "models" or r.mode in END_MODES or not r.point:
+            continue
+        key = (str(r.model), str(r.candidate or "transformers"))
+        row = rows.setdefault(key, {"model": key[0], "engine": key[1], "judged": set(),
+                                    "unmapped": {}})  # fmt: skip
+        if r.rule == "unmapped":
+            row["unmapped"][r.point] = r.reason or ""
+        elif r.verdict != "skipped":
+            row["judged"].add(r.point.removesuffix(".residual"))
+    out = []
+    for key in sorted(rows):
+        row = rows[key]
+        unmapped = {p: why for p, why in row["unmapped"].items() if p not in row["judged"]}
+        out.append({"model": row["model"], "engine": row["engine"], "judged": len(row["judged"]),
+                    "unmapped": sorted(unmapped.items())})  # fmt: skip
+    return out
+
+
 def _trend(history: list[dict[str, Any]]) -> list[dict[str, str]]:
     """One chart per model or operator (what a selector picks): its worst use of budget per
     run, one line each for its points and, for a model, its logits, continuation and final
@@ -412,6 +435,7 @@ def render_html(
         curves=_curves(records),
         curve_modes=CURVE_MODES,
         end_results=_end_results(records),
+        coverage=_coverage(records),
         baseline=baseline,
         variants=_colored(variants),
         compiled=compiled,
