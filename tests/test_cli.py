@@ -149,7 +149,8 @@ def test_run_passes_tp_to_the_suites(monkeypatch, tmp_path) -> None:  # type: ig
         (["--decode-steps", "-1"], "--decode-steps -1: a number of tokens, 0 or more"),
         (["--continuation", "-3"], "--continuation -3: a number of tokens, 0 or more"),
         (["--image", "no/such.png"], "--image no/such.png: no such file"),
-        (["--calibrate", "bfloat17"], "unknown dtype bfloat17; allowed: float32, bfloat16"),
+        (["--calibrate", "bfloat17"],
+         "--calibrate 'bfloat17': unknown dtype bfloat17; allowed: float32, bfloat16"),
     ],
 )
 def test_capture_refuses_bad_counts_files_and_dtypes(
