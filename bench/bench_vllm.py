@@ -29,26 +29,9 @@ from timing import best_of
 def plain(engine: Any, golden: Any, decode: bool) -> None:
     """The golden rows served as a user would: same prompts and token counts, no hooks,
     nothing forced."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from numalign.replay.engines.vllm import row_requests
 
-    from numalign.replay.engines.vllm import _decode_steps, _rows
-    from numalign.replay.layer import request_mask
-
-    steps = _decode_steps(golden) if decode else 0
-    prompts, params = [], []
-    for request in golden.requests:
-        rows = _rows(golden, request.name)
-        if rows is None:
-            continue
-        ids = golden.tensor(request.inputs["input_ids"])
-        mask = request_mask(golden, request.name)
-        for b in range(len(rows)):
-            tokens = ids[b][mask[b].bool()] if mask is not None else ids[b]
-            prompts.append(TokensPrompt(prompt_token_ids=tokens.tolist()))
-            forced = request.name in golden.decode_requests
-            params.append(SamplingParams(max_tokens=(steps if forced else 0) + 1, temperature=0.0,
-                                         detokenize=False, ignore_eos=True))  # fmt: skip
+    prompts, params = row_requests(golden, decode, observed=False)
     engine._running.llm.generate(prompts, params, use_tqdm=False)
 
 

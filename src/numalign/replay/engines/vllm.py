@@ -498,6 +498,24 @@ def _serve_rows(running: _Running, golden: GoldenSet, decode: bool = True) -> _S
     their golden tokens; with ``decode`` False, the prompts alone) and collects each mapped
     point's output and the logits per row and position."""
     import torch
+
+    prompts, params = row_requests(golden, decode)
+    served = _Served()
+    with _quiet(), _hooked(running, served), torch.no_grad():
+        finished = _run(running.llm.llm_engine, prompts, params, golden.name)
+    if finished != len(prompts):
+        raise EngineError(f"vLLM finished {finished} of {len(prompts)} requests of {golden.name}")
+    return served
+
+
+def row_requests(
+    golden: GoldenSet, decode: bool = True, observed: bool = True
+) -> tuple[list[Any], list[Any]]:
+    """vLLM's prompts and sampling parameters for every row of every golden request: its real
+    tokens, one token more than the row's decode steps (none with ``decode`` False), greedy.
+    ``observed``: each request names its row and the golden tokens to force (the replay);
+    otherwise the same requests as a user would send them (the benchmark's plain serving)."""
+    import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -520,16 +538,12 @@ def _serve_rows(running: _Running, golden: GoldenSet, decode: bool = True) -> _S
             tokens = ids[b][mask[b].bool()] if mask is not None else ids[b]
             prompts.append(TokensPrompt(prompt_token_ids=tokens.tolist()))
             steps = forced.get(row, [])
+            extra = {ROW_KEY: row, FORCED_KEY: steps} if observed else None
             params.append(SamplingParams(
-                max_tokens=len(steps) + 1, temperature=0.0, detokenize=False,
-                extra_args={ROW_KEY: row, FORCED_KEY: steps}, ignore_eos=True,
+                max_tokens=len(steps) + 1, temperature=0.0, detokenize=False, extra_args=extra,
+                ignore_eos=True,
             ))  # fmt: skip
-    served = _Served()
-    with _quiet(), _hooked(running, served), torch.no_grad():
-        finished = _run(running.llm.llm_engine, prompts, params, golden.name)
-    if finished != len(prompts):
-        raise EngineError(f"vLLM finished {finished} of {len(prompts)} requests of {golden.name}")
-    return served
+    return prompts, params
 
 
 def _run(engine: Any, prompts: list[Any], params: list[Any], name: str) -> int:
