@@ -120,7 +120,15 @@ def test_inventory_maps_the_exact_gelu_of_an_encoder_to_gelu_erf_only() -> None:
     assert data["aten_ops"]["gelu"] == 2 and "gelu(approximate=tanh)" not in data["aten_ops"]
 
 
-def test_run_passes_tp_to_the_suites(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+# torch warns when its distributed operators register a second time, which happens when an
+# earlier in-process pytester run dropped torch's modules from sys.modules (order-dependent)
+@pytest.mark.filterwarnings("ignore:.*previously registered kernel:UserWarning")
+@pytest.mark.parametrize(
+    ("option", "value"), [("--tp", "2"), ("--engine", "vllm")], ids=["tp", "engine"]
+)
+def test_run_passes_tp_and_the_engine_to_the_suites(  # type: ignore[no-untyped-def]
+    monkeypatch, tmp_path, option, value
+) -> None:
     from pathlib import Path
 
     from numalign import nightly
@@ -136,11 +144,11 @@ def test_run_passes_tp_to_the_suites(monkeypatch, tmp_path) -> None:  # type: ig
     # the zoo's own set is fresh: nothing is captured
     model, sets = root / "golden" / "models" / "tiny-llama", root / "golden" / "sets"
     status = main(
-        ["run", str(model), "--tp", "2", "--sets", str(sets), "--report-dir", str(tmp_path)]
+        ["run", str(model), option, value, "--sets", str(sets), "--report-dir", str(tmp_path)]
     )
     assert status == 0
     extra = list(asked["extra"])  # type: ignore[call-overload]
-    assert extra[extra.index("--tp") + 1] == "2"
+    assert extra[extra.index(option) + 1] == value
 
 
 @pytest.mark.parametrize(

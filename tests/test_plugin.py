@@ -227,3 +227,24 @@ def test_transformers_variants_conflict_with_a_serving_engine() -> None:
     assert engine_conflicts(Settings(engine="vllm")) is None
     conflict = engine_conflicts(Settings(engine="vllm", tp=2, swaps=("rms_norm=mine",)))
     assert conflict is not None and "--swap, --tp" in conflict
+
+
+def test_attention_implementations_are_the_ones_transformers_offers(
+    pytester: pytest.Pytester,
+) -> None:
+    """Issue 27, item 4: an implementation name is checked against transformers' attention
+    interface before the first test (a typo used to pass validation only by a fixed list)."""
+    pytester.makepyfile(USES_DTYPE)
+    # in subprocesses: pytester's in-process runs import transformers afresh each time, and
+    # torch warns (an error here) when its operators register twice
+    typo = pytester.runpytest_subprocess("--attn-implementation", "sdpa-attention")
+    assert typo.ret == pytest.ExitCode.USAGE_ERROR
+    typo.stderr.fnmatch_lines(
+        ["*unknown --attn-implementation 'sdpa-attention'; transformers offers: eager, *sdpa*"]
+    )
+    near = pytester.runpytest_subprocess("--attn-implementation", "flash-attention-2")
+    near.stderr.fnmatch_lines(["*Did you mean 'flash_attention_2'?*"])
+    # a name transformers knows passes validation (whether a model loads with it is the
+    # replay's to say: it skips with transformers' reason)
+    known = pytester.runpytest_subprocess("--attn-implementation", "flash_attention_2", "-q")
+    assert known.ret == pytest.ExitCode.OK

@@ -20,6 +20,7 @@ from numalign.settings import (
     Settings,
     engine_conflicts,
     in_shard,
+    parse_attn_implementation,
     parse_cache_implementations,
     parse_count,
     parse_dtypes,
@@ -173,8 +174,8 @@ _OPTIONS: list[tuple[str, str, str, dict[str, Any], str, Any]] = [
     (
         "--attn-implementation",
         "numalign_attn_implementation",
-        "transformers attention implementation for model replay: "
-        + ", ".join(ATTN_IMPLEMENTATIONS),
+        "transformers attention implementation for model replay: eager or one transformers "
+        "offers (" + ", ".join(ATTN_IMPLEMENTATIONS) + ", flash_attention_2, ...)",
         {},
         "string",
         "",
@@ -372,12 +373,10 @@ def settings_from_config(config: pytest.Config) -> Settings:
     if not factor > 1.0:
         raise pytest.UsageError("numalign: --regression-factor must be a number above 1")
     history = str(_value(config, "numalign_history") or "")
-    attn = str(_value(config, "numalign_attn_implementation") or "")
-    if attn and attn not in ATTN_IMPLEMENTATIONS:
-        raise pytest.UsageError(
-            f"numalign: unknown --attn-implementation {attn!r}; "
-            f"allowed: {', '.join(ATTN_IMPLEMENTATIONS)}"
-        )
+    try:
+        attn = parse_attn_implementation(str(_value(config, "numalign_attn_implementation") or ""))
+    except ValueError as exc:
+        raise pytest.UsageError(f"numalign: {exc}") from None
     settings = Settings(
         device=device,
         device_plugins=tuple(_value(config, "numalign_device_plugins")),
@@ -393,7 +392,7 @@ def settings_from_config(config: pytest.Config) -> Settings:
         history=Path(history) if history else None,
         swaps=tuple(_value(config, "numalign_swap")),
         shard=shard,
-        attn_implementation=attn or None,
+        attn_implementation=attn,
         experts_implementation=experts,
         allow_tf32=bool(_value(config, "numalign_allow_tf32")),
         cache_implementations=caches,

@@ -182,6 +182,27 @@ def parse_experts_implementation(text: str) -> str | None:
     return name
 
 
+def parse_attn_implementation(text: str) -> str | None:
+    """An attention implementation transformers offers for model replay (``eager`` or a key
+    of its attention interface other than the paged engine's, e.g. ``sdpa``), None for the
+    set's own; ValueError naming the offered ones otherwise. Imports transformers, only when
+    a value is given."""
+    name = text.strip()
+    if not name:
+        return None
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    offered = ("eager", *(k for k in ALL_ATTENTION_FUNCTIONS.valid_keys() if "paged" not in k))
+    if name not in offered:
+        near = [o for o in offered if o.replace("-", "_") == name.replace("-", "_").lower()]
+        hint = f" Did you mean {near[0]!r}?" if near else ""
+        raise ValueError(
+            f"unknown --attn-implementation {name!r}; transformers offers: "
+            f"{', '.join(offered)}.{hint}"
+        )
+    return name
+
+
 def parse_tp(text: str) -> int:
     """``"2"`` -> 2: a whole number of ranks, at least 1."""
     value = text.strip() or "1"
