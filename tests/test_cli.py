@@ -157,8 +157,10 @@ def test_run_passes_tp_and_the_engine_to_the_suites(  # type: ignore[no-untyped-
         (["--decode-steps", "-1"], "--decode-steps -1: a number of tokens, 0 or more"),
         (["--continuation", "-3"], "--continuation -3: a number of tokens, 0 or more"),
         (["--image", "no/such.png"], "--image no/such.png: no such file"),
-        (["--calibrate", "bfloat17"],
-         "--calibrate 'bfloat17': unknown dtype bfloat17; allowed: float32, bfloat16"),
+        (
+            ["--calibrate", "bfloat17"],
+            "--calibrate 'bfloat17': unknown dtype bfloat17; allowed: float32, bfloat16",
+        ),
     ],
 )
 def test_capture_refuses_bad_counts_files_and_dtypes(
@@ -168,3 +170,24 @@ def test_capture_refuses_bad_counts_files_and_dtypes(
     assert out.returncode == 1, out.stderr
     assert f"numalign capture: {message}" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "set").exists()
+
+
+def test_capture_on_a_full_disk_says_so_and_leaves_nothing(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 27, item 11: a disk that fills while capture writes its shards gave a raw
+    traceback; now one line says what happened and what to do, and nothing is left behind
+    (no set, no temporary folder)."""
+    import errno
+
+    from numalign.golden import store
+
+    def full(self, key, tensor):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.folder))
+
+    monkeypatch.setattr(store.ShardWriter, "put", full)
+    out = tmp_path / "sets" / "tiny-llama"
+    with pytest.raises(SystemExit) as exited:
+        main(["capture", str(LLAMA), "--out", str(out), "--calibrate", ""])
+    message = str(exited.value)
+    assert message.startswith("numalign capture: the disk is full (No space left on device")
+    assert "free space there, or give another --out" in message
+    assert not out.exists() and list((tmp_path / "sets").iterdir()) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,7 +85,6 @@ def _check_model(model_dir: str, command: str) -> None:
 
 def _capture(args: argparse.Namespace) -> int:
     from numalign.golden.reference import Placement, parse_max_memory
-    from numalign.replay.ensemble import capture_calibrated
 
     _check_model(args.model_dir, "capture")
     _check_dtypes(args.calibrate, "--calibrate", "capture")
@@ -118,7 +118,25 @@ def _capture(args: argparse.Namespace) -> int:
     prompts = None
     if args.prompts:
         prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    golden = capture_calibrated(
+    try:
+        golden = _capture_set(args, prompts, members, placement)
+    except OSError as exc:  # a full disk, a folder that cannot be written: nothing was kept
+        full = exc.errno == errno.ENOSPC
+        raise SystemExit(
+            f"numalign capture: {'the disk is full' if full else 'a file could not be written'}"
+            f" ({exc.strerror or exc}: {exc.filename or args.out}); nothing was written to "
+            f"{args.out} (the temporary folder was removed): "
+            + ("free space there" if full else "check the folder's permissions")
+            + ", or give another --out"
+        ) from None
+    print(f"{golden.path}: {len(golden.points)} points, {golden.disk_bytes() / 1e6:.2f} MB")
+    return 0
+
+
+def _capture_set(args: argparse.Namespace, prompts: Any, members: Any, placement: Any) -> Any:
+    from numalign.replay.ensemble import capture_calibrated
+
+    return capture_calibrated(
         args.model_dir,
         args.out,
         points=args.points,
@@ -135,8 +153,6 @@ def _capture(args: argparse.Namespace) -> int:
         placement=placement,
         force=args.force,
     )
-    print(f"{golden.path}: {len(golden.points)} points, {golden.disk_bytes() / 1e6:.2f} MB")
-    return 0
 
 
 def _zoo(args: argparse.Namespace) -> int:
