@@ -81,3 +81,35 @@ def test_a_disk_full_at_the_tables_leaves_no_torn_file_and_report_rebuilds(
     render_run(run)
     assert (run / "drift.html").is_file()
     assert (run / "drift.csv").read_text().count("\n") == 11  # a header and 10 records
+
+
+def test_an_interrupted_run_is_marked_and_enters_neither_history_nor_latest(
+    pytester: pytest.Pytester,
+) -> None:
+    """Issue 27, item 11: a run stopped midway (Ctrl-C, a CI timeout's SIGINT) entered the
+    history and became ``latest`` like a whole one; now it is reported, marked interrupted."""
+    import json
+
+    pytester.makepyfile(
+        COMPARISONS
+        + """
+
+def test_z_interrupt():
+    raise KeyboardInterrupt
+"""
+    )
+    whole = pytester.runpytest("--report-dir", "out", "-p", "no:cacheprovider", "-k", "not z_")
+    assert whole.ret == 0
+    latest = (pytester.path / "out" / "latest").resolve()
+    history = (pytester.path / "out" / "history.jsonl").read_text().splitlines()
+    # in a subprocess: the interrupt would stop this session too
+    cut = pytester.runpytest_subprocess("--report-dir", "out", "-p", "no:cacheprovider")
+    assert cut.ret == pytest.ExitCode.INTERRUPTED
+    runs = sorted(p for p in (pytester.path / "out").iterdir() if p.is_dir() and p.name != "latest")
+    assert len(runs) == 2
+    interrupted = next(p for p in runs if p.resolve() != latest)
+    assert json.loads((interrupted / "summary.json").read_text())["interrupted"] is True
+    assert 'id="interrupted"' in (interrupted / "drift.html").read_text()
+    # the whole run stays latest, and the history holds it alone
+    assert (pytester.path / "out" / "latest").resolve() == latest
+    assert (pytester.path / "out" / "history.jsonl").read_text().splitlines() == history

@@ -124,18 +124,23 @@ class DriftCollector:
     def _render(self, session: pytest.Session) -> None:
         settings = self.settings
         history = settings.history or settings.report_dir / HISTORY_FILE
+        # an interrupted run (Ctrl-C, a CI timeout's SIGINT) is reported, marked as such, but
+        # neither enters the history nor becomes ``latest``: it did not run what it selected
+        interrupted = session.exitstatus == pytest.ExitCode.INTERRUPTED
+        header = self.header() | {"tests": count_outcomes(self.counted)}
         rendered = render_run(
             self.run_dir,
-            header=self.header() | {"tests": count_outcomes(self.counted)},
+            header=header | ({"interrupted": True} if interrupted else {}),
             baseline=settings.baseline,
             factor=settings.regression_factor,
             history=history,
-            append=True,
+            append=not interrupted,
         )
         self.records = rendered.records
         self.written = [self.writer.path, *rendered.written]
         self.diff = rendered.diff
-        self._point_latest()
+        if not interrupted:
+            self._point_latest()
         baseline = settings.baseline
         if baseline is not None and baseline.is_file():
             baseline = baseline.parent
