@@ -221,3 +221,18 @@ def test_the_compiled_graph_is_judged_by_its_logits(engine: VllmEngine) -> None:
     assert "compiled graph" in verdict.unmapped["model.norm"]
     assert "vllm-graph=compiled" in replayed.context["swap"]
     assert layer.skipped and "compiled graph" in layer.skipped
+
+
+def test_memory_the_machine_lacks_is_an_error_saying_what_to_lower(
+    engine: VllmEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from numalign.replay.engines import vllm as module
+    from numalign.replay.engines.errors import EngineError
+
+    engine._stop()  # one engine at a time in a process
+    monkeypatch.setattr(module, "_kv_cache_bytes", lambda golden, dtype: 1 << 50)  # a petabyte
+    with pytest.raises(EngineError, match="could not reserve memory for tiny-mistral") as raised:
+        engine.model(MISTRAL, "float32", torch.device("cpu"), None)
+    assert "fewer xdist workers" in str(raised.value) and not raised.value.crashed
+    monkeypatch.undo()
+    assert engine.model(MISTRAL, "float32", torch.device("cpu"), None).verdict.passed

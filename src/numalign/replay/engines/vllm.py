@@ -346,9 +346,10 @@ class VllmEngine:
             return EngineUnsupported(reason)
         if any(m in str(exc) for m in MEMORY):
             return EngineError(
-                f"vLLM could not reserve its KV cache for {golden.name} ({text}): lower "
-                f"--vllm-memory (now {self.settings.vllm_memory}) or free memory; on CPU it "
-                "is a share of RAM, and each xdist worker starts its own engine"
+                f"vLLM could not reserve memory for {golden.name} ({text}): free memory, run "
+                "fewer xdist workers (each starts its own engine; -n 1 needs least), or on a "
+                f"GPU lower --vllm-memory (now {self.settings.vllm_memory}); the KV cache itself "
+                "is sized to the replay"
             )
         return EngineError(f"vLLM failed to {when} for {golden.name}: {text}")
 
