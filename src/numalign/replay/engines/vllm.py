@@ -339,10 +339,14 @@ class VllmEngine:
     def _failure(self, golden: GoldenSet, exc: BaseException, when: str) -> Exception:
         """What vLLM's exception becomes: unsupported (remembered, the set's tests skip),
         memory (an error naming the option to lower), anything else an engine error."""
-        text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
+        text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
         # a KeyError while the engine starts is a checkpoint tensor vLLM's model has no place
         # for (its own layout of the architecture): a checkpoint it does not serve
-        layout = isinstance(exc, KeyError) and when == "start"
+        # and vLLM's configuration refusing the model (a pydantic ValidationError of its
+        # ModelConfig: a multimodal model served without its processor, say)
+        layout = when == "start" and (
+            isinstance(exc, KeyError) or type(exc).__name__ == "ValidationError"
+        )
         if layout or any(m in str(exc) for m in UNSUPPORTED):
             reason = f"vLLM does not serve {golden.name} here: {text}"
             self._unsupported[str(golden.path)] = reason
