@@ -67,8 +67,10 @@ def figures() -> list[str]:
     rows = [
         # the vLLM engine's tests collect only where vLLM is installed (CI's vLLM venv):
         # counted apart, so the block reads the same in both environments
-        ("numalign's own tests (`pytest tests`; the vLLM engine's apart)",
-         collected("tests", f"--ignore={VLLM_TESTS}")),
+        (
+            "numalign's own tests (`pytest tests`; the vLLM engine's apart)",
+            collected("tests", f"--ignore={VLLM_TESTS}"),
+        ),
         ("the vLLM engine's tests (where vLLM is installed)", _vllm_tests()),
         ("operator suite, tier smoke", collected("suites/operators", "--tier", "smoke")),
         ("operator suite, tier pr", collected("suites/operators", "--tier", "pr")),

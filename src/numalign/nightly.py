@@ -285,8 +285,11 @@ def bring_up(
         device=device,
         dtypes=dtypes,
         golden=[target],
-        extra=["--golden-only", *(["--tp", str(tp)] if tp > 1 else []),
-               *(["--engine", engine] if engine != "transformers" else [])],
+        extra=[
+            "--golden-only",
+            *(["--tp", str(tp)] if tp > 1 else []),
+            *(["--engine", engine] if engine != "transformers" else []),
+        ],
     )
     if run_dir is not None:
         print(f"numalign run: report {run_dir / 'drift.html'}, records {run_dir / 'records.jsonl'}")

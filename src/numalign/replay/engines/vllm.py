@@ -476,7 +476,7 @@ def _kv_cache_bytes(golden: GoldenSet, dtype: str) -> int:
     layers = int(config.get("num_hidden_layers") or 1)
     steps = _decode_steps(golden) + 1
     tokens = sum(-(-(n + steps) // 16) * 16 + 16 for n in _row_lengths(golden))
-    per_token = 2 * layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
+    per_token = 2 * layers * kv_heads * head_dim * int(getattr(torch, dtype).itemsize)
     return max(KV_FLOOR_BYTES, KV_MARGIN * tokens * per_token)
 
 
@@ -528,13 +528,13 @@ def row_requests(
     from vllm.inputs import TokensPrompt
 
     forced: dict[str, list[int]] = {}
-    for request in golden.decode_requests if decode else ():
-        steps = golden.decode(request)
-        if steps is None or not steps.steps:
+    for name in golden.decode_requests if decode else ():
+        recorded = golden.decode(name)
+        if recorded is None or not recorded.steps:
             continue
-        tokens = torch.cat([golden.tensor(s.token) for s in steps.steps], dim=1)
+        tokens = torch.cat([golden.tensor(s.token) for s in recorded.steps], dim=1)
         for b in range(tokens.shape[0]):
-            forced[f"{request}#{b}"] = tokens[b].tolist()
+            forced[f"{name}#{b}"] = tokens[b].tolist()
     prompts, params = [], []
     for request in golden.requests:
         rows = _rows(golden, request.name)
@@ -809,7 +809,7 @@ def _forcing_processor() -> Any:
     import torch
     from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
-    class ForceGoldenTokens(AdapterLogitsProcessor):
+    class ForceGoldenTokens(AdapterLogitsProcessor):  # type: ignore[misc]
         def is_argmax_invariant(self) -> bool:
             return False
 
