@@ -73,11 +73,6 @@ def test_command_line_wins_over_ini(pytester: pytest.Pytester) -> None:
             ["--drift-baseline", "."],
             "*--drift-baseline .: no records at .: expected a run folder holding records.jsonl*",
         ),
-        (  # issue 27: the typo skipped every MoE test and exited 0
-            ["--experts-implementation", "grouped-mm"],
-            "*unknown --experts-implementation 'grouped-mm'; transformers offers: eager, *"
-            "grouped_mm*Did you mean 'grouped_mm'?*",
-        ),
     ],
 )
 def test_bad_values_are_usage_errors(
@@ -229,7 +224,7 @@ def test_transformers_variants_conflict_with_a_serving_engine() -> None:
     assert conflict is not None and "--swap, --tp" in conflict
 
 
-def test_attention_implementations_are_the_ones_transformers_offers(
+def test_attention_and_experts_implementations_are_the_ones_transformers_offers(
     pytester: pytest.Pytester,
 ) -> None:
     """Issue 27, item 4: an implementation name is checked against transformers' attention
@@ -244,6 +239,13 @@ def test_attention_implementations_are_the_ones_transformers_offers(
     )
     near = pytester.runpytest_subprocess("--attn-implementation", "flash-attention-2")
     near.stderr.fnmatch_lines(["*Did you mean 'flash_attention_2'?*"])
+    # issue 27: an experts typo skipped every MoE test and exited 0
+    experts = pytester.runpytest_subprocess("--experts-implementation", "grouped-mm")
+    assert experts.ret == pytest.ExitCode.USAGE_ERROR
+    experts.stderr.fnmatch_lines([
+        "*unknown --experts-implementation 'grouped-mm'; transformers offers: eager, *"
+        "grouped_mm*Did you mean 'grouped_mm'?*"
+    ])  # fmt: skip
     # a name transformers knows passes validation (whether a model loads with it is the
     # replay's to say: it skips with transformers' reason)
     known = pytester.runpytest_subprocess("--attn-implementation", "flash_attention_2", "-q")

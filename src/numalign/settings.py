@@ -171,15 +171,9 @@ def parse_experts_implementation(text: str) -> str | None:
         return None
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    offered = ("eager", *ALL_EXPERTS_FUNCTIONS.valid_keys())
-    if name not in offered:
-        near = [o for o in offered if o.replace("_", "-") == name.replace("_", "-").lower()]
-        hint = f" Did you mean {near[0]!r}?" if near else ""
-        raise ValueError(
-            f"unknown --experts-implementation {name!r}; transformers offers: "
-            f"{', '.join(offered)}.{hint}"
-        )
-    return name
+    return _offered(
+        name, ("eager", *ALL_EXPERTS_FUNCTIONS.valid_keys()), "--experts-implementation"
+    )
 
 
 def parse_attn_implementation(text: str) -> str | None:
@@ -192,13 +186,18 @@ def parse_attn_implementation(text: str) -> str | None:
         return None
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    offered = ("eager", *(k for k in ALL_ATTENTION_FUNCTIONS.valid_keys() if "paged" not in k))
+    keys = (k for k in ALL_ATTENTION_FUNCTIONS.valid_keys() if "paged" not in k)
+    return _offered(name, ("eager", *keys), "--attn-implementation")
+
+
+def _offered(name: str, offered: tuple[str, ...], option: str) -> str:
+    """``name`` when transformers offers it; ValueError naming the offered ones (and the
+    near one, spelled with hyphens or capitals) otherwise."""
     if name not in offered:
-        near = [o for o in offered if o.replace("-", "_") == name.replace("-", "_").lower()]
+        near = [o for o in offered if o.replace("_", "-") == name.replace("_", "-").lower()]
         hint = f" Did you mean {near[0]!r}?" if near else ""
         raise ValueError(
-            f"unknown --attn-implementation {name!r}; transformers offers: "
-            f"{', '.join(offered)}.{hint}"
+            f"unknown {option} {name!r}; transformers offers: {', '.join(offered)}.{hint}"
         )
     return name
 
