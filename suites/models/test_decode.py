@@ -20,7 +20,7 @@ import torch
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.compiled import GraphBreakWarning
-from numalign.replay.engines import Engine, decode_caches, replay_group
+from numalign.replay.engines import Engine, decode_caches, replay_case
 from numalign.replay.model import suite_sets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,11 +36,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     settings = metafunc.config.stash[settings_key]
     sets = suite_sets(ROOT, settings.golden_dirs, only=settings.golden_only)
     cases = [
-        pytest.param(
-            f"{p}::{p.name}-{d}-{c}",
-            id=f"{p.name}-{d}-{c}",
-            marks=pytest.mark.replay_group(replay_group(str(p), d)),
-        )
+        replay_case(p, f"{p.name}-{d}-{c}", d)
         for p in sets
         for d in settings.dtypes
         for c in decode_caches(settings)

@@ -18,7 +18,7 @@ from numalign.golden import GoldenSet, GoldenSetError
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.compiled import GraphBreakWarning
-from numalign.replay.engines import Engine, replay_group
+from numalign.replay.engines import Engine, replay_case
 from numalign.replay.model import suite_sets
 from numalign.replay.verdict import layer_message
 
@@ -48,8 +48,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         for point in golden.points:
             for dtype in settings.dtypes:
                 name = f"{golden.name}/{point.name}-{dtype}"
-                group = pytest.mark.replay_group(replay_group(str(path), dtype))
-                cases.append(pytest.param(f"{path}::{name}", id=name, marks=group))
+                cases.append(replay_case(path, name, dtype))
     metafunc.parametrize("layer_case", cases)
 
 

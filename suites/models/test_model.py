@@ -18,7 +18,7 @@ import torch
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.compiled import GraphBreakWarning
-from numalign.replay.engines import Engine, replay_group
+from numalign.replay.engines import Engine, replay_case
 from numalign.replay.model import suite_sets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,15 +34,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     settings = metafunc.config.stash[settings_key]
     sets = suite_sets(ROOT, settings.golden_dirs, only=settings.golden_only)
-    cases = [
-        pytest.param(
-            f"{p}::{p.name}-{d}",
-            id=f"{p.name}-{d}",
-            marks=pytest.mark.replay_group(replay_group(str(p), d)),
-        )
-        for p in sets
-        for d in settings.dtypes
-    ]
+    cases = [replay_case(p, f"{p.name}-{d}", d) for p in sets for d in settings.dtypes]
     metafunc.parametrize("model_case", cases)
 
 
