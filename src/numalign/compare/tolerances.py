@@ -150,6 +150,28 @@ SCALE_MIN_ELEMENTS = 64
 SCALE_ACCUMULATOR_ROUNDOFFS = 3.0
 SCALE_OUTPUT_ROUNDOFFS = 0.25
 
+#: A capture point's lean (``compare.lean``: its error's scale on the reference, its mean
+#: signed error, per channel the largest of either) fails beyond the honest ensemble's range
+#: by more than LEAN_Z of the candidate's own standard errors plus LEAN_SPREAD times the
+#: range's width. LEAN_Z: a point is judged per request, call, output and step, a few
+#: thousand leans per set and dtype, each at three leans and their per-channel maxima (the
+#: largest of up to a few hundred channels: their maximum z of honest noise sits near 3); at
+#: 8, the Gaussian tail is 1e-15 per lean, and the heavier tail of a point whose error is a
+#: few large elements still clears it. LEAN_SPREAD: another machine leans like a member, give
+#: or take what the members differ by (the range's width once more). At least
+#: LEAN_MIN_ELEMENTS finite elements: a mean of fewer resolves nothing a budget does not.
+LEAN_Z = 8.0
+LEAN_SPREAD = 1.0
+#: ... plus an eighth of the dtype's unit roundoff: an exact replay (float32 replaying the
+#: float32 reference: zero error, zero standard error) sits 1e-9 outside members that lean
+#: by that much, which is no lean at all; in bfloat16 an eighth of a rounding is 0.049%, and
+#: a planted 0.1% scale (a quarter rounding) still fails.
+LEAN_FLOOR_ROUNDOFFS = 0.125
+LEAN_MIN_ELEMENTS = 256
+#: Rows (tokens) per channel before per-channel leans are judged: the mean of fewer rounds
+#: too coarsely for its standard error to be trusted in the maximum over channels.
+LEAN_CHANNEL_ROWS = 16
+
 #: Distribution thresholds per dtype: (|norm_ratio - 1|, 1 - cosine). An honest kernel's
 #: relative L2 error is about 0.3 eps (uniform rounding), so its norm ratio deviates by far
 #: less and 1 - cosine is about (0.3 eps)**2 / 2; the thresholds sit well above that and below

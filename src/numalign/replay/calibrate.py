@@ -12,7 +12,10 @@ it lives in ``replay``; ``capture_calibrated`` composes a capture (which only re
 
 Per point, output and mode the worst over requests and calls is kept: the errors (max abs,
 relative L2, ...), the cosine (lowest), the norm ratio (farthest from 1) and the fraction of
-exact zeros (highest), which the distribution rule judges a candidate against.
+exact zeros (highest), which the distribution rule judges a candidate against; and the range
+of the error's leans (``compare.lean``: scale and offset, per channel the most significant),
+each pooled over every request, call and step of a mode, which the lean rule judges a
+candidate's pooled leans against (``replay.leans``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare import compute_metrics
+from numalign.compare.lean import LeanSums
 from numalign.compare.logits import logits_stats
 from numalign.golden.decode import REFERENCE_CACHE
 from numalign.golden.manifest import OUTPUT_POINT, Calibration
@@ -50,6 +54,8 @@ def _stats(actual: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
 
 
 def _worst(into: dict[str, float] | None, new: dict[str, float]) -> dict[str, float]:
+    """The worst of two samples: the largest error, lowest cosine, norm ratio farthest from
+    1."""
     if into is None:
         return new
     merged = {k: max(into[k], new[k]) for k in into if k not in ("cosine", "norm_ratio")}
@@ -88,6 +94,11 @@ def calibrate(
     accumulated: dict[tuple[str, str], dict[str, float]] = {}
     isolated: dict[tuple[str, str], dict[str, float]] = {}
     masks = {r.name: request_mask(golden, r.name) for r in golden.requests}
+    leans: dict[tuple[str, str, str], LeanSums] = {}
+
+    def pool(point: str, path: str, mode: str, actual: Any, expected: Any) -> None:
+        if actual.is_floating_point() and expected.is_floating_point():
+            leans.setdefault((point, path, mode), LeanSums()).add(actual, expected)
 
     for request in golden.requests:
         name = request.name
@@ -99,6 +110,7 @@ def calibrate(
             # every call of a point shares its calibration (the worst of them)
             stats = _stats(actual, expected)
             accumulated[(point, path)] = _worst(accumulated.get((point, path)), stats)
+            pool(point, path, "accumulated", actual, expected)
 
         with torch.no_grad(), golden_outputs(model, golden, name, on_output):
             finals = model_outputs(model(**inputs, **forward_kwargs(model)))
@@ -114,6 +126,7 @@ def calibrate(
                 stats |= {k: float(getattr(agreement, k)) for k in LOGITS_STATS}
             slot = (OUTPUT_POINT, output)
             accumulated[slot] = _worst(accumulated.get(slot), stats)
+            pool(OUTPUT_POINT, output, "accumulated", kept_a.to(torch_dtype), kept_e)
 
     for point in points.values():
         module = model.get_submodule(point.name)
@@ -124,10 +137,12 @@ def calibrate(
                 for path, key in call.outputs.items():
                     if path in outputs:
                         expected = kept_positions(golden.tensor(key), mask)
-                        stats = _stats(kept_positions(outputs[path], mask), expected)
+                        actual = kept_positions(outputs[path], mask)
+                        stats = _stats(actual, expected)
                         isolated[(point.name, path)] = _worst(
                             isolated.get((point.name, path)), stats
                         )
+                        pool(point.name, path, "isolated", actual, expected)
 
     decoded: dict[tuple[str, str], dict[str, float]] = {}
 
@@ -139,6 +154,7 @@ def calibrate(
             agreement = logits_stats(actual, expected, 0.0)
             stats |= {k: float(getattr(agreement, k)) for k in LOGITS_STATS}
         decoded[(point, path)] = _worst(decoded.get((point, path)), stats)
+        pool(point, path, "decode", actual, expected)
 
     for request_name in golden.decode_requests:
         run_decode(golden, model, request_name, REFERENCE_CACHE, torch_dtype, device, on_pair)
@@ -147,5 +163,9 @@ def calibrate(
     modes = (("isolated", isolated), ("accumulated", accumulated), ("decode", decoded))
     for mode, table in modes:
         for (point_name, path), stats in table.items():
+            pooled = leans.get((point_name, path, mode))
+            measured = pooled.finish() if pooled is not None else None
+            if measured is not None:
+                stats = stats | measured.stats()
             result.setdefault(point_name, {}).setdefault(path, {})[mode] = _json_safe(stats)
     return result

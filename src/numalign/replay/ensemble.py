@@ -15,7 +15,8 @@ over an ensemble of honest members, each the reference in the dtype run another 
 - members the user names (``--calibrate-with``, ``Member.parse``).
 
 Per point, output, mode and statistic the merged calibration keeps the ensemble's worst (the
-largest error, the lowest cosine, the norm ratio farthest from 1, the most exact zeros) and,
+largest error, the lowest cosine, the norm ratio farthest from 1, the most exact zeros, the
+widest range of the error's leans) and,
 beside it, the spread of the members (``<stat>_spread``: the worst over the smallest, for
 max_abs and rel_l2) and their count (``members``). float32 has no reference member (the
 golden set is the reference in float32: its error is zero by construction), so it is
@@ -58,7 +59,10 @@ ATEN_CAPABILITIES = (("default", ""), ("avx2", "avx2"), ("avx512", "avx512f"))
 _KEYS = ("onednn", "aten", "threads", "attn", "dtypes")
 #: Statistics whose worst is the largest value; cosine and norm_ratio are handled apart.
 _LARGEST = ("max_abs", "rel_l2", "mean_abs", "ulp_p99", "max_expected", "zero_fraction",
-            "nonfinite", "kl_max", "top1_unexplained", "top5_unexplained")  # fmt: skip
+            "nonfinite", "kl_max", "top1_unexplained", "top5_unexplained", "scale_high",
+            "offset_high", "channel_scale", "channel_offset")  # fmt: skip
+#: Statistics whose worst is the smallest value (the low end of a lean's range).
+_SMALLEST = ("scale_low", "offset_low")
 #: Statistics whose spread over the members is kept beside the worst.
 SPREAD_STATS = ("max_abs", "rel_l2")
 
@@ -215,6 +219,8 @@ def _merge_stats(samples: Sequence[dict[str, float | None]]) -> dict[str, float 
             merged[key] = max(values, key=lambda v: abs(v - 1.0))
         elif key in _LARGEST:
             merged[key] = max(values)
+        elif key in _SMALLEST:
+            merged[key] = min(values)
         else:  # a statistic this numalign does not know: the first member's
             merged[key] = values[0]
     for key in SPREAD_STATS:

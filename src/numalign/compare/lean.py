@@ -1,0 +1,239 @@
+"""Systematic error below one rounding per element: statistics that average over elements.
+
+A per-element budget sits at the dtype's own noise: a bfloat16 output rounds by up to 2**-8
+of its magnitude, so an error of 0.1% passes every element of it. When thousands of elements
+lean the same way, though, their mean resolves the lean far below one rounding: the standard
+error of a mean of n independent roundings is the rounding over sqrt(n). Two leans are
+measured, each with its standard error:
+
+- ``scale``: the error's regression on the reference through zero, d = scale * e + r (a
+  wrong epsilon, a missing or doubled scale, a normalizer accumulated in low precision);
+- ``offset``: the mean signed error over the reference's root mean square (a bias added
+  where none belongs, an activation's other form leaning one way);
+
+and per channel (the last dimension, where a point has one) the largest of either over the
+channels, which resolves a lean confined to some channels or heads (a rotary section in the
+wrong order, a routing bias in one expert's combine weight).
+
+Honest implementations lean too, and alike: in bfloat16 every one of them multiplies the same
+rounded weights, so the reference run in the dtype has a lean of its own. A candidate is
+therefore judged against the range the honest ensemble of the calibration reaches
+(``<lean>_low`` and ``<lean>_high`` over members, requests and calls;
+``channel_<lean>`` the largest), with the sample size in the decision: it fails when its lean
+lies beyond that range by more than ``LEAN_Z`` of its own standard errors plus
+``LEAN_SPREAD`` times the range's width (another machine leans like a member, give or take
+what the members differ by) plus ``LEAN_FLOOR_ROUNDOFFS`` of the dtype's unit roundoff (an
+exact replay, whose error is zero, never leans).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from numalign.compare.tolerances import (
+    FLOAT_FORMATS,
+    LEAN_CHANNEL_ROWS,
+    LEAN_FLOOR_ROUNDOFFS,
+    LEAN_MIN_ELEMENTS,
+    LEAN_SPREAD,
+    LEAN_Z,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+#: The global leans, in the order they are judged.
+LEANS = ("scale", "offset")
+
+
+@dataclass(frozen=True)
+class Lean:
+    """A tensor's (or a point's pooled) leans against its reference, each with its standard
+    error."""
+
+    scale: float
+    scale_se: float
+    offset: float
+    offset_se: float
+    #: the per-channel scale and offset most standard errors from zero (0 without channels)
+    channel_scale: float
+    channel_scale_se: float
+    channel_offset: float
+    channel_offset_se: float
+    channels: int
+    elements: int
+
+    def stats(self) -> dict[str, float]:
+        """The leans as a calibration stores them (one sample: low and high are the lean)."""
+        return {
+            "scale_low": self.scale, "scale_high": self.scale,
+            "offset_low": self.offset, "offset_high": self.offset,
+            "channel_scale": abs(self.channel_scale), "channel_offset": abs(self.channel_offset),
+        }  # fmt: skip
+
+
+class LeanSums:
+    """Sufficient statistics of the leans over any number of tensors of one point's output
+    (every request, call and step pooled: the more elements, the finer the lean resolved),
+    per channel (the last dimension)."""
+
+    _NAMES = ("n", "ee", "de", "d", "dd", "eedd", "eeed", "eeee")
+
+    def __init__(self) -> None:
+        self.sums: dict[str, Any] | None = None
+        self.mixed = False  # outputs of different channel counts: global leans only
+
+    def add(self, actual: torch.Tensor, expected: torch.Tensor) -> None:
+        import torch
+
+        if actual.shape != expected.shape or not actual.numel():
+            return
+        a = actual.detach().to(torch.float64)
+        e = expected.detach().to(torch.float64).to(a.device)
+        channels = int(a.shape[-1]) if a.dim() >= 2 else 1
+        a, e = a.reshape(-1, channels), e.reshape(-1, channels)
+        keep = a.isfinite() & e.isfinite()
+        zero = torch.zeros((), dtype=torch.float64, device=a.device)
+        e = torch.where(keep, e, zero)
+        d = torch.where(keep, a, zero) - e
+        ee, de = e * e, d * e
+        new = {
+            "n": keep.sum(0).to(torch.float64), "ee": ee.sum(0), "de": de.sum(0), "d": d.sum(0),
+            "dd": (d * d).sum(0), "eedd": (ee * d * d).sum(0), "eeed": (ee * de).sum(0),
+            "eeee": (ee * ee).sum(0),
+        }  # fmt: skip
+        new = {k: v.cpu() for k, v in new.items()}
+        if self.sums is None:
+            self.sums = new
+        elif self.sums["n"].shape == new["n"].shape and not self.mixed:
+            self.sums = {k: self.sums[k] + new[k] for k in self._NAMES}
+        else:  # keep the global sums only
+            self.mixed = True
+            self.sums = {k: (self.sums[k].sum() + new[k].sum()).reshape(1) for k in self._NAMES}
+
+    def finish(self) -> Lean | None:
+        """The pooled leans (None with fewer than ``LEAN_MIN_ELEMENTS`` finite elements or a
+        reference of zeros)."""
+        if self.sums is None:
+            return None
+        s = self.sums
+        total = {k: float(v.sum()) for k, v in s.items()}
+        n = int(total["n"])
+        if n < LEAN_MIN_ELEMENTS or total["ee"] <= 0.0:
+            return None
+        rms = math.sqrt(total["ee"] / n)
+        scale, scale_se = _slope(total)
+        offset, offset_se = _mean(total, rms)
+        channels = int(s["n"].numel())
+        best = {"scale": (0.0, 0.0), "offset": (0.0, 0.0)}
+        if channels > 1 and n // channels >= LEAN_CHANNEL_ROWS:
+            per = [{k: float(v[c]) for k, v in s.items()} for c in range(channels)]
+            slopes = [_slope(c) for c in per if c["ee"] > 0 and c["n"] > 1]
+            means = [_mean(c, rms) for c in per if c["n"] > 1]
+            best = {"scale": _most_significant(slopes), "offset": _most_significant(means)}
+        return Lean(scale, scale_se, offset, offset_se, *best["scale"], *best["offset"],
+                    channels, n)  # fmt: skip
+
+
+def lean(actual: torch.Tensor, expected: torch.Tensor) -> Lean | None:
+    """The leans of one tensor against its reference (``LeanSums`` of it alone)."""
+    sums = LeanSums()
+    sums.add(actual, expected)
+    return sums.finish()
+
+
+def _slope(s: dict[str, float]) -> tuple[float, float]:
+    """The regression of d on e through zero and its heteroscedasticity-robust standard
+    error (each element's residual r = d - beta * e weighs by e**2), from the sums."""
+    beta = s["de"] / s["ee"]
+    eerr = s["eedd"] - 2.0 * beta * s["eeed"] + beta * beta * s["eeee"]
+    return beta, math.sqrt(max(eerr, 0.0)) / s["ee"]
+
+
+def _mean(s: dict[str, float], unit: float) -> tuple[float, float]:
+    """The mean of d and its standard error, in ``unit`` (the reference's RMS)."""
+    n = s["n"]
+    mean = s["d"] / n
+    var = max(s["dd"] - n * mean * mean, 0.0) / max(n - 1.0, 1.0)
+    return mean / unit, math.sqrt(var / n) / unit
+
+
+def _most_significant(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """The (lean, standard error) most standard errors from zero; (0, 0) of none."""
+    if not pairs:
+        return 0.0, 0.0
+    return max(pairs, key=lambda p: abs(p[0]) / p[1] if p[1] > 0 else math.inf * abs(p[0]))
+
+
+@dataclass(frozen=True)
+class LeanFinding:
+    """A lean beyond the honest range: which, how far (in the candidate's standard errors),
+    and the words the verdict says."""
+
+    name: str
+    value: float
+    low: float
+    high: float
+    z: float
+    used: float
+
+    def reason(self, lean_: Lean) -> str:
+        where = (
+            f"across {lean_.elements} elements"
+            if not self.name.startswith("channel")
+            else f"in one of {lean_.channels} channels"
+        )
+        kind = "scale" if self.name.endswith("scale") else "offset of the mean error"
+        return (
+            f"values are within the budget but share a systematic {kind} of {self.value:+.3%} "
+            f"{where} ({self.z:.3g} standard errors beyond the honest ensemble's range "
+            f"[{self.low:+.3%}, {self.high:+.3%}])"
+        )
+
+
+def judge_lean(
+    measured: Lean, calibration: dict[str, Any], dtype: str = "bfloat16"
+) -> LeanFinding | None:
+    """The lean of ``measured`` farthest beyond what the calibration's honest members reach
+    (see the module's docstring); None when every lean is within, or the calibration has
+    none."""
+    failing = [f for f in _findings(measured, calibration, dtype) if f.used > 1.0]
+    return max(failing, key=lambda f: f.used) if failing else None
+
+
+def lean_uses(measured: Lean, calibration: dict[str, Any], dtype: str = "bfloat16") -> list[float]:
+    """How far each lean goes towards its limit (1: at it)."""
+    return [f.used for f in _findings(measured, calibration, dtype)]
+
+
+def _findings(measured: Lean, calibration: dict[str, Any], dtype: str) -> list[LeanFinding]:
+    floor = LEAN_FLOOR_ROUNDOFFS * 2.0 ** -(FLOAT_FORMATS[dtype][0] + 1)
+    findings = []
+    for name in LEANS:
+        low, high = calibration.get(f"{name}_low"), calibration.get(f"{name}_high")
+        if low is None or high is None:
+            continue
+        value, se = getattr(measured, name), getattr(measured, f"{name}_se")
+        findings.append(_beyond(name, value, se, float(low), float(high), floor))
+    for name in ("channel_scale", "channel_offset"):
+        honest = calibration.get(name)
+        se = getattr(measured, f"{name}_se")
+        if honest is None or measured.channels < 2 or not se:
+            continue
+        findings.append(_beyond(name, abs(getattr(measured, name)), se, 0.0, float(honest), floor))
+    return [f for f in findings if f is not None]
+
+
+def _beyond(
+    name: str, value: float, se: float, low: float, high: float, floor: float
+) -> LeanFinding | None:
+    if not (math.isfinite(value) and math.isfinite(se)):
+        return None
+    width = high - low
+    margin = LEAN_Z * se + LEAN_SPREAD * width + floor
+    outside = value - high if value > high else low - value if value < low else 0.0
+    used = outside / margin if margin > 0 else (math.inf if outside > 0 else 0.0)
+    z = outside / se if se > 0 else math.inf
+    return LeanFinding(name, value, low, high, z, used)
