@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from numalign.golden.decode import DEFAULT_DECODE_STEPS
+from numalign.golden.requests import FAR_LENGTH
 from numalign.golden.store import DEFAULT_SETS, discover_sets
 from numalign.settings import ATTN_IMPLEMENTATIONS, DEFAULT_TIER, ENGINES, TIERS
 
@@ -148,6 +149,8 @@ def _capture_set(args: argparse.Namespace, prompts: Any, members: Any, placement
         continuation=args.continuation,
         decode_steps=args.decode_steps,
         long=args.long,
+        far=args.far,
+        max_position=args.max_position,
         attn_implementation=args.attn_implementation,
         trust_remote_code=args.trust_remote_code,
         placement=placement,
@@ -455,6 +458,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKENS",
         help="length of the long requests (default: past the sliding window, the linear-"
         "attention chunk and the paged replay's page size, from the config; 0: none)",
+    )
+    cap.add_argument(
+        "--far",
+        type=int,
+        default=FAR_LENGTH,
+        metavar="TOKENS",
+        help="tokens per row of the far-position request, whose rows sit a quarter, half and "
+        "all the way into the model's position range (0: none)",
+    )
+    cap.add_argument(
+        "--max-position",
+        type=int,
+        default=None,
+        metavar="POSITIONS",
+        help="the position range the far-position request spans (default: the config's "
+        "max_position_embeddings; lower it where a model is served with fewer)",
     )
     cap.add_argument(
         "--attn-implementation", choices=ATTN_IMPLEMENTATIONS,

@@ -105,7 +105,7 @@ def test_the_boundaries_come_from_the_config() -> None:
     hybrid = load_model(SETS.parent / "models" / "tiny-qwen3-next", "float32",
                         attn_implementation="eager", trust_remote_code=False)  # fmt: skip
     assert length_boundaries(gemma.config)["sliding_window"] == 8  # the zoo's window
-    assert length_boundaries(hybrid.config)["linear_attention_chunk"] == 64  # transformers'
+    assert length_boundaries(hybrid.config)["linear_attention_chunks"] == 3 * 64  # 3 chunks
 
 
 def test_a_format_1_set_loads_replays_and_has_no_decode(tmp_path: Path) -> None:

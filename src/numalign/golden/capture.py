@@ -51,7 +51,9 @@ from numalign.golden.reference import (
 )
 from numalign.golden.requests import (
     DEFAULT_PROMPTS,
+    FAR_LENGTH,
     CaptureRequest,
+    far_request,
     image_request,
     long_length,
     long_requests,
@@ -77,12 +79,17 @@ _BLOCK_PARTS = re.compile(
     r"|Intermediate|Output)$"  # an encoder layer's feed-forward halves (BERT)
 )
 _SKIP_TYPES = re.compile(r"(RotaryEmbedding|Dropout|Activation|ModuleList|ModuleDict|Identity)$")
+#: The model's position-embedding modules (rotary cos/sin computed once per forward and fed
+#: to every attention): capture points outside the blocks, so a fault in what the attention is
+#: fed is judged where it is made.
+_POSITION_TYPES = re.compile(r"RotaryEmbedding$")
 
 
 # -- what to capture --------------------------------------------------------------------------
 def default_points(model: torch.nn.Module) -> list[str]:
-    """Embeddings, every block (decoder or vision) with its attention, MLP or MoE and norms,
-    the final norm, the LM head, and the vision patch embedding and merger."""
+    """Embeddings, the position embeddings (rotary cos/sin) the model computes outside its
+    blocks, every block (decoder or vision) with its attention, MLP or MoE and norms, the
+    final norm, the LM head, and the vision patch embedding and merger."""
     import torch
 
     blocks = {
@@ -98,6 +105,8 @@ def default_points(model: torch.nn.Module) -> list[str]:
 
     def wanted(name: str, module: torch.nn.Module) -> bool:
         kind = type(module).__name__
+        if name and _POSITION_TYPES.search(kind):
+            return not in_block(name) and ".visual" not in name
         if not name or _SKIP_TYPES.search(kind):
             return False
         if name in blocks or name == "lm_head" or name.endswith((".merger", ".patch_embed")):
@@ -222,6 +231,8 @@ def capture(
     continuation: int = DEFAULT_CONTINUATION,
     decode_steps: int = DEFAULT_DECODE_STEPS,
     long: int | None = None,
+    far: int = FAR_LENGTH,
+    max_position: int | None = None,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     placement: Placement | None = None,
@@ -238,6 +249,9 @@ def capture(
 
     ``long``: the length of the long requests (None: past every length boundary of the
     model, ``requests.long_length``; 0: none). Encoders get no long requests and no decode.
+    ``far``: tokens per row of the far-position request (0: none), whose rows start a
+    quarter, half and all the way into ``max_position`` (None: the config's
+    ``max_position_embeddings``), ``requests.far_request``.
 
     ``out`` must not exist, be empty or hold a set of this model (``folders.check_target``);
     ``force`` replaces a set of another model, kept under ``<sets>/.versions/``.
@@ -273,6 +287,13 @@ def capture(
         raise ValueError(f"--long {long}: a length in tokens, or 0 for no long requests")
     if long:
         requests += long_requests(model_dir, model.config, long, trust_remote_code)
+    if far < 0 or (max_position is not None and max_position < 1):
+        raise ValueError(
+            f"--far {far} / --max-position {max_position}: tokens per far row (0 for none) and "
+            "a position range of at least 1"
+        )
+    far_positions = far_request(model_dir, model.config, far, trust_remote_code, max_position)
+    requests += [far_positions] if far_positions is not None else []
     extra = image_request(model_dir, model.config, image)
     requests += [extra] if extra is not None else []
     point_names = select_points(model, points)

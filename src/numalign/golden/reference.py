@@ -247,12 +247,16 @@ def jsonable(value: Any) -> Any:
 
 def append_token(inputs: dict[str, Any], token: torch.Tensor) -> dict[str, Any]:
     """The model inputs one greedy step later: ``token`` [batch, 1] appended to the ids, the
-    mask extended, and (image-text models) the new position marked as text."""
+    mask extended, explicit positions (a far-position request's) one further, and
+    (image-text models) the new position marked as text."""
     import torch
 
     out = dict(inputs)
     out["input_ids"] = torch.cat([inputs["input_ids"], token], dim=1)
     out["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(token)], dim=1)
+    if "position_ids" in inputs:  # a request at explicit positions goes on from its last
+        positions = inputs["position_ids"]
+        out["position_ids"] = torch.cat([positions, positions[..., -1:] + 1], dim=-1)
     if "mm_token_type_ids" in inputs:
         out["mm_token_type_ids"] = torch.cat(
             [inputs["mm_token_type_ids"], torch.zeros_like(token)], dim=1
@@ -318,8 +322,10 @@ def generation_positions(mask: torch.Tensor) -> torch.Tensor:
 def prefill_kwargs(model: Any, inputs: dict[str, Any], cache: Any) -> dict[str, Any]:
     """Keyword arguments (besides ``inputs``) of a prefill that fills ``cache``: generation's
     positions, except for image requests, whose multimodal rotary positions the model derives
-    itself from the image grid."""
+    itself from the image grid, and requests at explicit positions (given in ``inputs``)."""
     kwargs: dict[str, Any] = {cache_argument(model) or "cache": cache, "use_cache": True}
+    if "position_ids" in inputs:  # a request at explicit positions keeps them
+        return kwargs
     if "pixel_values" not in inputs and "attention_mask" in inputs:
         kwargs["position_ids"] = generation_positions(inputs["attention_mask"])
     return kwargs
@@ -331,9 +337,13 @@ def decode_inputs(
     """One decode step: the whole sequence's inputs one token later (to carry on) and the
     step's forward arguments: the new token [batch, 1], the extended attention mask, the cache,
     and the new token's position as generation derives it (for multimodal rotary positions,
-    plus the offsets the prefill left in the model's ``rope_deltas``)."""
+    plus the offsets the prefill left in the model's ``rope_deltas``; a request at explicit
+    positions goes on from its last)."""
     grown = append_token(inputs, token)
-    position = generation_positions(grown["attention_mask"])[:, -1:]
+    if "position_ids" in grown:
+        position = grown["position_ids"][..., -1:]
+    else:
+        position = generation_positions(grown["attention_mask"])[:, -1:]
     step: dict[str, Any] = {
         "input_ids": token,
         "attention_mask": grown["attention_mask"],

@@ -1,6 +1,7 @@
 """The requests a capture runs: the built-in or given prompts, tokenized and padded both ways,
-long requests that cross every length boundary the model has, and for image-text models an
-image request through the PIL image processor."""
+long requests that cross every length boundary the model has, a far-position request (short
+rows at explicit positions a quarter, half and all the way into the model's position range),
+and for image-text models an image request through the PIL image processor."""
 
 from __future__ import annotations
 
@@ -21,8 +22,20 @@ SEEDED_LENGTHS = (16, 9)
 REPLAY_PAGE_SIZE = 16
 #: transformers' chunk length of the chunked linear attention (gated delta rule) prefill.
 LINEAR_ATTENTION_CHUNK = 64
+#: Chunks a long request crosses on a model with linear attention: an error in the state
+#: carried from chunk to chunk (its decay, say) reaches a prefill output only from the third
+#: chunk on (the first chunk starts from a zero state, the second from one chunk's state).
+LINEAR_ATTENTION_CHUNKS = 3
 #: How far a long request goes past the last boundary it must cross.
 LONG_MARGIN = 8
+#: Positions kept free at the end of the model's range: a far row's decode steps and its
+#: greedy continuation run past its last prompt position.
+POSITION_HEADROOM = 16
+#: Tokens per row of the far-position request.
+FAR_LENGTH = 8
+#: Where the far-position request's rows start, as fractions of the model's position range
+#: (the last one is moved back to end ``POSITION_HEADROOM`` before the range's end).
+FAR_FRACTIONS = (0.25, 0.5, 1.0)
 
 
 @dataclass
@@ -41,17 +54,73 @@ def length_boundaries(config: Any) -> dict[str, int]:
     if isinstance(window, int) and window > 0:
         found["sliding_window"] = window
     if "linear_attention" in (getattr(text, "layer_types", None) or ()):
-        found["linear_attention_chunk"] = LINEAR_ATTENTION_CHUNK
+        found["linear_attention_chunks"] = LINEAR_ATTENTION_CHUNKS * LINEAR_ATTENTION_CHUNK
     return found
+
+
+def max_positions(config: Any) -> int | None:
+    """The model's position range (``max_position_embeddings``, GPT-2's ``n_positions``);
+    None where the config sets none."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
 def long_length(config: Any) -> int:
     """The length of a long request: past the largest boundary by LONG_MARGIN tokens, and
-    within the model's positions."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    within the model's positions (less the headroom its decode needs)."""
     length = max(length_boundaries(config).values()) + LONG_MARGIN
-    limit = getattr(text, "max_position_embeddings", None)
-    return min(length, int(limit) // 2) if limit else length
+    limit = max_positions(config)
+    return max(1, min(length, limit - POSITION_HEADROOM)) if limit else length
+
+
+def far_starts(config: Any, length: int, limit: int | None = None) -> list[int]:
+    """The first positions of the far-position request's rows: ``FAR_FRACTIONS`` of the
+    position range (``limit``, else the model's), each row of ``length`` tokens ending
+    ``POSITION_HEADROOM`` before the range's end at the latest; empty where the model has no
+    range or it is too short to hold a row beyond the start."""
+    limit = limit or max_positions(config)
+    if not limit:
+        return []
+    last = limit - POSITION_HEADROOM - length
+    starts = sorted({min(int(limit * f), last) for f in FAR_FRACTIONS})
+    return [s for s in starts if s > 0]
+
+
+def far_request(
+    model_dir: Path,
+    config: Any,
+    length: int,
+    trust_remote_code: bool,
+    limit: int | None = None,
+) -> CaptureRequest | None:
+    """One request of rows of ``length`` tokens at explicit positions far into the model's
+    range (``far_starts``): what a long context computes at its end (rotary angles, learned
+    position embeddings) without the long sequence. The built-in prompt's tokens (seeded ids
+    without a tokenizer); unpadded; decoded. None where the model has no position range, and
+    for image-text models (their multimodal rotary positions are derived from the image grid,
+    not given)."""
+    import torch
+
+    starts = far_starts(config, length, limit)
+    if not starts or length <= 0 or getattr(config, "vision_config", None) is not None:
+        return None
+    tok = _tokenizer(model_dir, trust_remote_code)
+    if tok is not None:
+        ids: list[int] = []
+        while len(ids) < length:
+            ids += tok(DEFAULT_PROMPTS[0], add_special_tokens=not ids)["input_ids"]
+        row = torch.tensor(ids[:length])
+    else:
+        from numalign.cases import generator
+
+        vocab = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
+        row = torch.randint(1, vocab, (length,), generator=generator("numalign.capture", "far"))
+    ids_ = row.expand(len(starts), -1).clone()
+    positions = torch.stack([torch.arange(s, s + length) for s in starts])
+    inputs = {"input_ids": ids_, "attention_mask": torch.ones_like(ids_),
+              "position_ids": positions}  # fmt: skip
+    return CaptureRequest("far-positions", inputs, generate=True)
 
 
 def _tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
@@ -119,6 +188,20 @@ def long_requests(
         CaptureRequest(f"long-{side}pad", padded(rows, side, int(pad)), generate=(side == "left"))
         for side in ("left", "right")
     ]
+
+
+def unservable(inputs: dict[str, Any]) -> str | None:
+    """Why a serving engine (transformers' paged engine, vLLM) cannot be served a golden
+    request as it was captured (None when it can): engines take token ids and derive each
+    token's position from the request itself."""
+    if "pixel_values" in inputs:
+        return "an image request: the engine is served token ids only"
+    if "position_ids" in inputs:
+        return (
+            "a request at explicit positions: a serving engine derives positions from the "
+            "request's own tokens (the far positions are judged by the KV-cache decode)"
+        )
+    return None
 
 
 def padded(rows: Sequence[Any], side: str, pad: int) -> dict[str, Any]:

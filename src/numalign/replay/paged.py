@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from numalign.golden.manifest import OUTPUT_POINT
 from numalign.golden.reference import flatten, hooks
-from numalign.golden.requests import REPLAY_PAGE_SIZE
+from numalign.golden.requests import REPLAY_PAGE_SIZE, unservable
 from numalign.replay.compiled import CompiledModel
 
 if TYPE_CHECKING:
@@ -133,10 +133,10 @@ def replay_paged_requests(
     device: torch.device | str,
     on_pair: OnPair,
 ) -> list[str]:
-    """Serves every row of every golden decode request (but image requests: the engine takes
-    token ids only) through the paged engine, teacher-forced, and hands on each step's point
-    outputs and logits per golden request ([batch, ...], like ``run_decode``). Returns the
-    requests served."""
+    """Serves every row of every golden decode request (but those ``unservable`` says the
+    engine cannot take: image requests, explicit positions) through the paged engine,
+    teacher-forced, and hands on each step's point outputs and logits per golden request
+    ([batch, ...], like ``run_decode``). Returns the requests served."""
     import torch
 
     reason = paged_unsupported(model)
@@ -146,7 +146,7 @@ def replay_paged_requests(
     served_requests = []
     for request in golden.decode_requests:
         inputs = golden.request(request).inputs
-        if "pixel_values" in inputs:
+        if unservable(inputs):
             continue
         decode = golden.decode(request)
         assert decode is not None

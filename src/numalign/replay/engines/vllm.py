@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.golden.manifest import OUTPUT_POINT
+from numalign.golden.requests import unservable
 from numalign.replay.decode import DecodeVerdict, decode_unavailable
 from numalign.replay.engines import Replayed
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
@@ -150,7 +151,7 @@ class VllmEngine:
         for request in golden.requests:
             rows = _rows(golden, request.name)
             if rows is None:
-                unmapped[f"request {request.name}"] = "an image request: vLLM is served token ids"
+                unmapped[f"request {request.name}"] = str(unservable(request.inputs))
                 continue
             mask = request_mask(golden, request.name)
             for pm in running.mapping:
@@ -215,6 +216,8 @@ class VllmEngine:
         for request in golden.decode_requests:
             rows = _rows(golden, request)
             decode = golden.decode(request)
+            if rows is None:
+                unmapped[f"request {request}"] = str(unservable(golden.request(request).inputs))
             if rows is None or decode is None:
                 continue
             for number, step in enumerate(decode.steps, start=1):
@@ -448,7 +451,7 @@ def _rows(golden: GoldenSet, request: str) -> list[tuple[str, int]] | None:
     """The engine rows of a golden request: (row id, prompt length) per batch row; None for
     an image request (vLLM is served token ids only here)."""
     inputs = golden.request(request).inputs
-    if "pixel_values" in inputs:
+    if unservable(inputs):
         return None
     mask = request_mask(golden, request)
     ids = golden.tensor(inputs["input_ids"])
