@@ -35,3 +35,10 @@ def good_fused(x, weight, eps, offset=0.0):
     xf = up(x)
     inv = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return (xf * inv * (offset + up(weight))).to(x.dtype)
+
+
+@numalign.candidate("rms_norm", name="scaled_03pct")
+def scaled_03pct(x, weight, eps, offset=0.0):
+    """An RMSNorm whose output is 0.3% too large: under one bfloat16 rounding (0.39%) at every
+    element, so only a lean pooled over many elements resolves it."""
+    return (up(rms_norm_reference(x, weight, eps, offset)) * 1.003).to(x.dtype)

@@ -13,6 +13,7 @@ and the paged serving engine (``replay.paged``) hands on the same pairs
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,9 @@ from numalign.golden.reference import (
     prefill_kwargs,
     reset_decode_state,
 )
+from numalign.golden.requests import unservable
 from numalign.replay.compiled import observe_calls
+from numalign.replay.leans import PointLeans
 from numalign.replay.model import compare_point, control_for, hidden_and_depth, judge_logits
 from numalign.replay.verdict import LogitsResult, PointResult, label, unmapped_records
 
@@ -148,7 +151,8 @@ class DecodeDivergence:
     """The first decode step, and in it the first point in forward order, whose error leaves
     its budget (the cache's states count after the step that wrote them)."""
 
-    step: int
+    #: None for a lean pooled over every step
+    step: int | None
     point: str
     request: str
     result: Any
@@ -158,7 +162,9 @@ class DecodeDivergence:
                 "kind": "decode"}  # fmt: skip
 
     def describe(self) -> str:
-        where = "the prefill's cache" if self.step == 0 else f"decode step {self.step}"
+        where = {0: "the prefill's cache", None: "every decode step pooled"}.get(
+            self.step, f"decode step {self.step}"
+        )
         return (
             f"first divergence at {where}, {self.point}, request {self.request}:\n"
             f"{self.result.message()}"
@@ -187,8 +193,13 @@ class DecodeVerdict:
         ]  # fmt: skip
         if not failing:
             return None
-        first = min(failing, key=lambda r: (r.step or 0, r.finished))
-        return DecodeDivergence(first.step or 0, first.label, first.request, first.result)
+        # a pooled lean (no step) only after every step's own results, in forward order
+        # (the cache's states, written by the attention, after every point)
+        first = min(
+            failing,
+            key=lambda r: (math.inf, r.order) if r.step is None else (r.step, r.finished),
+        )
+        return DecodeDivergence(first.step, first.label, first.request, first.result)
 
     @property
     def passed(self) -> bool:
@@ -233,19 +244,32 @@ def replay_decode(
     from numalign.replay.paged import replay_paged_requests
 
     verdict = DecodeVerdict(implementation)
-    on_pair = _judge(golden, model, dtype, verdict, policy)
+    leans = PointLeans(golden, dtype, "decode")
+    on_pair = _judge(golden, model, dtype, verdict, policy, leans)
     if implementation == "paged":
-        replay_paged_requests(golden, model, device, on_pair)
-        return verdict
-    for request in golden.decode_requests:
-        run_decode(golden, model, request, implementation, getattr(torch, dtype), device, on_pair)
+        served = replay_paged_requests(golden, model, device, on_pair)
+        for request in golden.decode_requests:
+            reason = unservable(golden.request(request).inputs)
+            if request not in served and reason is not None:
+                verdict.unmapped[f"request {request}"] = reason
+    else:
+        for request in golden.decode_requests:
+            run_decode(golden, model, request, implementation, getattr(torch, dtype), device,
+                       on_pair)  # fmt: skip
+    verdict.points += leans.results()
     return verdict
 
 
 def _judge(
-    golden: GoldenSet, model: Any, dtype: str, verdict: DecodeVerdict, policy: Any
+    golden: GoldenSet,
+    model: Any,
+    dtype: str,
+    verdict: DecodeVerdict,
+    policy: Any,
+    leans: PointLeans | None = None,
 ) -> OnPair:
-    """An ``OnPair`` that judges each pair within its decode calibration into ``verdict``."""
+    """An ``OnPair`` that judges each pair within its decode calibration into ``verdict``
+    (and pools it into ``leans``)."""
     import torch
 
     hidden, depth = hidden_and_depth(model)
@@ -256,6 +280,9 @@ def _judge(
                 expected: Any, call: int = 0) -> None:  # fmt: skip
         control = control_for(golden, dtype, point, path, "decode", hidden, depth)
         actual = actual.float().cpu().to(torch_dtype)
+        if leans is not None:
+            leans.add(point, path, actual, expected, order.get(point, len(order)),
+                      len(verdict.points))  # fmt: skip
         if point == OUTPUT_POINT:
             judged = judge_logits(request, actual, expected, control, policy)
             judged.step = step

@@ -18,7 +18,9 @@ from numalign.golden.manifest import OUTPUT_POINT, Continuation, GoldenSetError
 from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import DEFAULT_SETS, discover_sets
 from numalign.replay.compiled import compile_model, compile_spec, observe, take_stats
+from numalign.replay.inputs import input_at_fault
 from numalign.replay.layer import kept_positions, replay_call, request_mask
+from numalign.replay.leans import POOLED, PointLeans
 from numalign.replay.shards import whole
 from numalign.replay.verdict import (
     ContinuationResult,
@@ -364,6 +366,7 @@ def replay_layer(
     hidden, depth = hidden_and_depth(model)
     module = model.get_submodule(point.name)
     results = []
+    leans = PointLeans(golden, dtype, "isolated")
     for request, calls in point.calls.items():
         mask = request_mask(golden, request)
         for index, call in enumerate(calls):
@@ -378,7 +381,8 @@ def replay_layer(
                 result = compare_point(actual, expected, label(point.name, path), control, policy)
                 results.append(PointResult(point.name, point.order, request, path, result,
                                            mode="isolated", call=index))  # fmt: skip
-    return results
+                leans.add(point.name, path, actual, expected, point.order, len(results))
+    return results + leans.results()
 
 
 def replay_model(
@@ -393,6 +397,7 @@ def replay_model(
     hidden, depth = hidden_and_depth(model)
     points = {p.name: p for p in golden.points}
     verdict = ModelVerdict(points=[])
+    leans = PointLeans(golden, dtype, "accumulated")
     for request in golden.requests:
         name = request.name
         inputs = {
@@ -408,6 +413,7 @@ def replay_model(
                 PointResult(point, points[point].order, name, path, result,
                             finished=len(verdict.points), call=call)
             )  # fmt: skip
+            leans.add(point, path, actual, expected, points[point].order, len(verdict.points))
 
         with torch.no_grad(), observe(model, golden, name, on_output):
             out = model(**inputs, **forward_kwargs(model))
@@ -419,6 +425,9 @@ def replay_model(
             expected = kept_positions(golden.tensor(key), mask)
             control = control_for(golden, dtype, OUTPUT_POINT, output, "output", hidden, depth)
             if output == "logits":
+                # after every point of the request: a lean only the logits show comes last
+                leans.add(OUTPUT_POINT, output, actual.to(torch_dtype), expected, len(points),
+                          1 << 30)  # fmt: skip
                 judged = judge_logits(name, actual.to(torch_dtype), expected, control, policy)
                 verdict.logits.append(judged)
                 logits_budget = judged.values.budget.get("max_abs", 0.0) if judged.values else 0.0
@@ -430,6 +439,7 @@ def replay_model(
             verdict.continuation.append(
                 continuation_agreement(model, name, inputs, golden, continuation, logits_budget)
             )
+    verdict.points += leans.results()
     verdict.divergence = locate(golden, model, verdict.points, dtype, device, policy)
     return verdict
 
@@ -448,9 +458,54 @@ def locate(
     failing = first_divergence(results)
     if failing is None:
         return None
+    if failing.point == OUTPUT_POINT:  # the logits lean, every point within: after the head
+        return Divergence(failing.point, "output", failing.request, failing.result,
+                          why_unlocated=logit_transform(model))  # fmt: skip
     alone = replay_layer(golden, model, golden.point(failing.point), dtype, device, policy)
-    kind = "local" if any(not r.result.passed for r in alone) else "accumulated"
-    return Divergence(failing.point, kind, failing.request, failing.result)
+    if any(not r.result.passed for r in alone):
+        return Divergence(failing.point, "local", failing.request, failing.result)
+    faulty = None
+    if failing.request != POOLED:
+        hidden, depth = hidden_and_depth(model)
+
+        def judge(path: str, actual: Any, expected: Any) -> CompareResult:
+            control = control_for(golden, dtype, failing.point, path, "isolated", hidden, depth)
+            return compare_point(actual, expected, label(failing.point, path), control, policy)
+
+        faulty = input_at_fault(golden, model, failing.point, failing.request, failing.call,
+                                judge, device, _torch_dtype(dtype))  # fmt: skip
+    keywords = [f for f in faulty or () if not f.name.startswith("args[")]
+    if keywords:
+        return Divergence(failing.point, "input", failing.request, failing.result,
+                          inputs=tuple((f.name, f.differs) for f in keywords))  # fmt: skip
+    return Divergence(failing.point, "accumulated", failing.request, failing.result)
+
+
+#: Config attributes of a transform models apply to their logits after the LM head.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, dtype)  # type: ignore[no-any-return]
+
+
+def logit_transform(model: Any) -> str:
+    """What the model does to its logits after the LM head, from its config (soft-capping,
+    scaling), for a divergence that only the logits show."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found = [
+        f"{name} {value}"
+        for name in LOGIT_TRANSFORMS
+        if (value := getattr(text, name, None)) not in (None, 1, 1.0)
+    ]
+    where = f" ({', '.join(found)})" if found else " (the config names none)"
+    return (
+        "every capture point is within budget and the logits are not: the fault is after the "
+        f"LM head, in the model's final logit transform{where}"
+    )
 
 
 def judge_logits(

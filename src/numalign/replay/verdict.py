@@ -47,23 +47,40 @@ class PointResult:
 @dataclass(frozen=True)
 class Divergence:
     """The first point whose error leaves its budget in the whole-model replay; ``kind`` is
-    ``local`` when the point fails alone too (fed the golden inputs), ``accumulated`` when the
-    error comes from upstream."""
+    ``local`` when the point fails alone too (fed the golden inputs), ``input`` when it fails
+    alone fed one of the model's own inputs that no capture point covers (a mask, position
+    embeddings), ``accumulated`` when the error comes with the hidden states from upstream,
+    ``output`` when only the logits fail (the model's final logit transform)."""
 
     point: str
     kind: str
     request: str
     result: CompareResult
-    #: for kind ``unlocated``: why the point could not be replayed alone
+    #: for kind ``unlocated``: why the point could not be replayed alone; for ``output``:
+    #: what the model does after its last capture point
     why_unlocated: str | None = None
+    #: for kind ``input``: the inputs the model fed the point that make it fail alone, with
+    #: how each differs from the golden one
+    inputs: tuple[tuple[str, str], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"point": self.point, "kind": self.kind, "request": self.request}
+        out: dict[str, Any] = {"point": self.point, "kind": self.kind, "request": self.request}
+        if self.inputs:
+            out["inputs"] = [name for name, _ in self.inputs]
+        if self.kind == "output":
+            out["why"] = str(self.why_unlocated)
+        return out
 
     def describe(self) -> str:
+        fed = "; ".join(f"{name} ({differs})" for name, differs in self.inputs)
         why = {
             "local": "the point alone fails too",
-            "accumulated": "the point alone is within budget; the error comes from upstream",
+            "accumulated": "the point alone is within budget and fed the model's own hidden "
+            "states it fails: the error comes from upstream",
+            "input": "the point alone on the golden inputs is within budget, and fails fed "
+            f"the model's own {fed}: the fault is in how the model computes that input, "
+            "which no capture point covers",
+            "output": str(self.why_unlocated),
         }.get(self.kind, f"not replayed alone: {self.why_unlocated}")
         return (
             f"first divergence at {self.point} ({self.kind}: {why}), request {self.request}:\n"

@@ -197,7 +197,9 @@ def _decode_chart(model: str, dtype: str, items: list[DriftRecord]) -> str:
     lines: dict[str, list[float | None]] = {kind: [None] * len(steps) for kind in POINT_KINDS}
     first_failing = None
     for r in items:
-        i = at[int(r.step or 0)]
+        if r.step is None:  # a lean pooled over every step
+            continue
+        i = at[int(r.step)]
         kind = point_place(r.point or "")[2]
         used = _num(r.budget_used)
         if used is not None and (lines[kind][i] is None or used > (lines[kind][i] or 0.0)):

@@ -1,0 +1,67 @@
+"""Model bugs planted into transformers itself, in the replay process only (a pytest plugin:
+``-p planted_transformers`` with ``NUMALIGN_PLANT`` naming the bug), for bug classes that
+live outside any swappable module: how the model builds its masks, its rotary angles, what it
+does to its logits after the LM head. The golden sets were captured without them."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import masking_utils
+from transformers.models.gemma2 import modeling_gemma2
+from transformers.models.llama import modeling_llama
+
+PLANT = os.environ.get("NUMALIGN_PLANT", "")
+
+
+def _padding_attended(padding_mask: torch.Tensor):
+    """Every key attended, padding included (the padding mask dropped)."""
+
+    def inner(batch_idx, head_idx, q_idx, kv_idx):
+        return torch.ones_like(padding_mask[batch_idx, kv_idx], dtype=torch.bool)
+
+    return inner
+
+
+def _window_one_wider(sliding_window: int):
+    """A sliding window one token too wide."""
+
+    def inner(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx > q_idx - sliding_window - 1
+
+    return inner
+
+
+def _rotary_in_bfloat16(self, x, position_ids):
+    """Rotary angles (inverse frequencies times positions) computed in bfloat16."""
+    inv = self.inv_freq[None, :, None].to(torch.bfloat16).expand(position_ids.shape[0], -1, 1)
+    freqs = (inv @ position_ids[:, None, :].to(torch.bfloat16)).transpose(1, 2).float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * self.attention_scaling).to(x.dtype), (
+        emb.sin() * self.attention_scaling
+    ).to(x.dtype)
+
+
+_gemma2_forward = modeling_gemma2.Gemma2ForCausalLM.forward
+
+
+def _no_softcap(self, *args, **kwargs):
+    """Gemma 2's final logit soft-capping left out."""
+    cap, self.config.final_logit_softcapping = self.config.final_logit_softcapping, None
+    try:
+        return _gemma2_forward(self, *args, **kwargs)
+    finally:
+        self.config.final_logit_softcapping = cap
+
+
+if PLANT == "padding_attended":
+    masking_utils.padding_mask_function = _padding_attended
+elif PLANT == "window_one_wider":
+    masking_utils.sliding_window_overlay = _window_one_wider
+elif PLANT == "rotary_bfloat16":
+    modeling_llama.LlamaRotaryEmbedding.forward = _rotary_in_bfloat16
+elif PLANT == "no_softcap":
+    modeling_gemma2.Gemma2ForCausalLM.forward = _no_softcap
+elif PLANT:
+    raise ValueError(f"NUMALIGN_PLANT={PLANT!r}: no such planted bug")

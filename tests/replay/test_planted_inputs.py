@@ -1,0 +1,101 @@
+"""Bugs where no capture point used to look, planted into transformers in the replay process
+(``planted_transformers``, a pytest plugin) or swapped in: each is caught at the module where
+it lives, with the right label, in float32 and bfloat16 (the suites run for real, pytester in
+a subprocess, on the zoo's sets)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from numalign.record import read_records
+
+ROOT = Path(__file__).resolve().parents[2]
+SUITES = ROOT / "suites" / "models"
+HERE = Path(__file__).parent
+
+
+def run_planted(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, plant: str, *args: str
+) -> list:
+    """The model suites with ``plant`` (a bug of planted_transformers, or "" for none) and the
+    planted candidates; the run's records."""
+    pytester.makepyfile(
+        planted_transformers=(HERE / "planted_transformers.py").read_text(encoding="utf-8"),
+        planted_candidates=(HERE / "planted_models.py").read_text(encoding="utf-8"),
+    )
+    monkeypatch.setenv("NUMALIGN_PLANT", plant)
+    path = [str(pytester.path), str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, path)))
+    pytester.runpytest_subprocess(
+        str(SUITES), "--rootdir", str(ROOT), "-p", "no:cacheprovider", "-p",
+        "planted_transformers", "--candidates", "planted_candidates", "--report-dir",
+        str(pytester.path / "reports"), "-q", "--dtype", "float32,bfloat16", *args,
+    )  # fmt: skip
+    return read_records(pytester.path / "reports" / "latest")
+
+
+def divergences(records: list) -> dict[str, dict]:
+    return {r.dtype: r.first_divergence for r in records if r.first_divergence and
+            r.mode == "accumulated"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("plant", "model"), [("padding_attended", "tiny-llama"), ("window_one_wider", "tiny-mistral")]
+)
+def test_a_mask_the_model_builds_wrong_is_named_the_input_at_fault(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, plant: str, model: str
+) -> None:
+    records = run_planted(pytester, monkeypatch, plant, "-k", f"test_model and {model}")
+    found = divergences(records)
+    expected = {"point": "model.layers.0.self_attn", "kind": "input",
+                "request": "text-leftpad", "inputs": ["attention_mask"]}  # fmt: skip
+    assert found == {"float32": expected, "bfloat16": expected}, found
+
+
+def test_rotary_angles_in_bfloat16_fail_at_the_rotary_module(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = run_planted(
+        pytester, monkeypatch, "rotary_bfloat16", "-k", "tiny-llama and (test_model or rotary)"
+    )
+    found = divergences(records)
+    assert {d: (v["point"], v["kind"]) for d, v in found.items()} == dict.fromkeys(
+        ("float32", "bfloat16"), ("model.rotary_emb", "local")
+    ), found
+    alone = {(r.dtype, r.request) for r in records if r.mode == "isolated" and
+             r.point == "model.rotary_emb" and r.verdict == "failed"}  # fmt: skip
+    # the far positions (up to 239 of 256) fail alone in both dtypes: the angle's error
+    # grows with the position
+    assert {("float32", "far-positions"), ("bfloat16", "far-positions")} <= alone, alone
+
+
+def test_soft_capping_left_out_is_named_after_the_head(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = run_planted(pytester, monkeypatch, "no_softcap", "-k", "test_model and gemma2")
+    found = divergences(records)
+    assert {d: v["kind"] for d, v in found.items()} == {"float32": "output", "bfloat16": "output"}
+    failed = [r for r in records if r.mode == "accumulated" and r.verdict == "failed"]
+    assert failed and all(r.point == "(output).logits" for r in failed), [r.point for r in failed]
+    assert all("final logit transform (final_logit_softcapping 30.0)" in v["why"]
+               for v in found.values())  # fmt: skip
+
+
+def test_a_scale_below_one_bfloat16_rounding_is_caught_at_its_norm(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = run_planted(
+        pytester, monkeypatch, "", "--swap", "rms_norm=scaled_03pct", "-k",
+        "tiny-llama and (test_model or input_layernorm)",
+    )  # fmt: skip
+    found = divergences(records)
+    assert found.get("bfloat16") == {"point": "model.layers.0.input_layernorm", "kind": "local",
+                                     "request": "all requests"}, found  # fmt: skip
+    pooled = [r for r in records if r.dtype == "bfloat16" and r.verdict == "failed" and
+              r.point == "model.layers.0.input_layernorm" and r.mode == "accumulated"]  # fmt: skip
+    # every element within its budget: the per-comparison records pass, the pooled lean fails
+    assert [r.request for r in pooled] == ["all requests"]
+    assert "systematic scale of +0.3" in (pooled[0].reason or "")
