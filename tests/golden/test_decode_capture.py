@@ -32,7 +32,7 @@ def golden(request: pytest.FixtureRequest) -> GoldenSet:
 
 def test_every_generating_request_has_its_decode_steps_and_cache(golden: GoldenSet) -> None:
     generating = {r.name for r in golden.requests if r.name.endswith("leftpad")}
-    generating |= {"image"} & {r.name for r in golden.requests}
+    generating |= {"image", "far-positions"} & {r.name for r in golden.requests}
     assert set(golden.decode_requests) == generating
     assert golden.manifest.format == "numalign.golden/3"
     for name in golden.decode_requests:

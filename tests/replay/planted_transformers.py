@@ -43,6 +43,16 @@ def _rotary_in_bfloat16(self, x, position_ids):
     ).to(x.dtype)
 
 
+_llama_norm = modeling_llama.LlamaRMSNorm.forward
+
+
+def _norm_low_precision_path(self, hidden_states):
+    """An RMSNorm whose 16-bit kernel path errs by 2% (its float32 path is right): what a
+    device's low-precision kernel does wrong, invisible to the module run in float32."""
+    out = _llama_norm(self, hidden_states)
+    return out * 1.02 if hidden_states.dtype != torch.float32 else out
+
+
 _gemma2_forward = modeling_gemma2.Gemma2ForCausalLM.forward
 
 
@@ -61,6 +71,8 @@ elif PLANT == "window_one_wider":
     masking_utils.sliding_window_overlay = _window_one_wider
 elif PLANT == "rotary_bfloat16":
     modeling_llama.LlamaRotaryEmbedding.forward = _rotary_in_bfloat16
+elif PLANT == "norm_low_precision_path":
+    modeling_llama.LlamaRMSNorm.forward = _norm_low_precision_path
 elif PLANT == "no_softcap":
     modeling_gemma2.Gemma2ForCausalLM.forward = _no_softcap
 elif PLANT:

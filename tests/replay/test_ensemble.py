@@ -114,3 +114,18 @@ def test_a_capture_calibrates_over_a_subprocess_member(tmp_path: Path) -> None:
     f32 = reopened.calibrated("float32", "model.layers.1", "0", "accumulated")
     # AVX2 kernels round float32 sums in another order: a small error, not zero
     assert f32 is not None and 0 < f32["rel_l2"] < 1e-5
+
+
+def test_the_reference_dtype_s_lean_range_takes_in_the_exact_reference() -> None:
+    # float32 members that reorder sums lean by ~1e-8; the reference replayed exactly leans
+    # by 0 and must lie inside the range (it is the most honest implementation there is)
+    from numalign.replay.ensemble import with_exact_reference
+
+    calibration = {"p": {"0": {"isolated": {"scale_low": -1.2e-8, "scale_high": -1.1e-8,
+                                            "offset_low": 2e-9, "offset_high": 3e-9,
+                                            "max_abs": 1e-6}}}}  # fmt: skip
+    with_exact_reference(calibration)
+    stats = calibration["p"]["0"]["isolated"]
+    assert (stats["scale_low"], stats["scale_high"]) == (-1.2e-8, 0.0)
+    assert (stats["offset_low"], stats["offset_high"]) == (0.0, 3e-9)
+    assert stats["max_abs"] == 1e-6  # errors untouched

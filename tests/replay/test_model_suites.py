@@ -148,17 +148,23 @@ def test_the_deep_model_and_the_encoder_replay_in_every_dtype_with_no_false_alar
     result = run_suite(pytester, "-k", "tiny-deep-llama or tiny-bert")
     assert result.ret == 0, result.stdout.str()[-3000:]
     records = read_records(pytester.path / "reports" / "latest")
-    assert {r.verdict for r in records} == {"passed"}
+    skipped = [r for r in records if r.verdict != "passed"]
+    # the only records not passed: the paged engine cannot serve explicit positions (the far
+    # request), once per dtype, skipped with that reason
+    assert {(r.verdict, r.point, r.swap) for r in skipped} == {
+        ("skipped", "request far-positions", "cache=paged")
+    } and len(skipped) == 3, skipped
     deep = [r for r in records if r.model == "tiny-deep-llama"]
     assert {r.dtype for r in deep} == {"float32", "bfloat16", "float16"}
     # the regime of the false alarm: late layers' residuals in the thousands
     late = [r for r in deep if r.point == "model.layers.23" and r.mode == "accumulated"]
     assert late and all((r.metrics.get("max_expected") or 0) > 1000 for r in late)
     logits = [r for r in deep if r.mode == "logits" and r.step is None]
-    assert len(logits) == 4 * 3  # four requests (text, long), three dtypes: each judged
+    assert len(logits) == 5 * 3  # five requests (text, long, far), three dtypes: each judged
     steps = [r for r in deep if r.mode == "logits" and r.step is not None]
-    # decode: two generating requests x 4 steps, three dtypes, three cache implementations
-    assert len(steps) == 2 * 4 * 3 * 3
+    # decode: three generating requests x 4 steps, three dtypes, three cache implementations,
+    # but the far request in the paged engine
+    assert len(steps) == 3 * 4 * 3 * 3 - 4 * 3
     bert = [r for r in records if r.model == "tiny-bert" and r.mode == "output"]
     assert {r.point for r in bert} == {"last_hidden_state", "pooler_output"}
 

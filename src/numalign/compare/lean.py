@@ -17,13 +17,15 @@ wrong order, a routing bias in one expert's combine weight).
 
 Honest implementations lean too, and alike: in bfloat16 every one of them multiplies the same
 rounded weights, so the reference run in the dtype has a lean of its own. A candidate is
-therefore judged against the range the honest ensemble of the calibration reaches
-(``<lean>_low`` and ``<lean>_high`` over members, requests and calls;
-``channel_<lean>`` the largest), with the sample size in the decision: it fails when its lean
-lies beyond that range by more than ``LEAN_Z`` of its own standard errors plus
-``LEAN_SPREAD`` times the range's width (another machine leans like a member, give or take
-what the members differ by) plus ``LEAN_FLOOR_ROUNDOFFS`` of the dtype's unit roundoff (an
-exact replay, whose error is zero, never leans).
+therefore judged against the leans the honest ensemble of the calibration reached
+(``<lean>_low`` and ``<lean>_high`` over members; ``channel_<lean>`` the largest), spanned
+both ways (the members run the same code and share its roundings; an implementation that
+rounds elsewhere leans anywhere between none and as much the other way), with the sample
+size in the decision: it fails when its lean lies beyond that range by more than ``LEAN_Z``
+of its own standard errors plus ``LEAN_SPREAD`` times the range's width plus a floor of
+the dtype's unit roundoff (``LEAN_FLOOR_ROUNDOFFS`` for a module alone on golden inputs,
+``LEAN_PROPAGATED_FLOOR_ROUNDOFFS`` inside the whole model, where honest upstream noise leans
+the outputs of nonlinear modules; per-channel leans only alone).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from numalign.compare.tolerances import (
     LEAN_CHANNEL_ROWS,
     LEAN_FLOOR_ROUNDOFFS,
     LEAN_MIN_ELEMENTS,
+    LEAN_PROPAGATED_FLOOR_ROUNDOFFS,
     LEAN_SPREAD,
     LEAN_Z,
 )
@@ -194,30 +197,51 @@ class LeanFinding:
 
 
 def judge_lean(
-    measured: Lean, calibration: dict[str, Any], dtype: str = "bfloat16"
+    measured: Lean, calibration: dict[str, Any], dtype: str = "bfloat16", propagated: bool = False
 ) -> LeanFinding | None:
     """The lean of ``measured`` farthest beyond what the calibration's honest members reach
     (see the module's docstring); None when every lean is within, or the calibration has
     none."""
-    failing = [f for f in _findings(measured, calibration, dtype) if f.used > 1.0]
+    failing = [f for f in _findings(measured, calibration, dtype, propagated) if f.used > 1.0]
     return max(failing, key=lambda f: f.used) if failing else None
 
 
-def lean_uses(measured: Lean, calibration: dict[str, Any], dtype: str = "bfloat16") -> list[float]:
+def lean_uses(
+    measured: Lean, calibration: dict[str, Any], dtype: str = "bfloat16", propagated: bool = False
+) -> list[float]:
     """How far each lean goes towards its limit (1: at it)."""
-    return [f.used for f in _findings(measured, calibration, dtype)]
+    return [f.used for f in _findings(measured, calibration, dtype, propagated)]
 
 
-def _findings(measured: Lean, calibration: dict[str, Any], dtype: str) -> list[LeanFinding]:
-    floor = LEAN_FLOOR_ROUNDOFFS * 2.0 ** -(FLOAT_FORMATS[dtype][0] + 1)
+def lean_margin(se: float, width: float, dtype: str, propagated: bool = False) -> float:
+    """How far outside an honest range of ``width`` a lean of standard error ``se`` in
+    ``dtype`` may lie: LEAN_Z standard errors, LEAN_SPREAD widths and the rounding floor."""
+    return LEAN_Z * se + LEAN_SPREAD * width + _floor(dtype, propagated)
+
+
+def _floor(dtype: str, propagated: bool = False) -> float:
+    roundoffs = LEAN_PROPAGATED_FLOOR_ROUNDOFFS if propagated else LEAN_FLOOR_ROUNDOFFS
+    return roundoffs * 2.0 ** -(FLOAT_FORMATS[dtype][0] + 1)
+
+
+def _findings(
+    measured: Lean, calibration: dict[str, Any], dtype: str, propagated: bool = False
+) -> list[LeanFinding]:
+    floor = _floor(dtype, propagated)
     findings = []
     for name in LEANS:
         low, high = calibration.get(f"{name}_low"), calibration.get(f"{name}_high")
         if low is None or high is None:
             continue
+        # the members run the same code and share its roundings (a table rounded to the
+        # dtype, say); an honest implementation that rounds elsewhere leans anywhere between
+        # none (exact) and as much the other way: the range spans the largest lean both ways
+        reach = max(abs(float(low)), abs(float(high)))
         value, se = getattr(measured, name), getattr(measured, f"{name}_se")
-        findings.append(_beyond(name, value, se, float(low), float(high), floor))
-    for name in ("channel_scale", "channel_offset"):
+        findings.append(_beyond(name, value, se, -reach, reach, floor))
+    # per channel only alone: in the whole model a channel's errors share their upstream (a
+    # cached key, an earlier token) and do not average as independent samples
+    for name in ("channel_scale", "channel_offset") if not propagated else ():
         honest = calibration.get(name)
         se = getattr(measured, f"{name}_se")
         if honest is None or measured.channels < 2 or not se:
@@ -232,7 +256,7 @@ def _beyond(
     if not (math.isfinite(value) and math.isfinite(se)):
         return None
     width = high - low
-    margin = LEAN_Z * se + LEAN_SPREAD * width + floor
+    margin = LEAN_Z * se + LEAN_SPREAD * width + floor  # lean_margin, the floor computed once
     outside = value - high if value > high else low - value if value < low else 0.0
     used = outside / margin if margin > 0 else (math.inf if outside > 0 else 0.0)
     z = outside / se if se > 0 else math.inf

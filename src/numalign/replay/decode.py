@@ -51,11 +51,14 @@ def run_decode(
     dtype: torch.dtype,
     device: torch.device | str,
     on_pair: OnPair,
+    on_call: Callable[..., None] | None = None,
 ) -> None:
     """Replays ``request``'s cached decode with a cache of ``implementation``: the prefill,
     then each golden step's token (teacher-forced, so every step compares like with like);
     calls ``on_pair`` for every golden output of every step, the logits, and the cache's
-    states after the prefill (step 0) and after the last step."""
+    states after the prefill (step 0) and after the last step; and ``on_call(step, point,
+    call, args, kwargs, output)`` for every call of a capture point at a step (args and
+    kwargs None for a compiled model)."""
     import torch
 
     decode = golden.decode(request)
@@ -77,7 +80,8 @@ def run_decode(
                 token = golden.tensor(step.token, device=device)
                 inputs, forward = decode_inputs(model, inputs, token, cache)
                 mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=torch.bool)], dim=1)
-                observe = _step_observer(golden, request, step.points, number, on_pair)
+                observe = _step_observer(golden, request, step.points, number, on_pair,
+                                         on_call)  # fmt: skip
                 with observe_calls(model, list(step.points), observe):
                     logits = model(**forward).logits[:, -1]
                 on_pair(request, number, OUTPUT_POINT, "logits", logits.detach(),
@@ -94,9 +98,10 @@ def _step_observer(
     points: dict[str, list[dict[str, str]]],
     number: int,
     on_pair: OnPair,
+    on_step_call: Callable[..., None] | None = None,
 ) -> Callable[[str, Any, Any, Any], None]:
     """A hook callback comparing the n-th call of each point in this step with its n-th
-    recorded call's outputs."""
+    recorded call's outputs (and handing each call on to ``on_step_call``)."""
     import torch
 
     seen: dict[str, int] = {}
@@ -104,6 +109,8 @@ def _step_observer(
     def on_call(point: str, args: Any, kwargs: Any, output: Any) -> None:
         index = seen.get(point, 0)
         seen[point] = index + 1
+        if on_step_call is not None:
+            on_step_call(number, point, index, args, kwargs, output)
         calls = points.get(point, [])
         if index >= len(calls):
             return
@@ -156,17 +163,26 @@ class DecodeDivergence:
     point: str
     request: str
     result: Any
+    #: where it lives (``replay.decode_locate``): None where it was not located
+    location: Any = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"point": self.point, "step": self.step, "request": self.request,
-                "kind": "decode"}  # fmt: skip
+        out = {"point": self.point, "step": self.step, "request": self.request,
+               "kind": "decode"}  # fmt: skip
+        if self.location is not None:
+            out["located"] = self.location.kind
+            if self.location.named:
+                out["named"] = self.location.named
+        return out
 
     def describe(self) -> str:
         where = {0: "the prefill's cache", None: "every decode step pooled"}.get(
             self.step, f"decode step {self.step}"
         )
+        located = "" if self.location is None else (
+            f" ({self.location.kind}: {self.location.why})")  # fmt: skip
         return (
-            f"first divergence at {where}, {self.point}, request {self.request}:\n"
+            f"first divergence at {where}, {self.point}, request {self.request}{located}:\n"
             f"{self.result.message()}"
         )
 
@@ -181,6 +197,14 @@ class DecodeVerdict:
     logits: list[LogitsResult] = field(default_factory=list)
     #: points an engine has no counterpart for, with the reason (skipped records)
     unmapped: dict[str, str] = field(default_factory=dict)
+    #: where the first divergence lives (``replay.decode_locate.locate_decode``)
+    location: Any = None
+
+    @property
+    def first_failing(self) -> PointResult | None:
+        """The first failing point result (in step and forward order), not the logits."""
+        failing = [r for r in self.points if not r.result.passed]
+        return min(failing, key=_decode_order) if failing else None
 
     @property
     def divergence(self) -> DecodeDivergence | None:
@@ -193,13 +217,9 @@ class DecodeVerdict:
         ]  # fmt: skip
         if not failing:
             return None
-        # a pooled lean (no step) only after every step's own results, in forward order
-        # (the cache's states, written by the attention, after every point)
-        first = min(
-            failing,
-            key=lambda r: (math.inf, r.order) if r.step is None else (r.step, r.finished),
-        )
-        return DecodeDivergence(first.step, first.label, first.request, first.result)
+        first = min(failing, key=_decode_order)
+        location = self.location if first is self.first_failing else None
+        return DecodeDivergence(first.step, first.label, first.request, first.result, location)
 
     @property
     def passed(self) -> bool:
@@ -226,6 +246,13 @@ class DecodeVerdict:
             if not lg.passed
         ]
         return f"{title} [{self.implementation} cache]: " + "\n\n".join(problems)
+
+
+def _decode_order(r: PointResult) -> tuple[float, int]:
+    """Step, then completion order; a pooled lean (no step) only after every step's own
+    results, in forward order (the cache's states, written by the attention, after every
+    point)."""
+    return (math.inf, r.order) if r.step is None else (r.step, r.finished)
 
 
 def replay_decode(

@@ -348,7 +348,24 @@ def calibrate_set(
             ran[dtype].append(describe(member))
     for dtype in dtypes:
         if tables[dtype]:
-            golden.write_calibration(dtype, merge(tables[dtype]), members=ran[dtype])
+            merged = merge(tables[dtype])
+            if dtype == golden.reference.dtype:
+                with_exact_reference(merged)
+            golden.write_calibration(dtype, merged, members=ran[dtype])
+
+
+def with_exact_reference(calibration: Calibration) -> None:
+    """The reference's own dtype, where the reference member does not run (its error is zero
+    by construction): the leans' ranges take in its lean, zero, since replaying the reference
+    exactly is honest (members that reorder float32 sums lean by 1e-8, and an exact replay
+    must not lie outside their range)."""
+    for outputs in calibration.values():
+        for modes in outputs.values():
+            for stats in modes.values():
+                for lean in ("scale", "offset"):
+                    low, high = stats.get(f"{lean}_low"), stats.get(f"{lean}_high")
+                    if low is not None and high is not None:
+                        stats[f"{lean}_low"], stats[f"{lean}_high"] = min(low, 0.0), max(high, 0.0)
 
 
 def _member_dtypes(member: Member, dtypes: Sequence[str], reference_dtype: str) -> list[str]:

@@ -5,10 +5,16 @@ argument). ``input_at_fault`` reruns the model's request, takes what the model f
 call, and replays the point on the golden inputs with one of them replaced by the model's own
 at a time: the inputs whose replacement alone makes the point fail are at fault. When none
 does, the error came in with the hidden states (``None``: accumulated).
+
+Masks are judged as the model builds them, too (``judged_masks``): every distinct mask a
+request's points are fed (one per layer type: full, sliding, chunked) is compared exactly,
+as where each position may attend, with the golden one the point was fed in the capture.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -193,3 +199,73 @@ def _tensor_outputs(output: Any) -> list[tuple[str, Any]]:
     from numalign.golden.reference import flatten
 
     return [(p, t) for p, t in flatten(output) if isinstance(t, torch.Tensor)]
+
+
+#: The output path under which a point's judged mask input is recorded.
+MASK_PATH = "in:{}"
+
+
+@contextmanager
+def judged_masks(
+    model: Any,
+    golden: GoldenSet,
+    request: str,
+    on_mask: Callable[[str, str, torch.Tensor, torch.Tensor, int], None],
+) -> Iterator[None]:
+    """While the model runs ``request``, calls ``on_mask(point, path, actual, expected,
+    call)`` once per distinct golden mask (a keyword input whose name holds "mask"), the first
+    time a point that uses it (the innermost point fed it: the attention, not its block) is
+    fed it: where each position may attend, the model's against the golden
+    one. A mask the replay's attention takes in another form (None for a causal SDPA, another
+    shape) is not judged: that is the implementation's choice, not the model's masking."""
+    points = [p for p in golden.points if any(
+        _mask_keys(c) for c in p.calls.get(request, []))]  # fmt: skip
+    fed: dict[str, set[str]] = {}
+    for p in points:
+        for c in p.calls.get(request, []):
+            for key in _mask_keys(c).values():
+                fed.setdefault(key, set()).add(p.name)
+    # a block passes its mask on to its attention: judged where it is used, the innermost
+    innermost = {
+        (name, key)
+        for key, names in fed.items()
+        for name in names
+        if not any(other.startswith(name + ".") for other in names)
+    }
+    judged: set[str] = set()
+    seen: dict[str, int] = {}
+    handles = []
+    for point in points:
+        module = model.get_submodule(point.name)
+
+        def pre(mod: Any, args: Any, kwargs: dict[str, Any], point: Any = point) -> None:
+            number = seen.get(point.name, 0)
+            seen[point.name] = number + 1
+            calls = point.calls.get(request, [])
+            if number >= len(calls):
+                return
+            for name, key in _mask_keys(calls[number]).items():
+                own = kwargs.get(name)
+                if (point.name, key) not in innermost or key in judged:
+                    continue
+                if own is None or not hasattr(own, "shape"):
+                    continue
+                expected = golden.tensor(key)
+                if tuple(own.shape) != tuple(expected.shape):
+                    continue
+                judged.add(key)
+                on_mask(point.name, MASK_PATH.format(name), _attends(own.detach()).cpu(),
+                        _attends(expected), number)  # fmt: skip
+
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _mask_keys(call: Call) -> dict[str, str]:
+    return {
+        name: key for name, key in call.kwargs.items() if "mask" in name and isinstance(key, str)
+    }

@@ -4,9 +4,11 @@ set's calibration reached in the same mode and dtype. A pooled lean resolves a s
 error far below one rounding per element (a bfloat16 GELU of the other form, a wrong
 epsilon), which the per-comparison budgets, at the dtype's noise, let through.
 
-One result per point output and replay, request ``POOLED``; none where the calibration
-holds no leans (sets captured before numalign 0.5, a float32 borrowing its budgets) or the
-point has too few elements to resolve one.
+One result per point output and replay, request ``POOLED``; judged alone (layer replay) at
+the fine floor and per channel, inside the whole model (model and decode replay) at the
+propagated floor and globally (``compare.lean``); none where the calibration holds no leans
+(sets captured before this numalign, a float32 borrowing its budgets) or the point has too
+few elements to resolve one.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ class PointLeans:
             if not calibration or measured is None or calibration.get("scale_low") is None:
                 continue
             order, finished = self.first[(point, path)]
-            result = lean_result(label(point, path), self.dtype, measured, calibration)
+            result = lean_result(label(point, path), self.dtype, measured, calibration,
+                                 propagated=self.mode != "isolated")  # fmt: skip
             out.append(PointResult(point, order, POOLED, path, result, self.mode,
                                    finished=finished))  # fmt: skip
         return out
@@ -66,12 +69,13 @@ _RANGE = ("scale_low", "scale_high", "offset_low", "offset_high", "channel_scale
 
 
 def lean_result(
-    name: str, dtype: str, measured: Lean, calibration: dict[str, Any]
+    name: str, dtype: str, measured: Lean, calibration: dict[str, Any], propagated: bool = False
 ) -> CompareResult:
     """The lean rule's verdict on one pooled output, as a comparison's result (rule
     ``distribution``): the honest range and the measured leans in ``budget``, the most
     significant lean beyond the range as the reason."""
-    finding = judge_lean(measured, calibration, dtype)
+    finding = judge_lean(measured, calibration, dtype, propagated)
+    used = max(lean_uses(measured, calibration, dtype, propagated), default=0.0)
     budget = {k: float(v) for k in _RANGE if (v := calibration.get(k)) is not None}
     budget |= {
         "lean_scale": measured.scale, "lean_scale_se": measured.scale_se,
@@ -83,7 +87,7 @@ def lean_result(
     result = CompareResult(
         name=name, dtype=dtype, shape=(measured.elements,), op_class="matmul", passed=True,
         rule="distribution", metrics=Metrics.blank(measured.elements, error=nan, agreement=nan),
-        budget=budget, budget_used=max(lean_uses(measured, calibration, dtype), default=0.0),
+        budget=budget, budget_used=used,
         reason=f"pooled leans within the honest range: scale {measured.scale:+.4%}, offset "
         f"{measured.offset:+.4%} over {measured.elements} elements",
     )  # fmt: skip

@@ -7,8 +7,9 @@ of ``numalign.replay.verdict``."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -17,8 +18,8 @@ from numalign.compare.logits import logits_stats
 from numalign.golden.manifest import OUTPUT_POINT, Continuation, GoldenSetError
 from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import DEFAULT_SETS, discover_sets
-from numalign.replay.compiled import compile_model, compile_spec, observe, take_stats
-from numalign.replay.inputs import input_at_fault
+from numalign.replay.compiled import CompiledModel, compile_model, compile_spec, observe, take_stats
+from numalign.replay.inputs import MASK_PATH, input_at_fault, judged_masks
 from numalign.replay.layer import kept_positions, replay_call, request_mask
 from numalign.replay.leans import POOLED, PointLeans
 from numalign.replay.shards import whole
@@ -415,7 +416,19 @@ def replay_model(
             )  # fmt: skip
             leans.add(point, path, actual, expected, points[point].order, len(verdict.points))
 
-        with torch.no_grad(), observe(model, golden, name, on_output):
+        def on_mask(point: str, path: str, actual: Any, expected: Any, call: int,
+                    name: str = name) -> None:  # fmt: skip
+            # exact, as booleans; recorded in the replay's dtype like every point
+            result = replace(compare(actual, expected, name=label(point, path)), dtype=dtype)
+            verdict.points.append(PointResult(point, points[point].order, name, path, result,
+                                              finished=len(verdict.points), call=call))  # fmt: skip
+
+        masks = judged_masks if not isinstance(model, CompiledModel) else _no_masks
+        with (
+            torch.no_grad(),
+            observe(model, golden, name, on_output),
+            masks(model, golden, name, on_mask),
+        ):
             out = model(**inputs, **forward_kwargs(model))
         mask = request_mask(golden, name)
         finals = model_outputs(out)
@@ -458,9 +471,17 @@ def locate(
     failing = first_divergence(results)
     if failing is None:
         return None
+    if failing.path.startswith(MASK_PATH.format("")):  # a mask the model built, judged exactly
+        differs = (
+            f"{failing.result.metrics.mismatch_count} of {failing.result.metrics.numel} "
+            "mask entries attend differently"
+        )
+        mask = failing.path.removeprefix(MASK_PATH.format(""))
+        return Divergence(failing.point, "input", failing.request, failing.result,
+                          inputs=((mask, differs),))  # fmt: skip
     if failing.point == OUTPUT_POINT:  # the logits lean, every point within: after the head
         return Divergence(failing.point, "output", failing.request, failing.result,
-                          why_unlocated=logit_transform(model))  # fmt: skip
+                          why_unlocated=logit_transform(model.config))  # fmt: skip
     alone = replay_layer(golden, model, golden.point(failing.point), dtype, device, policy)
     if any(not r.result.passed for r in alone):
         return Divergence(failing.point, "local", failing.request, failing.result)
@@ -478,11 +499,51 @@ def locate(
     if keywords:
         return Divergence(failing.point, "input", failing.request, failing.result,
                           inputs=tuple((f.name, f.differs) for f in keywords))  # fmt: skip
-    return Divergence(failing.point, "accumulated", failing.request, failing.result)
+    named = _failing_upstream(golden, model, results, failing, dtype, device, policy)
+    return Divergence(failing.point, "accumulated", failing.request, failing.result,
+                      named=named)  # fmt: skip
+
+
+#: How many points before an accumulated divergence are replayed alone to find the one that
+#: errs itself: a block's worth (norms, attention, MLP) and the block before it.
+UPSTREAM_POINTS = 8
+
+
+def _failing_upstream(
+    golden: GoldenSet,
+    model: Any,
+    results: list[PointResult],
+    failing: PointResult,
+    dtype: str,
+    device: torch.device,
+    policy: Any,
+) -> str | None:
+    """The latest of the ``UPSTREAM_POINTS`` points before ``failing`` (in the order the
+    forward called them) that fails alone on the golden inputs, its pooled lean included:
+    the module whose error, within its own budget in the whole model, the failing point
+    carries on."""
+    first: dict[str, int] = {}
+    for r in results:
+        if r.finished < failing.finished:
+            first[r.point] = min(first.get(r.point, r.finished), r.finished)
+    before = sorted(first.items(), key=lambda item: item[1])
+    for point, _ in reversed(before[-UPSTREAM_POINTS:]):
+        if point == OUTPUT_POINT:
+            continue
+        alone = replay_layer(golden, model, golden.point(point), dtype, device, policy)
+        if any(not r.result.passed for r in alone):
+            return point
+    return None
 
 
 #: Config attributes of a transform models apply to their logits after the LM head.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+@contextmanager
+def _no_masks(*args: Any) -> Iterator[None]:
+    """A compiled model's masks are inside its graph: not judged."""
+    yield
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:
@@ -491,10 +552,9 @@ def _torch_dtype(dtype: str) -> torch.dtype:
     return getattr(torch, dtype)  # type: ignore[no-any-return]
 
 
-def logit_transform(model: Any) -> str:
+def logit_transform(config: Any) -> str:
     """What the model does to its logits after the LM head, from its config (soft-capping,
     scaling), for a divergence that only the logits show."""
-    config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     found = [
         f"{name} {value}"

@@ -62,6 +62,8 @@ class Divergence:
     #: for kind ``input``: the inputs the model fed the point that make it fail alone, with
     #: how each differs from the golden one
     inputs: tuple[tuple[str, str], ...] = ()
+    #: for kind ``accumulated``: a point before it that fails alone (the module at fault)
+    named: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"point": self.point, "kind": self.kind, "request": self.request}
@@ -69,14 +71,17 @@ class Divergence:
             out["inputs"] = [name for name, _ in self.inputs]
         if self.kind == "output":
             out["why"] = str(self.why_unlocated)
+        if self.named:
+            out["named"] = self.named
         return out
 
     def describe(self) -> str:
         fed = "; ".join(f"{name} ({differs})" for name, differs in self.inputs)
         why = {
             "local": "the point alone fails too",
-            "accumulated": "the point alone is within budget and fed the model's own hidden "
-            "states it fails: the error comes from upstream",
+            "accumulated": "the point alone is within budget; the error comes with its hidden "
+            "states from upstream"
+            + (f", from {self.named}, which fails alone" if self.named else ""),
             "input": "the point alone on the golden inputs is within budget, and fails fed "
             f"the model's own {fed}: the fault is in how the model computes that input, "
             "which no capture point covers",

@@ -41,11 +41,13 @@ from numalign.replay.engines.vllm_points import (
     residual_output,
 )
 from numalign.replay.layer import kept_positions, request_mask
+from numalign.replay.leans import PointLeans
 from numalign.replay.model import (
     compare_point,
     control_for,
     hidden_and_depth,
     judge_logits,
+    logit_transform,
     open_fresh,
 )
 from numalign.replay.verdict import Divergence, ModelVerdict, PointResult, first_divergence, label
@@ -148,6 +150,7 @@ class VllmEngine:
         unmapped = _unmapped(running.mapping)
         hidden, depth = hidden_and_depth_of(running)
         torch_dtype = _torch_dtype(dtype)
+        leans = PointLeans(golden, dtype, "accumulated")
         for request in golden.requests:
             rows = _rows(golden, request.name)
             if rows is None:
@@ -184,6 +187,8 @@ class VllmEngine:
                         pm.point, point.order, request.name, path, result,
                         finished=served.order.get(pm.module, 0),
                     ))  # fmt: skip
+                    leans.add(pm.point, path, actual.to(torch_dtype), expected, point.order,
+                              served.order.get(pm.module, 0))  # fmt: skip
             verdict.points += _residuals(served, golden, request.name, rows, running.mapping,
                                          dtype, hidden, depth, policy)  # fmt: skip
             finals = golden.final_outputs(request.name)
@@ -194,6 +199,8 @@ class VllmEngine:
                     golden, dtype, OUTPUT_POINT, "logits", "output", hidden, depth
                 )
                 verdict.logits.append(judge_logits(request.name, actual, expected, control, policy))
+                leans.add(OUTPUT_POINT, "logits", actual, expected, len(golden.points), 1 << 30)
+        verdict.points += leans.results()
         verdict.divergence = self._locate(golden, dtype, verdict.points, policy)
         verdict.unmapped = unmapped
         return Replayed(golden, verdict, self._context(golden, running))
@@ -213,6 +220,7 @@ class VllmEngine:
         torch_dtype = _torch_dtype(dtype)
         modules = {pm.point: pm.module for pm in running.mapping if pm.module is not None}
         order = {p.name: p.order for p in golden.points}
+        leans = PointLeans(golden, dtype, "decode")
         for request in golden.decode_requests:
             rows = _rows(golden, request)
             decode = golden.decode(request)
@@ -236,6 +244,8 @@ class VllmEngine:
                             point, order.get(point, len(order)), request, path, result, "decode",
                             finished=served.order.get(modules[point], 0), step=number,
                         ))  # fmt: skip
+                        leans.add(point, path, actual.to(torch_dtype), expected,
+                                  order.get(point, len(order)), len(verdict.points))  # fmt: skip
                 logits = _step_rows(served, rows, OUTPUT_POINT, number)[:, 0]
                 control = control_for(
                     golden, dtype, OUTPUT_POINT, "logits", "decode", hidden, depth
@@ -244,6 +254,9 @@ class VllmEngine:
                                       control, policy)  # fmt: skip
                 judged.step = number
                 verdict.logits.append(judged)
+                leans.add(OUTPUT_POINT, "logits", logits.to(torch_dtype),
+                          golden.tensor(step.logits), len(order), len(verdict.points))  # fmt: skip
+        verdict.points += leans.results()
         verdict.unmapped = unmapped
         context = self._context(golden, running)
         context["swap"] = ",".join(filter(None, [context["swap"], f"cache={cache}"]))
@@ -400,6 +413,10 @@ class VllmEngine:
         if failing is None:
             return None
         running = self._engine(golden, dtype)
+        if failing.point == OUTPUT_POINT:  # only the logits lean: after the head
+            config = running.llm.llm_engine.model_config.hf_config
+            return Divergence(failing.point, "output", failing.request, failing.result,
+                              why_unlocated=logit_transform(config))  # fmt: skip
         module = next(m.module for m in running.mapping if m.point == failing.point)
         alone = _isolated(running, golden, golden.point(failing.point), module or "", dtype, policy)
         if isinstance(alone, str):
@@ -663,6 +680,7 @@ def _isolated(
     hidden, depth = hidden_and_depth_of(running)
     torch_dtype = getattr(torch, dtype)
     results = []
+    leans = PointLeans(golden, dtype, "isolated")
     for request, calls in point.calls.items():
         if "pixel_values" in golden.request(request).inputs:
             continue
@@ -699,6 +717,8 @@ def _isolated(
             result = compare_point(out.detach().float().to(torch_dtype), expected, point.name,
                                    control, policy)  # fmt: skip
             results.append(PointResult(point.name, point.order, request, "0", result, "isolated"))
+            leans.add(point.name, "0", out.detach().float().to(torch_dtype), expected, point.order,
+                      len(results))  # fmt: skip
             stream = _fused_residual(module, x, running)
             if stream is not None:  # the fused add of the stream and zeros gives the stream
                 result = compare_point(stream.to(torch_dtype), x, label(point.name, RESIDUAL),
@@ -706,7 +726,7 @@ def _isolated(
                 results.append(
                     PointResult(point.name, point.order, request, RESIDUAL, result, "isolated")
                 )
-    return results
+    return results + leans.results()
 
 
 def _fused_residual(module: Any, x: Any, running: _Running) -> Any:

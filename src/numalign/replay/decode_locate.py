@@ -1,0 +1,180 @@
+"""Locating a decode divergence: is the first failing point at its step wrong itself, or fed
+a wrong input?
+
+A decode step's inputs are not in the golden set (only each point's new-token outputs are),
+so the point is checked on the very input the replay fed it: the module run again on that
+input in float32 (a float32 copy of it, the input upcast) is what an exact module computes
+there, and the candidate's output against it is the module's own error at this step, judged
+against the point's isolated calibration (the module's own error in the dtype on golden
+inputs). Beyond it: ``local``. Within it: the error came with its input (``accumulated``),
+and the points that ran before it at the step are checked the same way, latest first; the
+first of them beyond its own budget is named (a norm computed in low precision whose output
+stays within its decode budget, yet pushes the MLP after it over).
+
+Modules that take a KV cache (attention, decoder blocks) are not run again (a second call
+would write the cache twice): such a point is ``unlocated`` with that reason, and so is a
+step the replay cannot revisit (a compiled model).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
+from numalign.golden.reference import flatten
+from numalign.replay.decode import run_decode
+from numalign.replay.model import compare_point, control_for, hidden_and_depth
+from numalign.replay.verdict import label
+
+if TYPE_CHECKING:
+    import torch
+
+    from numalign.golden.store import GoldenSet
+    from numalign.replay.verdict import PointResult
+
+#: Keyword inputs that mark a module whose call writes a KV cache.
+_CACHE_KWARGS = ("past_key_values", "cache", "past_key_value", "layer_past")
+
+
+@dataclass(frozen=True)
+class DecodeLocation:
+    """Where a decode divergence lives: ``kind`` local, accumulated or unlocated; ``named``:
+    a point before it that fails its own check (accumulated), or None; ``why``: the reason."""
+
+    kind: str
+    named: str | None
+    why: str
+
+
+@dataclass
+class _StepCall:
+    point: str
+    index: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: Any
+
+
+def locate_decode(
+    golden: GoldenSet,
+    model: Any,
+    first: PointResult,
+    dtype: str,
+    device: torch.device | str,
+    implementation: str,
+    policy: Any = None,
+) -> DecodeLocation | None:
+    """The location of decode's first failing point ``first`` (None for the cache's states,
+    the logits and pooled leans, which name no module call at one step)."""
+    if first.step is None or first.step < 1 or first.point in (CACHE_POINT, OUTPUT_POINT):
+        return None
+    if not hasattr(model, "get_submodule"):
+        return DecodeLocation("unlocated", None, "a compiled model's steps are not revisited")
+    calls = _step_calls(golden, model, first.request, first.step, dtype, device, implementation)
+    mine = next((c for c in calls if c.point == first.point and c.index == first.call), None)
+    if mine is None:
+        return DecodeLocation("unlocated", None, f"{first.point} was not called at the step")
+    own = _own_error(golden, model, mine, first.path, dtype, policy)
+    if isinstance(own, str):
+        return DecodeLocation("unlocated", None, own)
+    if not own.passed:
+        return DecodeLocation(
+            "local", None,
+            f"{first.point} errs beyond its own budget on the input it was fed at step "
+            f"{first.step} (against itself in float32 on that input): {own.reason}",
+        )  # fmt: skip
+    before = calls[: calls.index(mine)]
+    for call in reversed(before):
+        checked = _own_error(golden, model, call, "0", dtype, policy)
+        if not isinstance(checked, str) and not checked.passed:
+            return DecodeLocation(
+                "accumulated", call.point,
+                f"{first.point} is within its own budget on its input; {call.point}, before "
+                f"it at step {first.step}, is not: {checked.reason}",
+            )  # fmt: skip
+    return DecodeLocation(
+        "accumulated", None,
+        f"{first.point} is within its own budget on the input it was fed at step {first.step}, "
+        "and so is every point before it that runs alone: the error comes from upstream "
+        "(an attention, or a cache)",
+    )  # fmt: skip
+
+
+def _step_calls(
+    golden: GoldenSet,
+    model: Any,
+    request: str,
+    step: int,
+    dtype: str,
+    device: torch.device | str,
+    implementation: str,
+) -> list[_StepCall]:
+    """Every capture point's call at ``step`` of the request's decode, in completion order,
+    with the inputs the replay fed it (a fresh decode with the same cache implementation;
+    the paged engine's steps are revisited with the dynamic cache, its modules the same)."""
+    import torch
+
+    found: list[_StepCall] = []
+
+    def on_call(number: int, point: str, index: int, args: Any, kwargs: Any, output: Any) -> None:
+        if number == step and args is not None:
+            found.append(_StepCall(point, index, _detached(args), _detached(kwargs), output))
+
+    cache = "dynamic" if implementation == "paged" else implementation
+    run_decode(golden, model, request, cache, getattr(torch, dtype), device,
+               lambda *a, **k: None, on_call=on_call)  # fmt: skip
+    return found
+
+
+def _own_error(
+    golden: GoldenSet, model: Any, call: _StepCall, path: str, dtype: str, policy: Any
+) -> Any:
+    """The call's output against its module in float32 on the same input, within the point's
+    isolated budget; a string saying why the module cannot run again."""
+    import torch
+
+    if any(k in call.kwargs for k in _CACHE_KWARGS) or not call.args:
+        return f"{call.point} takes the KV cache: not run again at one step"
+    module = model.get_submodule(call.point)
+    actual = dict(flatten(call.output)).get(path)
+    if not isinstance(actual, torch.Tensor) or not actual.is_floating_point():
+        return f"{call.point} has no floating output {path}"
+    exact = copy.deepcopy(module).float()
+    with torch.no_grad():
+        reference = dict(flatten(exact(*_up(call.args), **_up(call.kwargs)))).get(path)
+    if not isinstance(reference, torch.Tensor):
+        return f"{call.point}'s float32 copy gives no output {path}"
+    hidden, depth = hidden_and_depth(model)
+    control = control_for(golden, dtype, call.point, path, "isolated", hidden, depth)
+    expected = reference.detach().double().cpu()
+    return compare_point(actual.detach().cpu(), expected, label(call.point, path), control, policy)
+
+
+def _up(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        return tuple(_up(v) for v in value)
+    if isinstance(value, list):
+        return [_up(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _up(v) for k, v in value.items()}
+    return value
+
+
+def _detached(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_detached(v) for v in value)
+    if isinstance(value, list):
+        return [_detached(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
