@@ -157,7 +157,12 @@ def test_the_deep_model_and_the_encoder_replay_in_every_dtype_with_no_false_alar
     deep = [r for r in records if r.model == "tiny-deep-llama"]
     assert {r.dtype for r in deep} == {"float32", "bfloat16", "float16"}
     # the regime of the false alarm: late layers' residuals in the thousands
-    late = [r for r in deep if r.point == "model.layers.23" and r.mode == "accumulated"]
+    # (a pooled lean, request "all requests", has no element metrics)
+    late = [
+        r
+        for r in deep
+        if r.point == "model.layers.23" and r.mode == "accumulated" and r.request != "all requests"
+    ]
     assert late and all((r.metrics.get("max_expected") or 0) > 1000 for r in late)
     logits = [r for r in deep if r.mode == "logits" and r.step is None]
     assert len(logits) == 5 * 3  # five requests (text, long, far), three dtypes: each judged
