@@ -236,7 +236,7 @@ class ModelCache:
             compiled,
         )
         if key not in self.models:
-            from numalign.replay.swap import apply_swaps
+            from numalign.replay.swap import SwapUnmatched, apply_swaps
 
             try:
                 model = load_model(golden.model_dir, dtype, attn_implementation=attn_implementation,
@@ -248,6 +248,8 @@ class ModelCache:
                 apply_swaps(model, swaps)
                 if compiled is not None:  # after the swaps: the compiler sees the kernels
                     model = compile_model(model, compiled, [p.name for p in golden.points])
+            except SwapUnmatched as exc:  # another model of the session has the module
+                raise ReplayUnsupported(str(exc)) from None
             except ValueError as exc:
                 if "implementation" not in str(exc):
                     raise
