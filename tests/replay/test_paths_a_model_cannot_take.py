@@ -61,6 +61,7 @@ def test_a_model_with_its_own_cache_captures_and_decodes_with_it(tmp_path: Path)
         CacheUnsupported, match=r"builds a cache of its own .*: a static cache is not one it takes"
     ):
         new_cache(model, "static", 16)
+
     worst: dict[str, float] = {}
 
     def on_pair(request, step, point, path, actual, expected, call=0):  # type: ignore[no-untyped-def]
@@ -93,3 +94,10 @@ def test_a_module_that_needs_shared_state_skips_alone(tmp_path: Path) -> None:
     out = replay_call(model.get_submodule(norm.name), golden, first, device="cpu",
                       dtype=torch.float32)  # fmt: skip
     assert set(out) == set(first.outputs)
+
+
+def test_an_offloaded_cache_on_the_cpu_skips_with_the_reason() -> None:
+    model = _tiny("llama")
+    with pytest.raises(CacheUnsupported, match="the model is on the CPU, with nothing to offload"):
+        new_cache(model, "offloaded", 16)
+    assert new_cache(model, "static", 16) is not None

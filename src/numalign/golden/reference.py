@@ -316,6 +316,13 @@ def new_cache(model: Any, implementation: str, max_len: int) -> Any:
             return None  # the model's forward builds its own; ``filled_cache`` takes it back
         raise CacheUnsupported(f"{own}: a {implementation} cache is not one it takes")
     offloading = implementation.startswith("offloaded")
+    device = next((p.device for p in model.parameters()), None)
+    if offloading and (device is None or device.type == "cpu"):
+        raise CacheUnsupported(
+            f"a {implementation} cache moves layers between an accelerator and the CPU (it "
+            "calls torch.cuda); the model is on the CPU, with nothing to offload: replay it "
+            "with --device cuda, or the dynamic and static caches here"
+        )
     if implementation.endswith("static"):
         return StaticCache(config=model.config, max_cache_len=max_len, offloading=offloading)
     return DynamicCache(config=model.config, offloading=offloading)
