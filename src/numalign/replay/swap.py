@@ -55,8 +55,7 @@ def lacking_forms(op: Operator, types: set[str]) -> list[str]:
     """Module types that are forms of what ``op`` stands for which it does not take: a
     pattern's stem inside a longer name (``*RMSNorm`` -> ``Qwen3NextRMSNormGated``, a gated
     norm that multiplies by silu(gate) too)."""
-    stems = [p.strip("*") for p in op.hf_modules if p.strip("*")]
-    return sorted(t for t in types if not op.stands_for(t) and any(s in t for s in stems))
+    return sorted(t for t in types if op.extended_by(t))
 
 
 def unmatched_message(op: Operator, cand_name: str, types: set[str]) -> str:

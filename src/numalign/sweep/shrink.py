@@ -90,17 +90,13 @@ TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 #: Types whose config the generic shrink cannot make valid: key -> value set after it, with
 #: the reason. Each entry is tested (``tests/sweep/test_shrink.py``) to build.
 OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
-    "lfm2": (
-        {"block_auto_adjust_ff_dim": False},
-        "its feed-forward size is rounded up to block_multiple_of (256) unless told not to",
-    ),
     "mamba2": (
         {"num_heads": 8},
         "its heads x head dim must equal expand (2) x hidden",
     ),
     "falcon_h1": (
         {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16},
-        "its SSM width must equal heads x head dim",
+        "its SSM width must equal heads x head dim (the generic shrink keeps a head dim of 8)",
     ),
 }
 
