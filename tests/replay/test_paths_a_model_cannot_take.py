@@ -15,7 +15,7 @@ from numalign.golden.manifest import CACHE_POINT
 from numalign.golden.reference import CacheUnsupported, load_model, new_cache
 from numalign.golden.store import GoldenSet
 from numalign.replay.decode import run_decode
-from numalign.replay.layer import AloneUnsupported, replay_call, shared_inputs
+from numalign.replay.layer import AloneUnsupported, replay_call, shared_inputs, within_range
 from numalign.replay.paged import paged_layer_types, paged_unsupported
 from numalign.sweep.build import build_tiny, tiny_config
 
@@ -101,3 +101,27 @@ def test_an_offloaded_cache_on_the_cpu_skips_with_the_reason() -> None:
     with pytest.raises(CacheUnsupported, match="the model is on the CPU, with nothing to offload"):
         new_cache(model, "offloaded", 16)
     assert new_cache(model, "static", 16) is not None
+
+
+def test_a_golden_mask_keeps_its_finite_minimum_in_a_lower_dtype() -> None:
+    minimum = torch.finfo(torch.float32).min
+    mask = torch.tensor([0.0, minimum, float("-inf"), float("nan"), 1e5])
+    out = within_range(mask, torch.bfloat16)
+    assert out[1] == torch.finfo(torch.bfloat16).min  # not -inf, as a plain cast gives
+    assert mask.to(torch.bfloat16)[1] == float("-inf")
+    assert out[2] == float("-inf") and out[3].isnan()  # what was not finite stays so
+    assert within_range(mask, torch.float16)[4] == torch.finfo(torch.float16).max
+
+
+def test_longcat_flash_layers_replay_in_bfloat16_without_nan(tmp_path: Path) -> None:
+    # two attention sublayers per layer: a padding row's NaN (a fully -inf masked softmax)
+    # would reach the real rows through the second one's values
+    golden = _captured("longcat_flash", tmp_path)
+    model = load_model(golden.model_dir, "bfloat16", attn_implementation="eager",
+                       trust_remote_code=False)  # fmt: skip
+    point = next(p for p in golden.points if p.name == "model.layers.0")
+    for calls in point.calls.values():
+        for call in calls:
+            outputs = replay_call(model.get_submodule(point.name), golden, call, device="cpu",
+                                  dtype=torch.bfloat16)  # fmt: skip
+            assert all(not t.isnan().any() for t in outputs.values())

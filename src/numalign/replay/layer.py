@@ -39,7 +39,7 @@ def call_inputs(
     ``device``; non-tensor values from the manifest (objects such as caches become None)."""
 
     def load(key: str) -> Any:
-        return golden.tensor(key, device=device, dtype=dtype)
+        return within_range(golden.tensor(key, device=device), dtype)
 
     def plain(value: Any) -> Any:
         return None if isinstance(value, dict) and "__repr__" in value else value
@@ -54,6 +54,23 @@ def call_inputs(
     for name, value in call.kwargs_json.items():
         kwargs[name] = plain(value)
     return args, kwargs
+
+
+def within_range(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A floating golden tensor in ``dtype``, its finite values kept finite: a float32
+    attention mask's minimum (-3.4e38, "masked") rounds to -inf in bfloat16, where the model's
+    own mask in bfloat16 holds bfloat16's minimum. With -inf, a fully masked padding row's
+    softmax is NaN, which a second attention in the same layer (LongCat-Flash's two sublayers)
+    reads back as values of the real rows' keys (0 x NaN): a NaN the reference never has."""
+    import torch
+
+    if not tensor.is_floating_point():
+        return tensor
+    if torch.finfo(dtype).max >= torch.finfo(tensor.dtype).max:
+        return tensor.to(dtype)
+    finfo = torch.finfo(dtype)
+    clamped = tensor.clamp(finfo.min, finfo.max)
+    return torch.where(tensor.isfinite(), clamped, tensor).to(dtype)
 
 
 def kept_positions(tensor: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
