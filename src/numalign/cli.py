@@ -177,16 +177,20 @@ def _sweep(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"numalign zoo sweep: {exc}") from None
     out = Path(args.out or "reports/sweep")
+    chosen = f"--types ({len(types)} types)" if args.types else f"--limit {args.limit or 'none'}"
     rows = sweep(
         types, out.resolve(), Path(args.suites).resolve(),
         timeout=args.timeout or TYPE_TIMEOUT_S, resume=args.resume,
-        baseline=Path(args.baseline) if args.baseline else None,
-        command="numalign zoo sweep " + " ".join(sys.argv[3:]),
+        command=f"numalign zoo sweep {chosen}",
     )  # fmt: skip
-    from numalign.sweep.table import summary
+    from numalign.sweep.table import changes, read_rows, summary
 
+    moved = changes(read_rows(Path(args.baseline)), rows) if args.baseline else []
+    for line in moved:
+        print(f"numalign sweep: {line}")
     print(f"numalign sweep: {summary(rows)}; table {out / 'sweep.md'}")
-    return 0
+    regressed = [line for line in moved if line.startswith("regression")]
+    return 1 if regressed and args.fail_on_regression else 0
 
 
 def _zoo(args: argparse.Namespace) -> int:
@@ -632,6 +636,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="sweep: keep the CSV's rows, sweep the rest"
     )
     zoo.add_argument("--baseline", default=None, help="sweep: a previous sweep.csv to diff")
+    zoo.add_argument(
+        "--fail-on-regression",
+        action="store_true",
+        help="sweep: exit 1 when a type regressed against --baseline",
+    )
     zoo.add_argument("--suites", default="suites", help="sweep: the suites folder")
     zoo.set_defaults(handler=_zoo)
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from numalign.sweep.table import SweepRow, append_row, changes, markdown, read_rows
+from numalign.sweep.table import SweepRow, append_row, markdown, read_rows
 
 #: Seconds one type may take (build, capture, both replays) before it is stopped and listed
 #: as a crash: measured types take 20 to 90 s on 2 CPU cores.
@@ -78,12 +78,11 @@ def sweep(
     *,
     timeout: float = TYPE_TIMEOUT_S,
     resume: bool = False,
-    baseline: Path | None = None,
     command: str = "numalign zoo sweep",
 ) -> list[SweepRow]:
     """Sweeps ``types`` into ``out`` (``sweep.csv``, ``sweep.md``, and the work folders);
-    prints each row as it finishes, then what changed against ``baseline`` (a previous
-    sweep's CSV)."""
+    prints each row as it finishes (``table.changes`` compares the rows with a previous
+    sweep's)."""
     out.mkdir(parents=True, exist_ok=True)
     table = out / "sweep.csv"
     if not resume and table.exists():
@@ -97,7 +96,4 @@ def sweep(
         append_row(table, row)
         (out / "sweep.md").write_text(markdown(read_rows(table), title), encoding="utf-8")
         print(f"numalign sweep: {json.dumps(dataclasses.asdict(row))}", flush=True)
-    rows = read_rows(table)
-    for line in changes(read_rows(baseline), rows) if baseline else []:
-        print(f"numalign sweep: {line}")
-    return rows
+    return read_rows(table)
