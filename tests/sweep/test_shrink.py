@@ -57,3 +57,27 @@ def test_a_type_transformers_cannot_build_is_listed_with_its_message(tmp_path: P
     with pytest.raises(BuildError, match="make sure that `is_decoder=True`"):
         build_tiny("reformer", tmp_path)
     assert not (tmp_path / "reformer").exists()
+
+
+def test_derived_sizes_left_none_get_the_tiny_size() -> None:
+    # Ministral's default head_dim is None, which its attention reads as a number
+    out = shrink({"head_dim": None, "num_key_value_heads": None, "sliding_window": None})
+    assert out == {
+        "head_dim": SIZES["head_dim"],
+        "num_key_value_heads": 2,
+    }  # a None window stays off
+
+
+def test_layer_kinds_come_from_any_per_layer_list_of_names() -> None:
+    # Zamba names its layers' kinds layers_block_type, not layer_types
+    kinds = ["mamba"] * 5 + ["hybrid"]
+    out = shrink({"num_hidden_layers": 6, "layers_block_type": kinds})
+    assert out["layers_block_type"] == ["mamba", "hybrid"]
+
+
+def test_settings_by_layer_index_follow_the_kept_layers() -> None:
+    # Gemma 4's per_layer_config: keys are layer indices, re-indexed to the kept layers
+    out = shrink({"num_hidden_layers": 6, "layer_types": ["s", "s", "f", "s", "s", "f"],
+                  "per_layer_config": {"2": {"head_dim": 512}, "5": {"head_dim": 512}}})  # fmt: skip
+    assert out["layer_types"] == ["s", "f"]
+    assert out["per_layer_config"] == {1: {"head_dim": 512}}

@@ -33,6 +33,10 @@ SIZES: dict[str, Any] = {
     "shared_expert_intermediate_size": 32,
     "num_attention_heads": 4,
     "n_head": 4,
+    "decoder_attention_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_ffn_dim": 128,
+    "encoder_ffn_dim": 128,
     "num_key_value_heads": 2,
     "head_dim": 16,
     "rotary_dim": 8,
@@ -82,8 +86,11 @@ SIZES: dict[str, Any] = {
     "hidden_size_per_layer_input": 16,
     "vocab_size_per_layer_input": 512,
 }
+#: Keys whose None default means "derived" (head_dim from hidden / heads; key-value heads
+#: as many as heads) and which the type's own code reads as a number: set to the tiny size.
+DERIVED = ("head_dim", "num_key_value_heads")
 #: Keys holding a layer count.
-LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 #: Token ids beyond the shrunk vocabulary are moved inside it.
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -94,6 +101,21 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
         {"num_heads": 8},
         "its heads x head dim must equal expand (2) x hidden",
     ),
+    "jamba": (
+        {
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+        },
+        "its attention layers are every 8th from layer 4 (attn_layer_period, _offset): two "
+        "layers would hold none",
+    ),
+    "recurrent_gemma": (
+        {"block_types": ["recurrent", "attention"]},
+        "its block types cycle a pattern of 3 (recurrent, recurrent, attention): two layers "
+        "would hold no attention",
+    ),
     "falcon_h1": (
         {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16},
         "its SSM width must equal heads x head dim (the generic shrink keeps a head dim of 8)",
@@ -102,9 +124,14 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
 
 
 def _layer_indices(defaults: dict[str, Any], count: int) -> list[int]:
-    """The default's layers kept: the first of each distinct ``layer_types`` kind (at least
-    ``LAYERS``, at most ``MAX_LAYERS``), in order."""
-    kinds = defaults.get("layer_types")
+    """The default's layers kept: the first of each distinct kind (``layer_types``, else the
+    first per-layer list of names, Zamba's ``layers_block_type``; at least ``LAYERS``, at
+    most ``MAX_LAYERS``), in order."""
+    per_layer = [
+        v for v in defaults.values()
+        if isinstance(v, list) and len(v) == count and all(isinstance(k, str) for k in v)
+    ]  # fmt: skip
+    kinds = defaults.get("layer_types") or (per_layer[0] if per_layer else None)
     keep: list[int] = []
     if isinstance(kinds, list) and len(kinds) == count:
         seen: set[Any] = set()
@@ -130,6 +157,8 @@ def shrink(defaults: dict[str, Any], model_type: str | None = None) -> dict[str,
     for key, value in defaults.items():
         if key in SIZES and isinstance(value, int) and not isinstance(value, bool) and value:
             out[key] = min(value, SIZES[key])
+        elif key in DERIVED and value is None:
+            out[key] = SIZES[key]
         elif key.endswith("_config") and isinstance(value, dict) and "model_type" in value:
             out[key] = {**value, **shrink(value)}
     if defaults.get("kv_lora_rank") and "num_key_value_heads" in out:
@@ -145,6 +174,11 @@ def shrink(defaults: dict[str, Any], model_type: str | None = None) -> dict[str,
         for key, value in defaults.items():
             if isinstance(value, list) and len(value) == count and count > len(keep):
                 out[key] = [value[i] for i in keep]
+            elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+                # per-layer settings by layer index (Gemma 4's per_layer_config): the kept
+                # layers' own, under their new indices
+                kept = {str(i): new for new, i in enumerate(keep)}
+                out[key] = {kept[str(k)]: v for k, v in value.items() if str(k) in kept}
     vocab = out.get("vocab_size", defaults.get("vocab_size"))
     for key in TOKEN_KEYS:
         token = defaults.get(key)
