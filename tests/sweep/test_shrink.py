@@ -77,7 +77,8 @@ def test_layer_kinds_come_from_any_per_layer_list_of_names() -> None:
 
 def test_settings_by_layer_index_follow_the_kept_layers() -> None:
     # Gemma 4's per_layer_config: keys are layer indices, re-indexed to the kept layers
-    out = shrink({"num_hidden_layers": 6, "layer_types": ["s", "s", "f", "s", "s", "f"],
-                  "per_layer_config": {"2": {"head_dim": 512}, "5": {"head_dim": 512}}})  # fmt: skip
+    per_layer = {"2": {"head_dim": 512}, "5": {"head_dim": 512}}
+    kinds = ["s", "s", "f", "s", "s", "f"]
+    out = shrink({"num_hidden_layers": 6, "layer_types": kinds, "per_layer_config": per_layer})
     assert out["layer_types"] == ["s", "f"]
     assert out["per_layer_config"] == {1: {"head_dim": 512}}
