@@ -51,12 +51,24 @@ def test_a_swapped_norm_keeps_the_original_attributes_visible() -> None:
     assert float((_logits(model) - before).abs().max()) < 1e-4
 
 
-def test_the_rms_adapter_finds_a_zero_centered_norm_by_what_it_computes() -> None:
-    model = _tiny("qwen3_5_text")
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "qwen3_5_text",  # 1 + weight, named like no known zero-centered family
+        "gemma3_text",  # 1 + weight, named Gemma
+        "gemma4_text",  # named Gemma but weight alone, and norms without a scale
+    ],
+)
+def test_the_rms_adapter_finds_each_norm_form_by_what_it_computes(model_type: str) -> None:
+    model = _tiny(model_type)
     before = _logits(model)
+    norms = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    scaleless = [n for n, m in norms if getattr(m, "weight", None) is None]
     swapped = apply_swaps(model, [("rms_norm", "fused")])  # the adapter's probe check passes
     assert any(name.endswith("input_layernorm") for name in swapped)
-    # as above: float32 reordering only (ignoring the 1 + weight multiplies by about 0)
+    assert not set(scaleless) & set(swapped)  # a norm without a scale keeps its own forward
+    assert bool(scaleless) == (model_type == "gemma4_text")  # Gemma 4's v_norm has none
+    # as above: float32 reordering only (a wrong form multiplies by about 0, or by 2)
     assert float((_logits(model) - before).abs().max()) < 1e-4
 
 

@@ -153,7 +153,14 @@ def apply_swaps(model: torch.nn.Module, swaps: Sequence[tuple[str, str]]) -> lis
                 types = {type(m).__name__ for m in model.modules()}
                 raise SwapUnmatched(unmatched_message(op, cand_name, types))
             cand = candidates(op.name)[cand_name]
-            for name in names:
+            readable = [n for n in names if _adapts(op, model.get_submodule(n))]
+            if not readable and op_name != "all":
+                raise SwapUnmatched(
+                    f"--swap {op.name}={cand_name}: the adapter of {op.name} reads none of the "
+                    f"modules it stands for ({', '.join(names[:4])}: a form without the "
+                    "parameters it takes, such as a norm without a scale)"
+                )
+            for name in readable:
                 original = model.get_submodule(name)
                 _check_adapter(name, original, op)
                 parent, _, leaf = name.rpartition(".")
@@ -161,6 +168,18 @@ def apply_swaps(model: torch.nn.Module, swaps: Sequence[tuple[str, str]]) -> lis
                 setattr(holder, leaf, SwappedModule(original, op, cand))
                 swapped.append(name)
     return swapped
+
+
+def _adapts(op: Operator, module: torch.nn.Module) -> bool:
+    """Whether the operator's adapter reads ``module``'s arguments: a module of the type
+    without the parameters it takes (Gemma 4's RMSNorm without a scale, ``with_scale=False``)
+    keeps its own forward."""
+    assert op.adapter is not None
+    try:
+        op.adapter(module)
+    except AttributeError:
+        return False
+    return True
 
 
 def _swap_function(model: torch.nn.Module, op: Operator, cand: Candidate) -> list[str]:

@@ -103,11 +103,13 @@ def planted(row: SweepRow, suites: Path, golden: Path, reports: Path, model_dir:
     from numalign.record import read_records
 
     points = {p.name: p.type for p in GoldenSet.open(golden).points}
-    found = [
-        r.first_divergence["point"]
-        for r in read_records(reports / "latest")
-        if r.first_divergence and r.mode != "decode"
-    ]
+    records = read_records(reports / "latest")
+    found = [r.first_divergence["point"] for r in records
+             if r.first_divergence and r.mode != "decode"]  # fmt: skip
+    broken = [r for r in records if r.verdict in ("error", "crashed")]
+    if not found and broken:
+        row.planted = "no: " + _short(broken[0].message or broken[0].error or "an error")
+        return
     if not found:
         row.planted = "not caught"
         return
