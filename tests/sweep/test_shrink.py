@@ -82,3 +82,9 @@ def test_settings_by_layer_index_follow_the_kept_layers() -> None:
     out = shrink({"num_hidden_layers": 6, "layer_types": kinds, "per_layer_config": per_layer})
     assert out["layer_types"] == ["s", "f"]
     assert out["per_layer_config"] == {1: {"head_dim": 512}}
+
+
+def test_an_image_text_type_builds_through_its_own_auto_class(tmp_path: Path) -> None:
+    assert "llava" in causal_lm_types(image_text=True)
+    assert "llava" not in causal_lm_types()
+    assert (build_tiny("llava", tmp_path) / "config.json").is_file()  # built and ran on text

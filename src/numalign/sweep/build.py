@@ -32,6 +32,16 @@ def causal_lm_types(image_text: bool = False) -> list[str]:
     return types
 
 
+def _auto_class(model_type: str) -> Any:
+    """AutoModelForCausalLM for a causal-LM type, else AutoModelForImageTextToText."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    if model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForCausalLM
+    return transformers.AutoModelForImageTextToText
+
+
 def tiny_config(model_type: str) -> Any:
     """The type's config with its sizes shrunk (``sweep.shrink``)."""
     from transformers import AutoConfig
@@ -56,7 +66,7 @@ def build_tiny(model_type: str, out_dir: Path) -> Path:
     config = tiny_config(model_type)
     torch.manual_seed(stable_seed("numalign.sweep", model_type) % 2**31)
     try:
-        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        model = _auto_class(model_type).from_config(config).eval()
         rescale(model, gemma_norms=None)
         vocab = int(model.get_input_embeddings().weight.shape[0])
         ids = torch.arange(3, 3 + CHECK_TOKENS).remainder(vocab)[None]
