@@ -91,7 +91,13 @@ def planted(row: SweepRow, suites: Path, golden: Path, reports: Path, model_dir:
     elif "LayerNorm" in types:
         swap = "layer_norm=sweep_scaled_2pct"
     else:
-        row.planted = "no RMSNorm or LayerNorm module"
+        norms = sorted(t for t in types if "Norm" in t)
+        row.planted = (
+            f"not planted: its norms ({', '.join(norms)}) are no module rms_norm or layer_norm "
+            "stands for"
+            if norms
+            else "not planted: no norm module"
+        )
         return
     code, output = _pytest(
         suites, golden, reports, "--dtype", PLANTED_DTYPE, "-k", "test_model",
