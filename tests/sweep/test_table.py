@@ -33,6 +33,9 @@ def test_the_summary_counts_clean_among_built_types() -> None:
         "3 types; 2 built; 1 of them clean (50%); 0 crashes; planted norm caught at a norm in "
         "2 of 2 planted"
     )
+    missed = SweepRow("gpt2", "yes", "ok", "clean", planted="not caught")
+    unplanted = SweepRow("cohere2", "yes", "ok", "clean", planted="not planted: no norm module")
+    assert summary([CLEAN, missed, unplanted]).endswith("caught at a norm in 1 of 2 planted")
     text = markdown([CLEAN, UNBUILT], "Sweep of today")
     assert text.splitlines()[0] == "Sweep of today"
     assert "| reformer | no: AssertionError: make sure that `is_decoder=True` | - |" in text

@@ -78,7 +78,7 @@ def summary(rows: Sequence[SweepRow]) -> str:
     built = [r for r in rows if r.buildable]
     clean = [r for r in built if r.clean]
     at_norm = [r for r in built if r.planted.endswith("(norm)")]
-    planted = [r for r in built if not r.planted.startswith(("-", "no", "not planted"))]
+    planted = [r for r in built if not r.planted.startswith(("-", "no:", "not planted"))]
     share = f"{100 * len(clean) / len(built):.0f}%" if built else "n/a"
     return (
         f"{len(rows)} types; {len(built)} built; {len(clean)} of them clean ({share}); "
