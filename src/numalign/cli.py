@@ -173,6 +173,7 @@ def _sweep(args: argparse.Namespace) -> int:
             causal_lm_types(args.image_text),
             [t for t in args.types.split(",") if t],
             args.limit,
+            args.shard,
         )
     except ValueError as exc:
         raise SystemExit(f"numalign zoo sweep: {exc}") from None
@@ -628,6 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     zoo.add_argument("--types", default="", help="sweep: comma list of model types (none: all)")
     zoo.add_argument("--limit", type=int, default=None, help="sweep: at most N types")
+    zoo.add_argument("--shard", default=None, help="sweep: I/N, every N-th type from the I-th")
     zoo.add_argument(
         "--image-text", action="store_true", help="sweep: the image-text-to-text types too"
     )

@@ -52,6 +52,9 @@ def test_changes_name_new_types_and_regressions() -> None:
 def test_select_types_names_the_unknown_ones() -> None:
     assert select_types(["a", "b", "c"], None, 2) == ["a", "b"]
     assert select_types(["a", "b", "c"], ["c", "a"], None) == ["c", "a"]
+    assert select_types(["a", "b", "c", "d", "e"], None, None, "2/2") == ["b", "d"]
+    with pytest.raises(ValueError, match="--shard 3/2: write I/N with 1 <= I <= N"):
+        select_types(["a"], None, None, "3/2")
     with pytest.raises(ValueError, match=r"unknown model types \['llamma'\]"):
         select_types(["llama"], ["llamma"], None)
 

@@ -23,10 +23,20 @@ TYPE_TIMEOUT_S = 600.0
 
 
 def select_types(
-    available: Sequence[str], wanted: Sequence[str] | None, limit: int | None
+    available: Sequence[str],
+    wanted: Sequence[str] | None,
+    limit: int | None,
+    shard: str | None = None,
 ) -> list[str]:
     """The types to sweep: ``wanted`` (each must be available: ValueError naming the unknown
-    ones) or all of ``available``, in order, at most ``limit``."""
+    ones) or all of ``available``, in order, at most ``limit``; with ``shard`` ``I/N``, every
+    N-th of them from the I-th (a nightly's machines share the sweep)."""
+    if shard:
+        index, _, count = shard.partition("/")
+        if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
+            raise ValueError(f"--shard {shard}: write I/N with 1 <= I <= N, e.g. 1/4")
+        chosen = select_types(available, wanted, limit)
+        return chosen[int(index) - 1 :: int(count)]
     if wanted:
         unknown = [t for t in wanted if t not in available]
         if unknown:
