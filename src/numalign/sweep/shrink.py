@@ -48,6 +48,10 @@ SIZES: dict[str, Any] = {
     "n_routed_experts": 4,
     "moe_num_experts": 4,
     "num_experts_per_tok": 2,
+    "num_experts_per_token": 2,
+    "moe_k": 2,
+    "moe_num_shared_experts": 1,
+    "num_shared_experts": 1,
     "top_k_experts": 2,
     "moe_topk": 2,
     "n_shared_experts": 1,
@@ -75,7 +79,8 @@ SIZES: dict[str, Any] = {
     "n_groups": 1,
     "time_step_rank": 8,
     "mamba_d_ssm": 64,
-    "mamba_n_heads": 4,
+    # heads x head dim = expand (2) x hidden (64), as Mamba-2 mixers require
+    "mamba_n_heads": 8,
     "mamba_d_head": 16,
     "mamba_d_state": 16,
     "mamba_chunk_size": 8,
@@ -111,14 +116,15 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
         "its attention layers are every 8th from layer 4 (attn_layer_period, _offset): two "
         "layers would hold none",
     ),
+    "bamba": (
+        {"attn_layer_indices": [1]},
+        "its default has no attention layer (attn_layer_indices None), with which its cache "
+        "cannot tell the sequence length",
+    ),
     "recurrent_gemma": (
         {"block_types": ["recurrent", "attention"]},
         "its block types cycle a pattern of 3 (recurrent, recurrent, attention): two layers "
         "would hold no attention",
-    ),
-    "falcon_h1": (
-        {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16},
-        "its SSM width must equal heads x head dim (the generic shrink keeps a head dim of 8)",
     ),
 }
 
