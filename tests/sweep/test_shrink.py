@@ -77,11 +77,13 @@ def test_layer_kinds_come_from_any_per_layer_list_of_names() -> None:
 
 def test_settings_by_layer_index_follow_the_kept_layers() -> None:
     # Gemma 4's per_layer_config: keys are layer indices, re-indexed to the kept layers
-    per_layer = {"2": {"head_dim": 512}, "5": {"head_dim": 512}}
+    per_layer = {"02": {"head_dim": 512}, "05": {"head_dim": 512}}  # as Gemma 4 writes them
     kinds = ["s", "s", "f", "s", "s", "f"]
-    out = shrink({"num_hidden_layers": 6, "layer_types": kinds, "per_layer_config": per_layer})
+    out = shrink({"num_hidden_layers": 6, "layer_types": kinds, "per_layer_config": per_layer,
+                  "head_dim": 256})  # fmt: skip
     assert out["layer_types"] == ["s", "f"]
-    assert out["per_layer_config"] == {1: {"head_dim": 512}}
+    # scaled as the global head dim was (256 -> 16): still twice the others'
+    assert out["per_layer_config"] == {1: {"head_dim": 2 * SIZES["head_dim"]}}
 
 
 def test_an_image_text_type_builds_through_its_own_auto_class(tmp_path: Path) -> None:

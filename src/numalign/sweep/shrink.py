@@ -154,6 +154,17 @@ def _layer_indices(defaults: dict[str, Any], count: int) -> list[int]:
     return sorted(keep)
 
 
+def _scaled(layer: dict[str, Any], defaults: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """One layer's own sizes scaled as the global ones were (Gemma 4's global layers' head
+    dim 512 against 256 elsewhere: 32 against the tiny 16), so they still differ."""
+    scaled = dict(layer)
+    for key, value in layer.items():
+        old, new = defaults.get(key), out.get(key)
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in (value, old, new)):
+            scaled[key] = max(1, round(value * new / old)) if old else value
+    return scaled
+
+
 def shrink(defaults: dict[str, Any], model_type: str | None = None) -> dict[str, Any]:
     """Keyword arguments of a tiny config from a type's default config (``to_dict()``):
     sizes from ``SIZES``, layers and per-layer lists shrunk, token ids inside the vocabulary,
@@ -183,8 +194,12 @@ def shrink(defaults: dict[str, Any], model_type: str | None = None) -> dict[str,
             elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
                 # per-layer settings by layer index (Gemma 4's per_layer_config): the kept
                 # layers' own, under their new indices
-                kept = {str(i): new for new, i in enumerate(keep)}
-                out[key] = {kept[str(k)]: v for k, v in value.items() if str(k) in kept}
+                kept = {i: new for new, i in enumerate(keep)}
+                out[key] = {
+                    kept[int(k)]: _scaled(v, defaults, out) if isinstance(v, dict) else v
+                    for k, v in value.items()
+                    if int(k) in kept
+                }
     vocab = out.get("vocab_size", defaults.get("vocab_size"))
     for key in TOKEN_KEYS:
         token = defaults.get(key)
