@@ -39,9 +39,6 @@ RMS_CASES = tier_cases(
         tier="pr",
     ),
 )
-#: Model families whose RMSNorm weight is zero-centered (the norm multiplies by 1 + weight);
-#: a swap finds the form of each module by probing it (``_offset``), whatever its name.
-ZERO_CENTERED_NORMS = ("Gemma", "Qwen3Next")
 #: Epsilon of Llama-family checkpoints; it dominates inputs with mean square near 1e-4 or less.
 EPS = 1e-5
 
@@ -75,8 +72,8 @@ _OFFSETS: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 def _offset(module: Any, eps: float) -> float:
     """1 where the module multiplies by (1 + weight), else 0: by which form reproduces it on
     a probe input, not by its family's name (Qwen3.5's RMSNorm is zero-centered and named
-    like no family in ``ZERO_CENTERED_NORMS``; Gemma 4's, named Gemma, is not). Found once per
-    module."""
+    like the Gemma and Qwen3-Next families that are; Gemma 4's, named Gemma, is not). Found
+    once per module."""
     if module not in _OFFSETS:
         weight = module.weight
         probe = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0))
