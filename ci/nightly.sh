@@ -26,5 +26,21 @@ compile=()
 # it was not tuned on (tests/operators/test_reseeded.py).
 NUMALIGN_RESEEDS="${NUMALIGN_RESEEDS:-8}" python3 -m pytest -q -p no:cacheprovider \
     tests/operators/test_reseeded.py
+# The day-0 sweep (docs/sweep.md): a tiny checkpoint of every causal-LM type of the installed
+# transformers, captured, replayed and planted, against the last night's table (new types and
+# regressions printed; a regression fails the night). About 2 minutes a type on 2 CPU cores
+# (114 s on average in docs/sweep.md: some 6 hours for the 196 types of transformers 5.24):
+# NUMALIGN_SWEEP_LIMIT=N sweeps the first N, NUMALIGN_SWEEP=0 skips it.
+if [ "${NUMALIGN_SWEEP:-1}" != "0" ] && [ -z "${SHARD:-}" ]; then
+    sweep_dir="${NUMALIGN_NIGHTLY_DIR:-reports/nightly}/sweep"
+    baseline=()
+    if [ -f "$sweep_dir/sweep.csv" ]; then
+        cp "$sweep_dir/sweep.csv" "$sweep_dir/previous.csv"
+        baseline=(--baseline "$sweep_dir/previous.csv")
+    fi
+    limit=()
+    [ -n "${NUMALIGN_SWEEP_LIMIT:-}" ] && limit=(--limit "$NUMALIGN_SWEEP_LIMIT")
+    numalign zoo sweep --out "$sweep_dir" "${limit[@]}" "${baseline[@]}" --fail-on-regression
+fi
 exec numalign nightly --report-dir "$report_dir" --tier "${TIER:-nightly}" "${compile[@]}" "$@" \
     -- "${extra[@]}"

@@ -1,4 +1,4 @@
-"""Activations (SiLU, GELU erf and tanh, SwiGLU, GeGLU) and masked softmax."""
+"""Activations (SiLU, GELU erf and tanh, softplus, SwiGLU, GeGLU) and masked softmax."""
 
 from __future__ import annotations
 
@@ -61,6 +61,18 @@ def gelu_tanh_reference(x: torch.Tensor) -> torch.Tensor:
     return (0.5 * xf * (1 + torch.tanh(inner))).to(x.dtype)
 
 
+#: Where softplus returns its input (torch's default threshold: exp(20) makes 1 + exp(x)
+#: exp(x) to float64's precision and beyond).
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def softplus_reference(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + exp(x)), x itself above the threshold (the gates of Mamba's and the gated
+    delta rule's time steps)."""
+    xf = up(x)
+    return torch.where(xf > SOFTPLUS_THRESHOLD, xf, torch.log1p(torch.exp(xf))).to(x.dtype)
+
+
 def swiglu_reference(gate: torch.Tensor, up_: torch.Tensor) -> torch.Tensor:
     return (up(silu_reference(up(gate))) * up(up_)).to(gate.dtype)
 
@@ -82,6 +94,7 @@ _ATEN: dict[str, tuple[str, ...]] = {
     "silu": ("silu",),
     "gelu_erf": ("gelu",),  # aten.gelu is exact unless approximate="tanh"
     "gelu_tanh": ("gelu(approximate=tanh)",),
+    "softplus": ("softplus",),
 }
 
 for _name, _ref, _inputs, _modules, _doc in (
@@ -94,6 +107,7 @@ for _name, _ref, _inputs, _modules, _doc in (
         ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh"),
         "tanh-approximate GELU",
     ),
+    ("softplus", softplus_reference, _x_inputs, ("Softplus",), "log(1 + exp(x))"),
     ("swiglu", _gated(swiglu_reference), _gated_inputs, (), "silu(gate) * up"),
     ("geglu", _gated(geglu_reference), _gated_inputs, (), "gelu_tanh(gate) * up"),
 ):
@@ -146,6 +160,17 @@ def gelu_tanh_sigmoid(x: torch.Tensor) -> torch.Tensor:
     xf = up(x)
     u = math.sqrt(2.0 / math.pi) * (xf + 0.044715 * xf * xf * xf)
     return (xf * torch.sigmoid(2 * u)).to(x.dtype)
+
+
+@candidate("softplus", name="torch")
+def softplus_torch(x: torch.Tensor) -> torch.Tensor:
+    return F.softplus(x)
+
+
+@candidate("softplus", name="logaddexp")
+def softplus_logaddexp(x: torch.Tensor) -> torch.Tensor:
+    """log(exp(0) + exp(x)) in float32: the same function by another formula."""
+    return torch.logaddexp(up(x).float(), torch.zeros((), device=x.device)).to(x.dtype)
 
 
 @candidate("swiglu", name="torch")

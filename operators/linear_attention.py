@@ -229,6 +229,12 @@ register_operator(
         make_inputs=conv_inputs,
         cases=CONV_CASES,
         description="causal depthwise conv1d + SiLU (before the gated delta rule)",
+        # the mixers' convolutions (Qwen3-Next, Mamba, Falcon-H1, LFM2): a Conv1d of one
+        # group per channel padded by its width - 1 (causal); other Conv1d are not this
+        hf_modules=("Conv1d",),
+        hf_module_check=lambda m: (
+            m.groups == m.in_channels == m.out_channels and m.padding[0] == m.kernel_size[0] - 1
+        ),
     )
 )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -38,8 +39,6 @@ RMS_CASES = tier_cases(
         tier="pr",
     ),
 )
-#: Model families whose RMSNorm weight is zero-centered (the norm multiplies by 1 + weight).
-ZERO_CENTERED_NORMS = ("Gemma", "Qwen3Next")
 #: Epsilon of Llama-family checkpoints; it dominates inputs with mean square near 1e-4 or less.
 EPS = 1e-5
 
@@ -66,13 +65,37 @@ def rms_norm_reference(
     return (normed * (offset + up(weight))).to(x.dtype)
 
 
+#: The weight offset each swapped RMSNorm module was found to use (``_offset``), by module.
+_OFFSETS: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+
+def _offset(module: Any, eps: float) -> float:
+    """1 where the module multiplies by (1 + weight), else 0: by which form reproduces it on
+    a probe input, not by its family's name (Qwen3.5's RMSNorm is zero-centered and named
+    like the Gemma and Qwen3-Next families that are; Gemma 4's, named Gemma, is not). Found
+    once per module."""
+    if module not in _OFFSETS:
+        weight = module.weight
+        probe = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0))
+        probe = probe.to(weight.device, weight.dtype)
+        with torch.no_grad():
+            theirs = up(module(probe))
+            errors = {
+                offset: float(
+                    (up(rms_norm_reference(probe, weight, eps, offset)) - theirs).abs().max()
+                )
+                for offset in (0.0, 1.0)
+            }
+        _OFFSETS[module] = min(errors, key=errors.__getitem__)
+    return _OFFSETS[module]
+
+
 def _rms_adapter(module: Any) -> dict[str, Any]:
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", EPS))
-    # Gemma's and Qwen3-Next's RMSNorm multiply by (1 + weight); Llama's by weight. A swap
-    # checks the adapter against the module on a probe input, so a new family that does
-    # otherwise is an error, not a silent mismatch.
-    offset = 1.0 if type(module).__name__.startswith(ZERO_CENTERED_NORMS) else 0.0
-    return {"weight": module.weight, "eps": float(eps), "offset": offset}
+    eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", EPS)))
+    # Gemma's, Qwen3-Next's and Qwen3.5's RMSNorm multiply by (1 + weight); Llama's by
+    # weight. A swap checks the adapter against the module on a probe input, so a family
+    # that does otherwise still is an error, not a silent mismatch.
+    return {"weight": module.weight, "eps": eps, "offset": _offset(module, eps)}
 
 
 register_operator(

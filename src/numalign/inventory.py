@@ -129,7 +129,9 @@ def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inve
     for op in OPERATORS.values():
         for kind, names in types.items():
             if op.stands_for(kind):
-                where[op.name].update(names)
+                where[op.name].update(
+                    n for n in names if op.stands_for_module(model.get_submodule(n))
+                )
     aten_map = aten_to_operators()
     for aten, op_names in aten_map.items():
         if aten in counts:
@@ -151,7 +153,7 @@ def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inve
         has_params = any(p.numel() for p in module.parameters(recurse=False))
         if has_params and uncovered:
             result.rows.append(
-                {"operator": f"(module {kind})", "where": uncovered, "status": "missing"}
+                {"operator": f"(module {kind})", "where": uncovered, "status": _missing(kind)}
             )
     for aten in sorted(counts):
         if aten not in aten_map and aten not in GLUE:
@@ -159,6 +161,17 @@ def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inve
                 {"operator": f"(aten.{aten})", "where": ["forward"], "status": "missing"}
             )
     return result
+
+
+def _missing(kind: str) -> str:
+    """A module type no operator stands for: ``missing``, naming the operators it is a form
+    of that they lack (a gated RMSNorm is a form of ``rms_norm`` with a silu(gate) factor)."""
+    from numalign.registry import OPERATORS
+
+    forms = sorted(op.name for op in OPERATORS.values() if op.extended_by(kind))
+    if not forms:
+        return "missing"
+    return f"missing: a form of {', '.join(forms)} the catalogue lacks"
 
 
 def _variant(name: str, kwargs: dict[str, Any]) -> str:

@@ -525,6 +525,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group_tests(items)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """After every selection (tiers, shards, -k): a --swap that matches no module of any
+    model the selected tests replay is a usage error, before any test runs (a model without
+    it among others that have it skips its tests with the reason)."""
+    settings = session.config.stash[settings_key]
+    if not settings.swaps:
+        return
+    sets = {
+        str(mark.args[0]).rpartition("-")[0]  # the group: SET_PATH-DTYPE
+        for item in session.items
+        if (mark := item.get_closest_marker("replay_group")) is not None and mark.args
+    }
+    if not sets:
+        return
+    from numalign.replay.swap import module_types, parse_swaps, unmatched
+
+    problems = _unmatched_swaps(sets, parse_swaps(settings.swaps), module_types, unmatched)
+    if problems:
+        raise pytest.UsageError("numalign: " + "; ".join(problems))
+
+
+def _unmatched_swaps(sets: set[str], swaps: Any, module_types: Any, unmatched: Any) -> list[str]:
+    from numalign.golden import GoldenSet, GoldenSetError
+
+    types: set[str] = set()
+    for path in sorted(sets):
+        try:
+            types |= module_types(GoldenSet.open(path).model_dir)
+        except (GoldenSetError, OSError, ValueError):
+            return []  # a set that cannot be read fails its own tests with its own message
+    return list(unmatched(swaps, types))
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "numalign_dtype" in metafunc.fixturenames:
         dtypes = metafunc.config.stash[settings_key].dtypes

@@ -244,6 +244,9 @@ class Operator:
     #: Whether a module it stands for takes one activation of its weight's last dimension, so
     #: that a swap can check the adapter by running the module on a probe input first
     probe_swap: bool = False
+    #: Where only some modules of an ``hf_modules`` type are this operator: whether a module
+    #: is (a depthwise causal Conv1d is ``causal_conv1d``, any other Conv1d is not)
+    hf_module_check: Callable[[Any], bool] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.op_class not in OP_CLASSES:
@@ -254,6 +257,19 @@ class Operator:
 
     def stands_for(self, module_type: str) -> bool:
         return any(fnmatch.fnmatchcase(module_type, p) for p in self.hf_modules)
+
+    def extended_by(self, module_type: str) -> bool:
+        """Whether ``module_type`` is a form of what this operator stands for that it does
+        not take: a pattern's stem inside a longer name (``*RMSNorm`` in
+        ``Qwen3NextRMSNormGated``, a norm that multiplies by silu(gate) too)."""
+        stems = [p.strip("*") for p in self.hf_modules if p.strip("*")]
+        return not self.stands_for(module_type) and any(s in module_type for s in stems)
+
+    def stands_for_module(self, module: Any) -> bool:
+        """Whether this operator stands for ``module``: its type, and ``hf_module_check``."""
+        if not self.stands_for(type(module).__name__):
+            return False
+        return self.hf_module_check is None or bool(self.hf_module_check(module))
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,12 @@ from typing import Any
 import pytest
 
 from numalign.golden import GoldenSetError
+from numalign.golden.reference import CacheUnsupported
 from numalign.record import NodeRecorder
 from numalign.replay.compiled import CompileError
 from numalign.replay.engines import Engine, open_engine
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
+from numalign.replay.layer import AloneUnsupported
 from numalign.replay.model import ReplayUnsupported, unusable_sets, variant_label
 from numalign.replay.paged import PagedUnsupported
 from numalign.replay.tensor_parallel import (
@@ -84,6 +86,8 @@ def replay_guard(
         except (
             ReplayUnsupported,
             PagedUnsupported,
+            CacheUnsupported,
+            AloneUnsupported,
             NoTensorParallelPlan,
             EngineUnsupported,
         ) as exc:

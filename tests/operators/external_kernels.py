@@ -181,6 +181,12 @@ def topk_smallest(x, k):
     return result.values.flip(-1), result.indices.flip(-1)
 
 
+@numalign.candidate("softplus", name="wrong_no_threshold")
+def softplus_no_threshold(x):
+    """log(1 + exp(x)) with no threshold, in the input dtype: exp overflows on large gates."""
+    return torch.log1p(torch.exp(x))
+
+
 # --- correct but different kernels: must pass in every dtype --------------------------------
 @numalign.candidate("rms_norm", name="right_divide")
 def rms_divide(x, weight, eps, offset=0.0):

@@ -31,6 +31,7 @@ WRONG = {
     "wrong_one_pass_variance": ("layer_norm", "offset-8x4096"),
     "wrong_window_off_by_one": ("attention", "window-1x4x4x80x80x32"),
     "wrong_smallest": ("topk", "rows-8x1000-k8"),
+    "wrong_no_threshold": ("softplus", "large-4x1000"),
 }
 RIGHT = ("right_divide", "right_log_softmax", "right_math")
 

@@ -16,6 +16,7 @@ from numalign.golden.manifest import Decode, DecodeStep
 from numalign.golden.reference import (
     cache_state,
     decode_inputs,
+    filled_cache,
     flatten,
     hooks,
     new_cache,
@@ -47,7 +48,8 @@ def record_decode(
     recorded: list[DecodeStep] = []
     with torch.no_grad():
         kwargs = prefill_kwargs(model, request.inputs, cache)
-        logits = model(**request.inputs, **kwargs).logits[:, -1]
+        output = model(**request.inputs, **kwargs)
+        cache, logits = filled_cache(output, cache), output.logits[:, -1]
         prefill = {k: writer.put(f"{name}/decode/prefill/{k}", t)
                    for k, t in cache_state(cache).items()}  # fmt: skip
         inputs = dict(request.inputs)

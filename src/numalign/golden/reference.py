@@ -272,17 +272,61 @@ def greedy_step(model: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch
 
 
 # -- cached decode ------------------------------------------------------------------------------
+#: The cache implementation whose place a model's own cache takes (what generation builds).
+OWN_CACHE_STANDS_FOR = "dynamic"
+
+
+class CacheUnsupported(RuntimeError):
+    """The model cannot decode with the asked-for cache (it builds a cache class of its own):
+    a decode replay with that cache is skipped with the reason."""
+
+
+def own_cache(model: Any) -> str | None:
+    """Why the model takes no cache numalign builds (it builds its own, as transformers'
+    ``generate`` lets it: MiniMax's ``MiniMaxCache``), or None when it takes a
+    ``DynamicCache``/``StaticCache``."""
+    supports = getattr(type(model), "_supports_default_dynamic_cache", None)
+    if supports is None or supports():
+        return None
+    return (
+        f"{type(model).__name__} builds a cache of its own (transformers' generate passes it "
+        "none: _supports_default_dynamic_cache is False)"
+    )
+
+
+def filled_cache(output: Any, cache: Any) -> Any:
+    """The cache a prefill filled: ``cache`` itself, or where it was None (a model with its own
+    cache class, ``own_cache``) the one the forward returned."""
+    if cache is not None:
+        return cache
+    return getattr(output, "cache", None) or getattr(output, "past_key_values", None)
+
+
 def new_cache(model: Any, implementation: str, max_len: int) -> Any:
     """An empty KV cache of ``implementation`` (one of ``settings.KV_CACHES``, transformers'
     ``cache_implementation`` names) for ``model``, holding at least ``max_len`` positions; its
-    layers follow the model's config (sliding window, linear attention)."""
+    layers follow the model's config (sliding window, linear attention). None for a model that
+    builds its own (``own_cache``) where ``implementation`` is the dynamic one: the prefill
+    builds it (``filled_cache``); CacheUnsupported for any other implementation there."""
     from transformers import DynamicCache, StaticCache
 
     if implementation not in KV_CACHES:
         raise ValueError(
             f"unknown KV cache implementation {implementation!r}; allowed: {', '.join(KV_CACHES)}"
         )
+    own = own_cache(model)
+    if own is not None:
+        if implementation == OWN_CACHE_STANDS_FOR:
+            return None  # the model's forward builds its own; ``filled_cache`` takes it back
+        raise CacheUnsupported(f"{own}: a {implementation} cache is not one it takes")
     offloading = implementation.startswith("offloaded")
+    device = next((p.device for p in model.parameters()), None)
+    if offloading and (device is None or device.type == "cpu"):
+        raise CacheUnsupported(
+            f"a {implementation} cache moves layers between an accelerator and the CPU (it "
+            "calls torch.cuda); the model is on the CPU, with nothing to offload: replay it "
+            "with --device cuda, or the dynamic and static caches here"
+        )
     if implementation.endswith("static"):
         return StaticCache(config=model.config, max_cache_len=max_len, offloading=offloading)
     return DynamicCache(config=model.config, offloading=offloading)
@@ -369,6 +413,9 @@ def cache_state(cache: Any) -> dict[str, torch.Tensor]:
     capacity cut off; a sliding-window layer's window); per linear-attention layer
     ``layers.N.conv_states.J`` and ``layers.N.recurrent_states.J``."""
     out: dict[str, torch.Tensor] = {}
+    for i, linear in enumerate(getattr(cache, "linear_cache", None) or ()):
+        if hasattr(linear, "shape"):  # MiniMax's own cache: a linear-attention layer's state
+            out[f"layers.{i}.linear_state"] = linear
     for i, layer in enumerate(cache.layers):
         for kind in ("conv_states", "recurrent_states"):
             for j, state in (getattr(layer, kind, None) or {}).items():

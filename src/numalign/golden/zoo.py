@@ -126,7 +126,10 @@ _WORDS = (  # noqa: SIM905 - a sentence reads better than a list of fifty string
 ).split()
 
 
-def _rescale(model: Any, gemma_norms: bool) -> None:
+def rescale(model: Any, gemma_norms: bool | None) -> None:
+    """The zoo's realistic magnitudes (module docstring) on a freshly initialised model.
+    ``gemma_norms``: whether its norms multiply by (1 + weight); None: read it from each
+    norm's initial weight (transformers initialises a (1 + w) norm at 0, others at 1)."""
     import torch
 
     embedding = model.get_input_embeddings().weight
@@ -150,7 +153,10 @@ def _rescale(model: Any, gemma_norms: bool) -> None:
             if weight.dim() == 1:
                 with torch.no_grad():
                     # Gemma multiplies by (1 + weight): its weights sit around 0, others' at 1.
-                    base = 0.0 if gemma_norms else 1.0
+                    if gemma_norms is None:
+                        base = float(weight.float().mean().round())
+                    else:
+                        base = 0.0 if gemma_norms else 1.0
                     weight.copy_(base + 0.1 * torch.randn_like(weight))
 
 
@@ -203,7 +209,7 @@ def build_model(spec: ZooModel, out_dir: Path) -> Path:
         model = getattr(transformers, spec.model_class)(config)
     else:
         model = transformers.AutoModelForCausalLM.from_config(config)
-    _rescale(model, gemma_norms=spec.config_class.startswith("Gemma"))
+    rescale(model, gemma_norms=spec.config_class.startswith("Gemma"))
     if spec.growth != 1.0 or spec.massive_channels:
         _deepen(model, spec.growth, spec.massive_channels)
     model.eval()

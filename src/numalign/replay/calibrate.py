@@ -32,7 +32,13 @@ from numalign.golden.manifest import OUTPUT_POINT, Calibration
 from numalign.golden.reference import Placement, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import GoldenSet
 from numalign.replay.decode import run_decode
-from numalign.replay.layer import golden_outputs, kept_positions, replay_call, request_mask
+from numalign.replay.layer import (
+    AloneUnsupported,
+    golden_outputs,
+    kept_positions,
+    replay_call,
+    request_mask,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -133,7 +139,10 @@ def calibrate(
         for request_name, calls in point.calls.items():
             mask = masks.get(request_name)
             for call in calls:
-                outputs = replay_call(module, golden, call, device=device, dtype=torch_dtype)
+                try:
+                    outputs = replay_call(module, golden, call, device=device, dtype=torch_dtype)
+                except AloneUnsupported:
+                    continue  # no isolated calibration: its layer replay skips with the reason
                 for path, key in call.outputs.items():
                     if path in outputs:
                         expected = kept_positions(golden.tensor(key), mask)

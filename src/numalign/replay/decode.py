@@ -22,6 +22,7 @@ from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.golden.reference import (
     cache_state,
     decode_inputs,
+    filled_cache,
     flatten,
     new_cache,
     prefill_kwargs,
@@ -74,7 +75,7 @@ def run_decode(
     reset_decode_state(model)
     try:
         with torch.no_grad():
-            model(**inputs, **prefill_kwargs(model, inputs, cache))
+            cache = filled_cache(model(**inputs, **prefill_kwargs(model, inputs, cache)), cache)
             _compare_cache(golden, request, decode.prefill_cache, cache, mask, 0, on_pair)
             for number, step in enumerate(decode.steps, start=1):
                 token = golden.tensor(step.token, device=device)

@@ -14,6 +14,24 @@ if TYPE_CHECKING:
     from numalign.golden.store import Call, GoldenSet
 
 
+class AloneUnsupported(RuntimeError):
+    """A module that needs state the model shares between layers (Gemma 4's
+    ``shared_kv_states``) cannot be replayed alone: its layer replay and isolated calibration
+    are skipped with the reason."""
+
+
+def shared_inputs(call: Call) -> dict[str, str]:
+    """The call's non-tensor objects other than caches, by keyword, with their type: what a
+    replay feeds as None (``call_inputs``), so a module that writes or reads them cannot run
+    alone."""
+    out = {}
+    for name, value in call.kwargs_json.items():
+        kind = value.get("__repr__") if isinstance(value, dict) else None
+        if isinstance(kind, str) and not kind.endswith("Cache"):
+            out[name] = kind
+    return out
+
+
 def call_inputs(
     golden: GoldenSet, call: Call, *, device: torch.device | str, dtype: torch.dtype
 ) -> tuple[list[Any], dict[str, Any]]:
@@ -21,7 +39,7 @@ def call_inputs(
     ``device``; non-tensor values from the manifest (objects such as caches become None)."""
 
     def load(key: str) -> Any:
-        return golden.tensor(key, device=device, dtype=dtype)
+        return within_range(golden.tensor(key, device=device), dtype)
 
     def plain(value: Any) -> Any:
         return None if isinstance(value, dict) and "__repr__" in value else value
@@ -36,6 +54,23 @@ def call_inputs(
     for name, value in call.kwargs_json.items():
         kwargs[name] = plain(value)
     return args, kwargs
+
+
+def within_range(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A floating golden tensor in ``dtype``, its finite values kept finite: a float32
+    attention mask's minimum (-3.4e38, "masked") rounds to -inf in bfloat16, where the model's
+    own mask in bfloat16 holds bfloat16's minimum. With -inf, a fully masked padding row's
+    softmax is NaN, which a second attention in the same layer (LongCat-Flash's two sublayers)
+    reads back as values of the real rows' keys (0 x NaN): a NaN the reference never has."""
+    import torch
+
+    if not tensor.is_floating_point():
+        return tensor
+    if torch.finfo(dtype).max >= torch.finfo(tensor.dtype).max:
+        return tensor.to(dtype)
+    finfo = torch.finfo(dtype)
+    clamped = tensor.clamp(finfo.min, finfo.max)
+    return torch.where(tensor.isfinite(), clamped, tensor).to(dtype)
 
 
 def kept_positions(tensor: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -119,6 +154,17 @@ def replay_call(
     import torch
 
     args, kwargs = call_inputs(golden, call, device=device, dtype=dtype)
-    with torch.no_grad():
-        output = module(*args, **kwargs)
+    try:
+        with torch.no_grad():
+            output = module(*args, **kwargs)
+    except Exception as exc:
+        shared = shared_inputs(call)
+        if not shared:
+            raise
+        raise AloneUnsupported(
+            f"{type(module).__name__} cannot run alone: its call took "
+            f"{', '.join(f'{n} ({t})' for n, t in shared.items())}, state the model shares "
+            f"between its layers, which a replay of one module does not have ({type(exc).__name__}"
+            f": {exc}); the whole-model and decode replays judge it within the model"
+        ) from exc
     return {path: t for path, t in flatten(output) if isinstance(t, torch.Tensor)}

@@ -20,7 +20,7 @@ from numalign.golden.reference import append_token, forward_kwargs, load_model, 
 from numalign.golden.store import DEFAULT_SETS, discover_sets
 from numalign.replay.compiled import CompiledModel, compile_model, compile_spec, observe, take_stats
 from numalign.replay.inputs import MASK_PATH, input_at_fault, judged_masks
-from numalign.replay.layer import kept_positions, replay_call, request_mask
+from numalign.replay.layer import AloneUnsupported, kept_positions, replay_call, request_mask
 from numalign.replay.leans import POOLED, PointLeans
 from numalign.replay.shards import whole
 from numalign.replay.verdict import (
@@ -239,7 +239,7 @@ class ModelCache:
             compiled,
         )
         if key not in self.models:
-            from numalign.replay.swap import apply_swaps
+            from numalign.replay.swap import SwapUnmatched, apply_swaps
 
             try:
                 model = load_model(golden.model_dir, dtype, attn_implementation=attn_implementation,
@@ -251,6 +251,8 @@ class ModelCache:
                 apply_swaps(model, swaps)
                 if compiled is not None:  # after the swaps: the compiler sees the kernels
                     model = compile_model(model, compiled, [p.name for p in golden.points])
+            except SwapUnmatched as exc:  # another model of the session has the module
+                raise ReplayUnsupported(str(exc)) from None
             except ValueError as exc:
                 if "implementation" not in str(exc):
                     raise
@@ -482,7 +484,10 @@ def locate(
     if failing.point == OUTPUT_POINT:  # the logits lean, every point within: after the head
         return Divergence(failing.point, "output", failing.request, failing.result,
                           why_unlocated=logit_transform(model.config))  # fmt: skip
-    alone = replay_layer(golden, model, golden.point(failing.point), dtype, device, policy)
+    try:
+        alone = replay_layer(golden, model, golden.point(failing.point), dtype, device, policy)
+    except AloneUnsupported as exc:  # the whole model's verdict stands; only not located
+        return Divergence(failing.point, "unlocated", failing.request, failing.result, str(exc))
     if any(not r.result.passed for r in alone):
         return Divergence(failing.point, "local", failing.request, failing.result)
     faulty = None
@@ -530,7 +535,10 @@ def _failing_upstream(
     for point, _ in reversed(before[-UPSTREAM_POINTS:]):
         if point == OUTPUT_POINT:
             continue
-        alone = replay_layer(golden, model, golden.point(point), dtype, device, policy)
+        try:
+            alone = replay_layer(golden, model, golden.point(point), dtype, device, policy)
+        except AloneUnsupported:  # needs the model's shared state: not judged alone
+            continue
         if any(not r.result.passed for r in alone):
             return point
     return None

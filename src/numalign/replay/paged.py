@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from numalign.golden.manifest import OUTPUT_POINT
-from numalign.golden.reference import flatten, hooks
+from numalign.golden.reference import flatten, hooks, own_cache
 from numalign.golden.requests import REPLAY_PAGE_SIZE, unservable
 from numalign.replay.compiled import CompiledModel
 
@@ -47,8 +47,10 @@ OnPair = Callable[..., None]
 
 
 class PagedUnsupported(RuntimeError):
-    """transformers' paged engine cannot serve this model (linear-attention layers, MLA's
-    compressed cache, a compiled model): the paged replay is skipped with the reason."""
+    """transformers' paged engine cannot serve this model (layer types its paged cache does
+    not hold: linear attention, convolutions, hybrid or chunked layers; MLA's compressed cache;
+    a model with a cache of its own; a compiled model): the paged replay is skipped with the
+    reason."""
 
 
 class PagedServingError(RuntimeError):
@@ -67,10 +69,22 @@ def paged_unsupported(model: Any) -> str | None:
         )
     if not hasattr(model, "init_continuous_batching"):
         return f"{name} has no continuous batching (init_continuous_batching)"
-    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+    try:
+        getattr(config, "head_dim", None)
+    except Exception as exc:  # a per-layer config refuses its global attributes
         return (
-            f"{name} has linear-attention layers, which transformers' paged cache does not hold "
-            "(ValueError: Invalid layer type: linear_attention)"
+            f"{name}'s config holds head_dim per layer, and transformers' paged cache reads the "
+            f"global one ({type(exc).__name__}: {str(exc).split('. ')[0]})"
+        )
+    own = own_cache(model)
+    if own is not None:
+        return f"{own}, which transformers' paged cache does not replace"
+    unknown = sorted(set(getattr(config, "layer_types", None) or ()) - paged_layer_types())
+    if unknown:
+        return (
+            f"{name} has layers of type {', '.join(unknown)}, which transformers' paged cache "
+            f"does not hold (ValueError: Invalid layer type: {unknown[0]}; it holds "
+            f"{', '.join(sorted(paged_layer_types()))})"
         )
     if getattr(config, "kv_lora_rank", None):
         return (
@@ -79,6 +93,13 @@ def paged_unsupported(model: Any) -> str | None:
             "index_copy_ shape error)"
         )
     return None
+
+
+def paged_layer_types() -> set[str]:
+    """The layer types transformers' paged cache holds (its allocators'), as installed."""
+    from transformers.generation.continuous_batching import cache
+
+    return set(cache.ATTN_TYPE_TO_ALLOCATOR)
 
 
 def paged_divergence(model: Any) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,14 @@ class SwappedModule(torch.nn.Module):
         self.candidate = candidate
         self.input_name = next(iter(inspect.signature(operator.reference).parameters))
 
+    def __getattr__(self, name: str) -> Any:
+        """The original's parameters and attributes stay visible (models read
+        ``self.norm.weight.dtype`` of a swapped norm)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("original"), name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         x = args[0] if args else next(iter(kwargs.values()))
         assert self.operator.adapter is not None
@@ -35,6 +44,64 @@ class SwappedModule(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.operator.name}={self.candidate.name}"
+
+
+class SwapUnmatched(SwapError):
+    """A swap that matches no module of one model: that model's replays skip with the reason
+    (a swap that matches no module of any replayed model is a usage error, ``unmatched``)."""
+
+
+def lacking_forms(op: Operator, types: set[str]) -> list[str]:
+    """Module types that are forms of what ``op`` stands for which it does not take: a
+    pattern's stem inside a longer name (``*RMSNorm`` -> ``Qwen3NextRMSNormGated``, a gated
+    norm that multiplies by silu(gate) too)."""
+    return sorted(t for t in types if op.extended_by(t))
+
+
+def unmatched_message(op: Operator, cand_name: str, types: set[str]) -> str:
+    """Why ``--swap op=cand_name`` matches no module among ``types``, and what the model has."""
+    lacking = lacking_forms(op, types)
+    text = (
+        f"--swap {op.name}={cand_name}: no module of this model is one that {op.name} stands "
+        f"for ({', '.join(op.hf_modules)})"
+    )
+    if lacking:
+        return text + (
+            f"; it has {', '.join(lacking)}, a form of it that {op.name} lacks (a gated or "
+            "otherwise extended module: an operator of that form is needed to swap it)"
+        )
+    return text + f"; its module types: {', '.join(sorted(types)[:20])}"
+
+
+def unmatched(swaps: Sequence[tuple[str, str]], types: set[str]) -> list[str]:
+    """The swaps (OPERATOR=CANDIDATE pairs, ``parse_swaps``) that match no module type in
+    ``types`` (the module types of every model a session replays): each a message. ``all=``
+    and function swaps (rotary: a function, not a module type) are not judged here."""
+    load_catalogue()
+    out = []
+    for op_name, cand_name in swaps:
+        op = OPERATORS.get(op_name)
+        if op is None or op.adapter is None:
+            continue
+        if not any(op.stands_for(t) for t in types):
+            out.append(unmatched_message(op, cand_name, types).replace("this model", "any model"))
+    return out
+
+
+def module_types(model_dir: str | Path) -> set[str]:
+    """The module types of the model in ``model_dir``, built on the meta device from its
+    config (no weights read)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    with torch.device("meta"):
+        if cls is None:
+            model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        else:
+            model = cls._from_config(config)
+    return {type(m).__name__ for m in model.modules()}
 
 
 def parse_swaps(specs: Sequence[str]) -> list[tuple[str, str]]:
@@ -83,14 +150,17 @@ def apply_swaps(model: torch.nn.Module, swaps: Sequence[tuple[str, str]]) -> lis
                 )
             names = [n for n, m in model.named_modules() if n and op.stands_for(type(m).__name__)]
             if not names and op_name != "all":
-                types = sorted({type(m).__name__ for m in model.modules()})
-                raise SwapError(
-                    f"--swap {op.name}={cand_name}: no module of this model is one that "
-                    f"{op.name} stands for ({', '.join(op.hf_modules)}); its module types: "
-                    f"{', '.join(types[:20])}"
-                )
+                types = {type(m).__name__ for m in model.modules()}
+                raise SwapUnmatched(unmatched_message(op, cand_name, types))
             cand = candidates(op.name)[cand_name]
-            for name in names:
+            readable = [n for n in names if _adapts(op, model.get_submodule(n))]
+            if not readable and op_name != "all":
+                raise SwapUnmatched(
+                    f"--swap {op.name}={cand_name}: the adapter of {op.name} reads none of the "
+                    f"modules it stands for ({', '.join(names[:4])}: a form without the "
+                    "parameters it takes, such as a norm without a scale)"
+                )
+            for name in readable:
                 original = model.get_submodule(name)
                 _check_adapter(name, original, op)
                 parent, _, leaf = name.rpartition(".")
@@ -98,6 +168,18 @@ def apply_swaps(model: torch.nn.Module, swaps: Sequence[tuple[str, str]]) -> lis
                 setattr(holder, leaf, SwappedModule(original, op, cand))
                 swapped.append(name)
     return swapped
+
+
+def _adapts(op: Operator, module: torch.nn.Module) -> bool:
+    """Whether the operator's adapter reads ``module``'s arguments: a module of the type
+    without the parameters it takes (Gemma 4's RMSNorm without a scale, ``with_scale=False``)
+    keeps its own forward."""
+    assert op.adapter is not None
+    try:
+        op.adapter(module)
+    except AttributeError:
+        return False
+    return True
 
 
 def _swap_function(model: torch.nn.Module, op: Operator, cand: Candidate) -> list[str]:

@@ -1,0 +1,162 @@
+"""One model type's sweep, in the process that runs it (``numalign.sweep.run`` starts one
+per type, with a timeout): build the tiny checkpoint, capture it (calibrated), replay it
+honestly in float32 and bfloat16 (layer, model, decode with every cache) and count false
+alarms and crashes, then plant norms 2% too large (``sweep.planted``) and say where the
+whole-model replay first caught them.
+
+    python -m numalign.sweep.one TYPE WORK_DIR SUITES_DIR   # prints the row as JSON
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from numalign.sweep.table import SweepRow
+
+#: The honest replay: both dtypes the issue names, every decode cache.
+HONEST_DTYPES = "float32,bfloat16"
+CACHES = "dynamic,static,offloaded,offloaded_static,paged"
+#: A planted norm is looked for in float32, where honest rounding is smallest.
+PLANTED_DTYPE = "float32"
+#: Characters of a message kept in a table cell.
+MESSAGE_CHARS = 160
+
+
+def _short(exc: BaseException | str) -> str:
+    text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())[:MESSAGE_CHARS]
+
+
+def _pytest(suites: Path, golden: Path, reports: Path, *args: str) -> tuple[int, str]:
+    cmd = [
+        sys.executable, "-m", "pytest", str(suites / "models"), "--golden", str(golden),
+        "--golden-only", "--tier", "smoke", "-p", "no:cacheprovider", "-q", "-rs",
+        "--report-dir", str(reports), *args,
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=suites.parent)
+    return done.returncode, done.stdout + done.stderr
+
+
+def _outcomes(reports: Path) -> dict[str, str]:
+    """test id -> its worst verdict (crashed > error > failed > skipped > passed)."""
+    from numalign.record import read_records
+
+    latest = reports / "latest"
+    if not (latest / "records.jsonl").is_file():
+        return {}
+    rank = ["passed", "skipped", "xfailed", "failed", "error", "crashed"]
+    worst: dict[str, str] = {}
+    for record in read_records(latest):
+        verdict = record.verdict if record.verdict in rank else "failed"
+        if record.test_id not in worst or rank.index(verdict) > rank.index(worst[record.test_id]):
+            worst[record.test_id] = verdict
+    return worst
+
+
+def honest(row: SweepRow, suites: Path, golden: Path, reports: Path) -> None:
+    """The honest replay's verdicts into ``row``: false alarms (failed tests), crashes
+    (errors, crashed tests, or a pytest that ended without a run)."""
+    code, output = _pytest(
+        suites, golden, reports, "--dtype", HONEST_DTYPES, "--cache-implementation", CACHES
+    )
+    outcomes = Counter(_outcomes(reports).values())
+    found = re.findall(r"(\d+) skipped", output)
+    skipped = int(found[-1]) if found else 0
+    row.false_alarms = outcomes["failed"]
+    row.crashes = outcomes["error"] + outcomes["crashed"]
+    if code not in (0, 1) or not outcomes:
+        row.crashes = max(row.crashes, 1)
+        row.replay = "crash: " + _short(output.strip().splitlines()[-1] if output.strip() else "")
+        return
+    state = "clean" if not row.false_alarms and not row.crashes else "not clean"
+    row.replay = f"{state} ({outcomes['passed']} passed, {skipped} skipped)"
+
+
+def planted(row: SweepRow, suites: Path, golden: Path, reports: Path, model_dir: Path) -> None:
+    """Where the planted norms were first caught: the first divergence of the whole-model
+    replay, named a norm or not by the captured point's module type."""
+    from numalign.golden import GoldenSet
+    from numalign.replay.swap import module_types
+
+    types = module_types(model_dir)
+    if any(t.endswith("RMSNorm") for t in types):
+        swap = "rms_norm=sweep_scaled_2pct"
+    elif "LayerNorm" in types:
+        swap = "layer_norm=sweep_scaled_2pct"
+    else:
+        norms = sorted(t for t in types if "Norm" in t)
+        row.planted = (
+            f"not planted: its norms ({', '.join(norms)}) are no module rms_norm or layer_norm "
+            "stands for"
+            if norms
+            else "not planted: no norm module"
+        )
+        return
+    code, output = _pytest(
+        suites, golden, reports, "--dtype", PLANTED_DTYPE, "-k", "test_model",
+        "--candidates", "numalign.sweep.planted", "--swap", swap,
+    )  # fmt: skip
+    if code not in (0, 1):
+        row.planted = "no: " + _short(output.strip().splitlines()[-1] if output.strip() else "")
+        return
+    from numalign.record import read_records
+
+    points = {p.name: p.type for p in GoldenSet.open(golden).points}
+    records = read_records(reports / "latest")
+    found = [r.first_divergence["point"] for r in records
+             if r.first_divergence and r.mode != "decode"]  # fmt: skip
+    broken = [r for r in records if r.verdict in ("error", "crashed")]
+    if not found and broken:
+        row.planted = "no: " + _short(broken[0].message or broken[0].error or "an error")
+        return
+    if not found:
+        row.planted = "not caught"
+        return
+    point = found[0]
+    kind = "norm" if "Norm" in (points.get(point) or "") else "not a norm"
+    row.planted = f"{point} ({kind})"
+
+
+def sweep_type(model_type: str, work: Path, suites: Path) -> SweepRow:
+    """The sweep of one type: every step that can run, each failure kept in its column."""
+    from numalign.replay.ensemble import capture_calibrated
+    from numalign.sweep.build import BuildError, build_tiny
+
+    start = time.monotonic()
+    row = SweepRow(model_type)
+    try:
+        model_dir = build_tiny(model_type, work / "models")
+        row.built = "yes"
+    except BuildError as exc:
+        row.built = "no: " + _short(str(exc))
+    if row.buildable:
+        golden = work / "sets" / model_type
+        try:
+            capture_calibrated(model_dir, golden, progress=False)
+            row.capture = "ok"
+        except Exception as exc:
+            row.capture, row.crashes = "crash: " + _short(exc), 1
+        if row.capture == "ok":
+            reports = work / "reports" / model_type
+            honest(row, suites, golden, reports / "honest")
+            planted(row, suites, golden, reports / "planted", model_dir)
+    row.seconds = round(time.monotonic() - start, 1)
+    return row
+
+
+def main(argv: list[str]) -> int:
+    model_type, work, suites = argv[0], Path(argv[1]), Path(argv[2])
+    row = sweep_type(model_type, work, suites)
+    print("SWEEP-ROW " + json.dumps(dataclasses.asdict(row)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

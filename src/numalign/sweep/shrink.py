@@ -1,0 +1,212 @@
+"""Tiny configs of any transformers model type: the type's own config class with its sizes
+shrunk generically (layers, hidden, heads, experts, windows, state sizes, MLA ranks, per-layer
+lists), plus ``OVERRIDES``, a small table for the types whose config cannot be shrunk
+generically (each entry with its reason).
+
+Only keys the type's default config has are set, so a size a type does not know is never
+invented. Per-layer lists (``layer_types`` and every other list as long as the default's
+layer count) keep one layer of each distinct kind in the default's order (at least
+``LAYERS``), so a hybrid model keeps its attention and its mixer layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: The layers a shrunk model keeps when its layers are all of one kind.
+LAYERS = 2
+#: At most this many layers: one of each kind, in the default's order.
+MAX_LAYERS = 4
+
+#: Sizes set where the type's default config has the key (the zoo's tiny sizes: hidden 64,
+#: 4 heads of 16, 2 key-value heads; small enough that a type builds and runs in seconds).
+SIZES: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "d_model": 64,
+    "n_embd": 64,
+    "intermediate_size": 128,
+    "ffn_hidden_size": 128,
+    "intermediate_size_mlp": 128,
+    "n_inner": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "decoder_attention_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_ffn_dim": 128,
+    "encoder_ffn_dim": 128,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rotary_dim": 8,
+    "max_position_embeddings": 256,
+    "n_positions": 256,
+    # experts: 4, two per token, one shared
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_experts_per_token": 2,
+    "moe_k": 2,
+    "moe_num_shared_experts": 1,
+    "num_shared_experts": 1,
+    "top_k_experts": 2,
+    "moe_topk": 2,
+    "n_shared_experts": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    # windows and chunks shorter than the prompts, so that they are exercised
+    "sliding_window": 8,
+    "attention_chunk_size": 8,
+    "chunk_size": 8,
+    "block_size": 8,
+    # multi-head latent attention ranks
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    # linear attention, gated delta rule, state-space mixers
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "state_size": 16,
+    "num_heads": 4,
+    "n_groups": 1,
+    "time_step_rank": 8,
+    "mamba_d_ssm": 64,
+    # heads x head dim = expand (2) x hidden (64), as Mamba-2 mixers require
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_chunk_size": 8,
+    "mamba_n_groups": 1,
+    "ssm_state_size": 16,
+    "mamba_num_heads": 4,
+    "mamba_head_dim": 16,
+    "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": 512,
+}
+#: Keys whose None default means "derived" (head_dim from hidden / heads; key-value heads
+#: as many as heads) and which the type's own code reads as a number: set to the tiny size.
+DERIVED = ("head_dim", "num_key_value_heads")
+#: Keys holding a layer count.
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
+#: Token ids beyond the shrunk vocabulary are moved inside it.
+TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+#: Types whose config the generic shrink cannot make valid: key -> value set after it, with
+#: the reason. Each entry is tested (``tests/sweep/test_shrink.py``) to build.
+OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
+    "mamba2": (
+        {"num_heads": 8},
+        "its heads x head dim must equal expand (2) x hidden",
+    ),
+    "jamba": (
+        {
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+        },
+        "its attention layers are every 8th from layer 4 (attn_layer_period, _offset): two "
+        "layers would hold none",
+    ),
+    "bamba": (
+        {"attn_layer_indices": [1]},
+        "its default has no attention layer (attn_layer_indices None), with which its cache "
+        "cannot tell the sequence length",
+    ),
+    "recurrent_gemma": (
+        {"block_types": ["recurrent", "attention"]},
+        "its block types cycle a pattern of 3 (recurrent, recurrent, attention): two layers "
+        "would hold no attention",
+    ),
+}
+
+
+def _layer_indices(defaults: dict[str, Any], count: int) -> list[int]:
+    """The default's layers kept: the first of each distinct kind (``layer_types``, else the
+    first per-layer list of names, Zamba's ``layers_block_type``; at least ``LAYERS``, at
+    most ``MAX_LAYERS``), in order."""
+    per_layer = [
+        v for v in defaults.values()
+        if isinstance(v, list) and len(v) == count and all(isinstance(k, str) for k in v)
+    ]  # fmt: skip
+    kinds = defaults.get("layer_types") or (per_layer[0] if per_layer else None)
+    keep: list[int] = []
+    if isinstance(kinds, list) and len(kinds) == count:
+        seen: set[Any] = set()
+        for i, kind in enumerate(kinds):
+            if kind not in seen:
+                seen.add(kind)
+                keep.append(i)
+    keep = keep[:MAX_LAYERS]
+    for i in range(count):
+        if len(keep) >= LAYERS:
+            break
+        if i not in keep:
+            keep.append(i)
+    return sorted(keep)
+
+
+def _scaled(layer: dict[str, Any], defaults: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """One layer's own sizes scaled as the global ones were (Gemma 4's global layers' head
+    dim 512 against 256 elsewhere: 32 against the tiny 16), so they still differ."""
+    scaled = dict(layer)
+    for key, value in layer.items():
+        old, new = defaults.get(key), out.get(key)
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in (value, old, new)):
+            scaled[key] = max(1, round(value * new / old)) if old else value
+    return scaled
+
+
+def shrink(defaults: dict[str, Any], model_type: str | None = None) -> dict[str, Any]:
+    """Keyword arguments of a tiny config from a type's default config (``to_dict()``):
+    sizes from ``SIZES``, layers and per-layer lists shrunk, token ids inside the vocabulary,
+    then the type's ``OVERRIDES`` entry. Nested text configs are shrunk the same way."""
+    out: dict[str, Any] = {}
+    count = next((defaults[k] for k in LAYER_KEYS if isinstance(defaults.get(k), int)), None)
+    for key, value in defaults.items():
+        if key in SIZES and isinstance(value, int) and not isinstance(value, bool) and value:
+            out[key] = min(value, SIZES[key])
+        elif key in DERIVED and value is None:
+            out[key] = SIZES[key]
+        elif key.endswith("_config") and isinstance(value, dict) and "model_type" in value:
+            out[key] = {**value, **shrink(value)}
+    if defaults.get("kv_lora_rank") and "num_key_value_heads" in out:
+        # latent attention expands its one compressed key-value to every head
+        out["num_key_value_heads"] = out.get("num_attention_heads", SIZES["num_attention_heads"])
+    if defaults.get("kv_lora_rank") and "head_dim" in out and "qk_rope_head_dim" in out:
+        out["head_dim"] = out["qk_rope_head_dim"]  # its rotary tables span the rope part only
+    if count:
+        keep = _layer_indices(defaults, count)
+        for key in LAYER_KEYS:
+            if key in defaults:
+                out[key] = len(keep)
+        for key, value in defaults.items():
+            if isinstance(value, list) and len(value) == count and count > len(keep):
+                out[key] = [value[i] for i in keep]
+            elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+                # per-layer settings by layer index (Gemma 4's per_layer_config): the kept
+                # layers' own, under their new indices
+                kept = {i: new for new, i in enumerate(keep)}
+                out[key] = {
+                    kept[int(k)]: _scaled(v, defaults, out) if isinstance(v, dict) else v
+                    for k, v in value.items()
+                    if int(k) in kept
+                }
+    vocab = out.get("vocab_size", defaults.get("vocab_size"))
+    for key in TOKEN_KEYS:
+        token = defaults.get(key)
+        if isinstance(vocab, int) and isinstance(token, int) and token >= vocab:
+            out[key] = TOKEN_KEYS.index(key)
+        elif isinstance(token, list):
+            out[key] = [t if t < (vocab or t + 1) else 2 for t in token]
+    if model_type in OVERRIDES:
+        out.update(OVERRIDES[model_type][0])
+    return out

@@ -1,0 +1,127 @@
+"""Paths a model cannot take are detected from the model and skipped with the reason, never a
+crash: layer types transformers' paged cache does not hold, a config that holds head_dim per
+layer, a model with a cache class of its own (capture and decode use it; other caches skip),
+and a module that needs state the model shares between layers (its layer replay skips)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from numalign.golden.capture import capture
+from numalign.golden.manifest import CACHE_POINT
+from numalign.golden.reference import CacheUnsupported, load_model, new_cache
+from numalign.golden.store import GoldenSet
+from numalign.replay.decode import run_decode
+from numalign.replay.layer import AloneUnsupported, replay_call, shared_inputs, within_range
+from numalign.replay.paged import paged_layer_types, paged_unsupported
+from numalign.sweep.build import build_tiny, tiny_config
+
+
+def _tiny(model_type: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(tiny_config(model_type))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "expected"),
+    [
+        ("falcon_h1", "layers of type hybrid"),
+        ("llama4_text", "layers of type chunked_attention"),
+        ("qwen3_next", "layers of type linear_attention"),
+        ("gemma4_text", "holds head_dim per layer"),
+        ("minimax", "builds a cache of its own"),
+    ],
+)
+def test_paged_skips_what_its_cache_does_not_hold(model_type: str, expected: str) -> None:
+    reason = paged_unsupported(_tiny(model_type))
+    assert reason is not None and expected in reason
+
+
+def test_paged_serves_the_layer_types_it_holds() -> None:
+    assert {"full_attention", "sliding_attention"} <= paged_layer_types()
+    assert paged_unsupported(_tiny("llama")) is None
+    assert paged_unsupported(_tiny("gemma3_text")) is None  # sliding and full layers
+
+
+def _captured(model_type: str, tmp_path: Path) -> GoldenSet:
+    model_dir = build_tiny(model_type, tmp_path / "models")
+    return capture(model_dir, tmp_path / "sets" / model_type, decode_steps=2, progress=False)
+
+
+def test_a_model_with_its_own_cache_captures_and_decodes_with_it(tmp_path: Path) -> None:
+    golden = _captured("minimax", tmp_path)
+    model = load_model(golden.model_dir, "float32", attn_implementation=None,
+                       trust_remote_code=False)  # fmt: skip
+    assert new_cache(model, "dynamic", 16) is None  # the prefill builds MiniMaxCache
+    with pytest.raises(
+        CacheUnsupported, match=r"builds a cache of its own .*: a static cache is not one it takes"
+    ):
+        new_cache(model, "static", 16)
+
+    worst: dict[str, float] = {}
+
+    def on_pair(request, step, point, path, actual, expected, call=0):  # type: ignore[no-untyped-def]
+        diff = float((actual.float() - expected.float()).abs().max())
+        worst[point] = max(worst.get(point, 0.0), diff)
+
+    request = golden.decode_requests[0]
+    run_decode(golden, model, request, "dynamic", torch.float32, "cpu", on_pair)
+    # the cache's states (MiniMax's own cache, read back from the prefill) were compared
+    assert CACHE_POINT in worst
+    # the same model, dtype and machine as the capture: agreement to float32 reordering
+    # (1e-4 absolute on values of order ten; a cache that was dropped or rebuilt differs by
+    # the values themselves)
+    assert worst and max(worst.values()) < 1e-4
+
+
+def test_a_module_that_needs_shared_state_skips_alone(tmp_path: Path) -> None:
+    golden = _captured("gemma4_text", tmp_path)
+    model = load_model(golden.model_dir, "float32", attn_implementation=None,
+                       trust_remote_code=False)  # fmt: skip
+    point = next(p for p in golden.points if p.name.endswith("layers.0"))
+    call = next(iter(point.calls.values()))[0]
+    assert shared_inputs(call) == {"shared_kv_states": "KVSharingDict"}
+    with pytest.raises(AloneUnsupported, match="cannot run alone: its call took shared_kv_states"):
+        replay_call(model.get_submodule(point.name), golden, call, device="cpu",
+                    dtype=torch.float32)  # fmt: skip
+    # a module without shared inputs runs alone as before
+    norm = next(p for p in golden.points if p.name == "model.norm")
+    first = next(iter(norm.calls.values()))[0]
+    out = replay_call(model.get_submodule(norm.name), golden, first, device="cpu",
+                      dtype=torch.float32)  # fmt: skip
+    assert set(out) == set(first.outputs)
+
+
+def test_an_offloaded_cache_on_the_cpu_skips_with_the_reason() -> None:
+    model = _tiny("llama")
+    with pytest.raises(CacheUnsupported, match="the model is on the CPU, with nothing to offload"):
+        new_cache(model, "offloaded", 16)
+    assert new_cache(model, "static", 16) is not None
+
+
+def test_a_golden_mask_keeps_its_finite_minimum_in_a_lower_dtype() -> None:
+    minimum = torch.finfo(torch.float32).min
+    mask = torch.tensor([0.0, minimum, float("-inf"), float("nan"), 1e5])
+    out = within_range(mask, torch.bfloat16)
+    assert out[1] == torch.finfo(torch.bfloat16).min  # not -inf, as a plain cast gives
+    assert mask.to(torch.bfloat16)[1] == float("-inf")
+    assert out[2] == float("-inf") and out[3].isnan()  # what was not finite stays so
+    assert within_range(mask, torch.float16)[4] == torch.finfo(torch.float16).max
+
+
+def test_longcat_flash_layers_replay_in_bfloat16_without_nan(tmp_path: Path) -> None:
+    # two attention sublayers per layer: a padding row's NaN (a fully -inf masked softmax)
+    # would reach the real rows through the second one's values
+    golden = _captured("longcat_flash", tmp_path)
+    model = load_model(golden.model_dir, "bfloat16", attn_implementation="eager",
+                       trust_remote_code=False)  # fmt: skip
+    point = next(p for p in golden.points if p.name == "model.layers.0")
+    for calls in point.calls.values():
+        for call in calls:
+            outputs = replay_call(model.get_submodule(point.name), golden, call, device="cpu",
+                                  dtype=torch.bfloat16)  # fmt: skip
+            assert all(not t.isnan().any() for t in outputs.values())
