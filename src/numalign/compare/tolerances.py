@@ -162,19 +162,13 @@ SCALE_OUTPUT_ROUNDOFFS = 0.25
 #: LEAN_MIN_ELEMENTS finite elements: a mean of fewer resolves nothing a budget does not.
 LEAN_Z = 8.0
 LEAN_SPREAD = 1.0
-#: ... plus an eighth of the dtype's unit roundoff: an exact replay (float32 replaying the
-#: float32 reference: zero error, zero standard error) sits 1e-9 outside members that lean
-#: by that much, which is no lean at all; in bfloat16 an eighth of a rounding is 0.049%, and
-#: a planted 0.1% scale (a quarter rounding) still fails.
+#: ... plus an eighth of the dtype's unit roundoff, or for a reduction of length K sqrt(K)
+#: roundoffs of the float32 accumulator, whichever is larger: an exact replay (float32
+#: replaying the float32 reference: zero error, zero standard error) sits 1e-9 outside
+#: members that lean by that much, and an honest fused RMSNorm in float32 leans 1e-7 (another
+#: summation order), which is no lean at all; in bfloat16 an eighth of a rounding is 0.049%,
+#: and a planted 0.1% scale (a quarter rounding) still fails.
 LEAN_FLOOR_ROUNDOFFS = 0.125
-#: ... and a whole unit roundoff for a point inside the whole model (accumulated, decode, the
-#: logits): there an honest implementation's upstream noise, through the nonlinear modules
-#: after it, leans outputs by up to 0.4 of a rounding (measured: an honest fused RMSNorm and
-#: complex rotary swapped into tiny-llama lean its first MLP +0.156% in bfloat16, where the
-#: ensemble reached 0.008%); a lean beyond a whole rounding is not noise (Gemma 2's logits
-#: without their soft-capping lean 1.67%, 4.3 roundings). A module's own subtle lean is
-#: judged alone, on golden inputs (layer replay), at the isolated floor.
-LEAN_PROPAGATED_FLOOR_ROUNDOFFS = 1.0
 LEAN_MIN_ELEMENTS = 256
 #: Rows (tokens) per channel before per-channel leans are judged: the mean of fewer rounds
 #: too coarsely for its standard error to be trusted in the maximum over channels.

@@ -13,9 +13,9 @@ it lives in ``replay``; ``capture_calibrated`` composes a capture (which only re
 Per point, output and mode the worst over requests and calls is kept: the errors (max abs,
 relative L2, ...), the cosine (lowest), the norm ratio (farthest from 1) and the fraction of
 exact zeros (highest), which the distribution rule judges a candidate against; and the range
-of the error's leans (``compare.lean``: scale and offset, per channel the most significant),
-each pooled over every request, call and step of a mode, which the lean rule judges a
-candidate's pooled leans against (``replay.leans``).
+of the isolated errors' leans (``compare.lean``: scale and offset, per channel the most
+significant), pooled over every request and call, which the lean rule of layer replay judges
+a candidate's against (``replay.leans``).
 """
 
 from __future__ import annotations
@@ -103,6 +103,7 @@ def calibrate(
     leans: dict[tuple[str, str, str], LeanSums] = {}
 
     def pool(point: str, path: str, mode: str, actual: Any, expected: Any) -> None:
+        # the isolated outputs' leans (``replay.leans``: judged alone only)
         if actual.is_floating_point() and expected.is_floating_point():
             leans.setdefault((point, path, mode), LeanSums()).add(actual, expected)
 
@@ -116,7 +117,6 @@ def calibrate(
             # every call of a point shares its calibration (the worst of them)
             stats = _stats(actual, expected)
             accumulated[(point, path)] = _worst(accumulated.get((point, path)), stats)
-            pool(point, path, "accumulated", actual, expected)
 
         with torch.no_grad(), golden_outputs(model, golden, name, on_output):
             finals = model_outputs(model(**inputs, **forward_kwargs(model)))
@@ -132,7 +132,6 @@ def calibrate(
                 stats |= {k: float(getattr(agreement, k)) for k in LOGITS_STATS}
             slot = (OUTPUT_POINT, output)
             accumulated[slot] = _worst(accumulated.get(slot), stats)
-            pool(OUTPUT_POINT, output, "accumulated", kept_a.to(torch_dtype), kept_e)
 
     for point in points.values():
         module = model.get_submodule(point.name)
@@ -163,7 +162,6 @@ def calibrate(
             agreement = logits_stats(actual, expected, 0.0)
             stats |= {k: float(getattr(agreement, k)) for k in LOGITS_STATS}
         decoded[(point, path)] = _worst(decoded.get((point, path)), stats)
-        pool(point, path, "decode", actual, expected)
 
     for request_name in golden.decode_requests:
         run_decode(golden, model, request_name, REFERENCE_CACHE, torch_dtype, device, on_pair)

@@ -30,7 +30,6 @@ from numalign.golden.reference import (
 )
 from numalign.golden.requests import unservable
 from numalign.replay.compiled import observe_calls
-from numalign.replay.leans import PointLeans
 from numalign.replay.model import compare_point, control_for, hidden_and_depth, judge_logits
 from numalign.replay.verdict import LogitsResult, PointResult, label, unmapped_records
 
@@ -272,8 +271,7 @@ def replay_decode(
     from numalign.replay.paged import replay_paged_requests
 
     verdict = DecodeVerdict(implementation)
-    leans = PointLeans(golden, dtype, "decode")
-    on_pair = _judge(golden, model, dtype, verdict, policy, leans)
+    on_pair = _judge(golden, model, dtype, verdict, policy)
     if implementation == "paged":
         served = replay_paged_requests(golden, model, device, on_pair)
         for request in golden.decode_requests:
@@ -284,7 +282,6 @@ def replay_decode(
         for request in golden.decode_requests:
             run_decode(golden, model, request, implementation, getattr(torch, dtype), device,
                        on_pair)  # fmt: skip
-    verdict.points += leans.results()
     return verdict
 
 
@@ -294,10 +291,8 @@ def _judge(
     dtype: str,
     verdict: DecodeVerdict,
     policy: Any,
-    leans: PointLeans | None = None,
 ) -> OnPair:
-    """An ``OnPair`` that judges each pair within its decode calibration into ``verdict``
-    (and pools it into ``leans``)."""
+    """An ``OnPair`` that judges each pair within its decode calibration into ``verdict``."""
     import torch
 
     hidden, depth = hidden_and_depth(model)
@@ -308,9 +303,6 @@ def _judge(
                 expected: Any, call: int = 0) -> None:  # fmt: skip
         control = control_for(golden, dtype, point, path, "decode", hidden, depth)
         actual = actual.float().cpu().to(torch_dtype)
-        if leans is not None:
-            leans.add(point, path, actual, expected, order.get(point, len(order)),
-                      len(verdict.points))  # fmt: skip
         if point == OUTPUT_POINT:
             judged = judge_logits(request, actual, expected, control, policy)
             judged.step = step

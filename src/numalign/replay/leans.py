@@ -1,14 +1,13 @@
-"""The lean rule of model replays: each capture point's outputs pooled over every request,
-call and step of a replay, and their leans (``compare.lean``) judged against the range the
-set's calibration reached in the same mode and dtype. A pooled lean resolves a systematic
-error far below one rounding per element (a bfloat16 GELU of the other form, a wrong
-epsilon), which the per-comparison budgets, at the dtype's noise, let through.
+"""The lean rule of layer replay: a capture point's outputs replayed alone, pooled over every
+request and call, and their leans (``compare.lean``) judged against the range the set's
+isolated calibration reached in the same dtype. A pooled lean resolves a systematic error far
+below one rounding per element (a norm 0.3% too large in bfloat16), which the
+per-comparison budgets, at the dtype's noise, let through.
 
-One result per point output and replay, request ``POOLED``; judged alone (layer replay) at
-the fine floor and per channel, inside the whole model (model and decode replay) at the
-propagated floor and globally (``compare.lean``); none where the calibration holds no leans
-(sets captured before this numalign, a float32 borrowing its budgets) or the point has too
-few elements to resolve one.
+One result per point output, request ``POOLED``; none where the calibration holds no leans
+(sets captured before this numalign, a float32 borrowing its budgets) or the point has too few
+elements to resolve one. Leans are not judged inside the whole model (``compare.lean``: honest
+upstream noise leans the outputs there).
 """
 
 from __future__ import annotations
@@ -31,11 +30,13 @@ POOLED = "all requests"
 
 @dataclass
 class PointLeans:
-    """Pools outputs per (point, path) as a replay hands them on; ``results`` judges them."""
+    """Pools outputs per (point, path) as a layer replay hands them on; ``results`` judges
+    them against the isolated calibration (``reduction``: the length of the reduction behind
+    each output, the hidden size)."""
 
     golden: GoldenSet
     dtype: str
-    mode: str
+    reduction: int = 1
     sums: dict[tuple[str, str], LeanSums] = field(default_factory=dict)
     #: when each output was first handed on (the order of the first divergence)
     first: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
@@ -51,14 +52,14 @@ class PointLeans:
         """One judged result per pooled output whose calibration holds leans."""
         out = []
         for (point, path), sums in self.sums.items():
-            calibration = self.golden.calibrated(self.dtype, point, path, self.mode)
+            calibration = self.golden.calibrated(self.dtype, point, path, "isolated")
             measured = sums.finish()
             if not calibration or measured is None or calibration.get("scale_low") is None:
                 continue
             order, finished = self.first[(point, path)]
             result = lean_result(label(point, path), self.dtype, measured, calibration,
-                                 propagated=self.mode != "isolated")  # fmt: skip
-            out.append(PointResult(point, order, POOLED, path, result, self.mode,
+                                 self.reduction)  # fmt: skip
+            out.append(PointResult(point, order, POOLED, path, result, "isolated",
                                    finished=finished))  # fmt: skip
         return out
 
@@ -69,13 +70,13 @@ _RANGE = ("scale_low", "scale_high", "offset_low", "offset_high", "channel_scale
 
 
 def lean_result(
-    name: str, dtype: str, measured: Lean, calibration: dict[str, Any], propagated: bool = False
+    name: str, dtype: str, measured: Lean, calibration: dict[str, Any], reduction: int = 1
 ) -> CompareResult:
     """The lean rule's verdict on one pooled output, as a comparison's result (rule
     ``distribution``): the honest range and the measured leans in ``budget``, the most
     significant lean beyond the range as the reason."""
-    finding = judge_lean(measured, calibration, dtype, propagated)
-    used = max(lean_uses(measured, calibration, dtype, propagated), default=0.0)
+    finding = judge_lean(measured, calibration, dtype, reduction)
+    used = max(lean_uses(measured, calibration, dtype, reduction), default=0.0)
     budget = {k: float(v) for k in _RANGE if (v := calibration.get(k)) is not None}
     budget |= {
         "lean_scale": measured.scale, "lean_scale_se": measured.scale_se,

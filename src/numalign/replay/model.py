@@ -21,7 +21,7 @@ from numalign.golden.store import DEFAULT_SETS, discover_sets
 from numalign.replay.compiled import CompiledModel, compile_model, compile_spec, observe, take_stats
 from numalign.replay.inputs import MASK_PATH, input_at_fault, judged_masks
 from numalign.replay.layer import AloneUnsupported, kept_positions, replay_call, request_mask
-from numalign.replay.leans import POOLED, PointLeans
+from numalign.replay.leans import PointLeans
 from numalign.replay.shards import whole
 from numalign.replay.verdict import (
     ContinuationResult,
@@ -369,7 +369,7 @@ def replay_layer(
     hidden, depth = hidden_and_depth(model)
     module = model.get_submodule(point.name)
     results = []
-    leans = PointLeans(golden, dtype, "isolated")
+    leans = PointLeans(golden, dtype, hidden)
     for request, calls in point.calls.items():
         mask = request_mask(golden, request)
         for index, call in enumerate(calls):
@@ -400,7 +400,6 @@ def replay_model(
     hidden, depth = hidden_and_depth(model)
     points = {p.name: p for p in golden.points}
     verdict = ModelVerdict(points=[])
-    leans = PointLeans(golden, dtype, "accumulated")
     for request in golden.requests:
         name = request.name
         inputs = {
@@ -416,7 +415,6 @@ def replay_model(
                 PointResult(point, points[point].order, name, path, result,
                             finished=len(verdict.points), call=call)
             )  # fmt: skip
-            leans.add(point, path, actual, expected, points[point].order, len(verdict.points))
 
         def on_mask(point: str, path: str, actual: Any, expected: Any, call: int,
                     name: str = name) -> None:  # fmt: skip
@@ -440,9 +438,6 @@ def replay_model(
             expected = kept_positions(golden.tensor(key), mask)
             control = control_for(golden, dtype, OUTPUT_POINT, output, "output", hidden, depth)
             if output == "logits":
-                # after every point of the request: a lean only the logits show comes last
-                leans.add(OUTPUT_POINT, output, actual.to(torch_dtype), expected, len(points),
-                          1 << 30)  # fmt: skip
                 judged = judge_logits(name, actual.to(torch_dtype), expected, control, policy)
                 verdict.logits.append(judged)
                 logits_budget = judged.values.budget.get("max_abs", 0.0) if judged.values else 0.0
@@ -454,8 +449,16 @@ def replay_model(
             verdict.continuation.append(
                 continuation_agreement(model, name, inputs, golden, continuation, logits_budget)
             )
-    verdict.points += leans.results()
     verdict.divergence = locate(golden, model, verdict.points, dtype, device, policy)
+    failing_logits = [lg for lg in verdict.logits if not lg.passed and lg.values is not None]
+    if verdict.divergence is None and failing_logits:
+        # every point within budget and the logits not: after the last capture point
+        first = failing_logits[0]
+        assert first.values is not None
+        verdict.divergence = Divergence(
+            OUTPUT_POINT, "output", first.request, first.values,
+            why_unlocated=logit_transform(model.config),
+        )  # fmt: skip
     return verdict
 
 
@@ -481,25 +484,20 @@ def locate(
         mask = failing.path.removeprefix(MASK_PATH.format(""))
         return Divergence(failing.point, "input", failing.request, failing.result,
                           inputs=((mask, differs),))  # fmt: skip
-    if failing.point == OUTPUT_POINT:  # the logits lean, every point within: after the head
-        return Divergence(failing.point, "output", failing.request, failing.result,
-                          why_unlocated=logit_transform(model.config))  # fmt: skip
     try:
         alone = replay_layer(golden, model, golden.point(failing.point), dtype, device, policy)
     except AloneUnsupported as exc:  # the whole model's verdict stands; only not located
         return Divergence(failing.point, "unlocated", failing.request, failing.result, str(exc))
     if any(not r.result.passed for r in alone):
         return Divergence(failing.point, "local", failing.request, failing.result)
-    faulty = None
-    if failing.request != POOLED:
-        hidden, depth = hidden_and_depth(model)
+    hidden, depth = hidden_and_depth(model)
 
-        def judge(path: str, actual: Any, expected: Any) -> CompareResult:
-            control = control_for(golden, dtype, failing.point, path, "isolated", hidden, depth)
-            return compare_point(actual, expected, label(failing.point, path), control, policy)
+    def judge(path: str, actual: Any, expected: Any) -> CompareResult:
+        control = control_for(golden, dtype, failing.point, path, "isolated", hidden, depth)
+        return compare_point(actual, expected, label(failing.point, path), control, policy)
 
-        faulty = input_at_fault(golden, model, failing.point, failing.request, failing.call,
-                                judge, device, _torch_dtype(dtype))  # fmt: skip
+    faulty = input_at_fault(golden, model, failing.point, failing.request, failing.call,
+                            judge, device, _torch_dtype(dtype))  # fmt: skip
     keywords = [f for f in faulty or () if not f.name.startswith("args[")]
     if keywords:
         return Divergence(failing.point, "input", failing.request, failing.result,

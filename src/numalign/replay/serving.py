@@ -104,7 +104,6 @@ def _unexplained(
     import torch
 
     from numalign.compare import compute_metrics
-    from numalign.compare.lean import LeanSums
     from numalign.compare.logits import logits_stats
     from numalign.golden.decode import REFERENCE_CACHE
     from numalign.golden.manifest import OUTPUT_POINT
@@ -114,15 +113,12 @@ def _unexplained(
     torch_dtype = getattr(torch, dtype)
     model = signature_model(golden, dtype, device)
     errors: dict[tuple[str, int, str, str, int], tuple[float, float, float]] = {}
-    leans: dict[tuple[str, str], LeanSums] = {}
 
     def on_pair(request: str, step: int, point: str, path: str, actual: Any,
                 expected: Any, call: int = 0) -> None:  # fmt: skip
         m = compute_metrics(actual, expected)
         kl = logits_stats(actual, expected, 0.0).kl_max if point == OUTPUT_POINT else 0.0
         errors[(request, step, point, path, call)] = (m.max_abs, m.rel_l2, kl)
-        if actual.is_floating_point():
-            leans.setdefault((point, path), LeanSums()).add(actual.to(torch_dtype), expected)
 
     with torch.no_grad():
         for request in golden.decode_requests:
@@ -130,12 +126,6 @@ def _unexplained(
     out = []
     for r in verdict.points:
         if r.result.passed:
-            continue
-        if r.step is None:  # a lean pooled over every step: against the signature's own
-            sums = leans.get((r.point, r.path))
-            own = sums.finish() if sums is not None else None
-            if own is None or not _same_lean(r.result, own, dtype):
-                out.append(f"{r.point}'s lean pooled over every step")
             continue
         signature = errors.get((r.request, r.step or 0, r.point, r.path, r.call))
         if signature is None or not _within(r.result, signature[:2]):
@@ -148,20 +138,6 @@ def _unexplained(
         if signature is None or not (_within(lg.values, signature[:2]) and kl_ok):
             out.append(f"the logits at step {lg.step}, request {lg.request}")
     return out
-
-
-def _same_lean(result: Any, signature: Any, dtype: str) -> bool:
-    """The pooled result's leans equal the signature model's within the lean rule's margin
-    (``compare.lean``: LEAN_Z of the result's standard errors plus the floor)."""
-    from numalign.compare.lean import lean_margin
-
-    b = result.budget
-    return all(
-        abs(b[f"lean_{name}"] - getattr(signature, name))
-        <= lean_margin(b[f"lean_{name}_se"], 0.0, dtype, propagated=True)
-        for name in ("scale", "offset")
-        if f"lean_{name}" in b
-    )
 
 
 def _within(result: Any, signature: tuple[float, float]) -> bool:

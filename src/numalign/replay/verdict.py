@@ -241,7 +241,14 @@ class ModelVerdict:
                 record.first_divergence = self.divergence.to_dict()
             out.append(record)
         out += [o.record(test_id, **context) for o in self.outputs]
-        out += [lg.record(test_id, **context) for lg in self.logits]
+        # a divergence only the logits show (kind output) is carried by the first failing one
+        pending = self.divergence is not None and failing is None
+        for lg in self.logits:
+            record = lg.record(test_id, **context)
+            if pending and not lg.passed and self.divergence is not None:
+                record.first_divergence = self.divergence.to_dict()
+                pending = False
+            out.append(record)
         out += [c.record(test_id, **context) for c in self.continuation]
         return out + unmapped_records(self.unmapped, test_id, "accumulated", **context)
 

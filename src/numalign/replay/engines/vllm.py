@@ -47,7 +47,6 @@ from numalign.replay.model import (
     control_for,
     hidden_and_depth,
     judge_logits,
-    logit_transform,
     open_fresh,
 )
 from numalign.replay.verdict import Divergence, ModelVerdict, PointResult, first_divergence, label
@@ -150,7 +149,6 @@ class VllmEngine:
         unmapped = _unmapped(running.mapping)
         hidden, depth = hidden_and_depth_of(running)
         torch_dtype = _torch_dtype(dtype)
-        leans = PointLeans(golden, dtype, "accumulated")
         for request in golden.requests:
             rows = _rows(golden, request.name)
             if rows is None:
@@ -187,8 +185,6 @@ class VllmEngine:
                         pm.point, point.order, request.name, path, result,
                         finished=served.order.get(pm.module, 0),
                     ))  # fmt: skip
-                    leans.add(pm.point, path, actual.to(torch_dtype), expected, point.order,
-                              served.order.get(pm.module, 0))  # fmt: skip
             verdict.points += _residuals(served, golden, request.name, rows, running.mapping,
                                          dtype, hidden, depth, policy)  # fmt: skip
             finals = golden.final_outputs(request.name)
@@ -199,8 +195,6 @@ class VllmEngine:
                     golden, dtype, OUTPUT_POINT, "logits", "output", hidden, depth
                 )
                 verdict.logits.append(judge_logits(request.name, actual, expected, control, policy))
-                leans.add(OUTPUT_POINT, "logits", actual, expected, len(golden.points), 1 << 30)
-        verdict.points += leans.results()
         verdict.divergence = self._locate(golden, dtype, verdict.points, policy)
         verdict.unmapped = unmapped
         return Replayed(golden, verdict, self._context(golden, running))
@@ -220,7 +214,6 @@ class VllmEngine:
         torch_dtype = _torch_dtype(dtype)
         modules = {pm.point: pm.module for pm in running.mapping if pm.module is not None}
         order = {p.name: p.order for p in golden.points}
-        leans = PointLeans(golden, dtype, "decode")
         for request in golden.decode_requests:
             rows = _rows(golden, request)
             decode = golden.decode(request)
@@ -244,8 +237,6 @@ class VllmEngine:
                             point, order.get(point, len(order)), request, path, result, "decode",
                             finished=served.order.get(modules[point], 0), step=number,
                         ))  # fmt: skip
-                        leans.add(point, path, actual.to(torch_dtype), expected,
-                                  order.get(point, len(order)), len(verdict.points))  # fmt: skip
                 logits = _step_rows(served, rows, OUTPUT_POINT, number)[:, 0]
                 control = control_for(
                     golden, dtype, OUTPUT_POINT, "logits", "decode", hidden, depth
@@ -254,9 +245,6 @@ class VllmEngine:
                                       control, policy)  # fmt: skip
                 judged.step = number
                 verdict.logits.append(judged)
-                leans.add(OUTPUT_POINT, "logits", logits.to(torch_dtype),
-                          golden.tensor(step.logits), len(order), len(verdict.points))  # fmt: skip
-        verdict.points += leans.results()
         verdict.unmapped = unmapped
         context = self._context(golden, running)
         context["swap"] = ",".join(filter(None, [context["swap"], f"cache={cache}"]))
@@ -413,10 +401,6 @@ class VllmEngine:
         if failing is None:
             return None
         running = self._engine(golden, dtype)
-        if failing.point == OUTPUT_POINT:  # only the logits lean: after the head
-            config = running.llm.llm_engine.model_config.hf_config
-            return Divergence(failing.point, "output", failing.request, failing.result,
-                              why_unlocated=logit_transform(config))  # fmt: skip
         module = next(m.module for m in running.mapping if m.point == failing.point)
         alone = _isolated(running, golden, golden.point(failing.point), module or "", dtype, policy)
         if isinstance(alone, str):
@@ -680,7 +664,7 @@ def _isolated(
     hidden, depth = hidden_and_depth_of(running)
     torch_dtype = getattr(torch, dtype)
     results = []
-    leans = PointLeans(golden, dtype, "isolated")
+    leans = PointLeans(golden, dtype, hidden)
     for request, calls in point.calls.items():
         if "pixel_values" in golden.request(request).inputs:
             continue
