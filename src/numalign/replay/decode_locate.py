@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.golden.reference import flatten
 from numalign.replay.decode import run_decode
+from numalign.replay.inputs import detached
 from numalign.replay.model import compare_point, control_for, hidden_and_depth
 from numalign.replay.verdict import label
 
@@ -120,7 +121,7 @@ def _step_calls(
 
     def on_call(number: int, point: str, index: int, args: Any, kwargs: Any, output: Any) -> None:
         if number == step and args is not None:
-            found.append(_StepCall(point, index, _detached(args), _detached(kwargs), output))
+            found.append(_StepCall(point, index, detached(args), detached(kwargs), output))
 
     cache = "dynamic" if implementation == "paged" else implementation
     run_decode(golden, model, request, cache, getattr(torch, dtype), device,
@@ -163,18 +164,4 @@ def _up(value: Any) -> Any:
         return [_up(v) for v in value]
     if isinstance(value, dict):
         return {k: _up(v) for k, v in value.items()}
-    return value
-
-
-def _detached(value: Any) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, tuple):
-        return tuple(_detached(v) for v in value)
-    if isinstance(value, list):
-        return [_detached(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
     return value

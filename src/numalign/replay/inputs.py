@@ -48,7 +48,7 @@ def fed_inputs(
     seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
     def pre(mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        seen.append((_detached(args), {k: _detached(v) for k, v in kwargs.items()}))
+        seen.append((detached(args), detached(kwargs)))
 
     inputs = {
         k: golden.tensor(v, device=device, dtype=dtype)
@@ -181,15 +181,19 @@ def _tensors(value: Any) -> bool:
     return bool(_leaves(value))
 
 
-def _detached(value: Any) -> Any:
+def detached(value: Any) -> Any:
+    """A copy of a call's inputs, tensors detached and cloned (tuples, lists and dicts kept),
+    so the replay that goes on cannot change what was taken."""
     import torch
 
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, tuple):
-        return tuple(_detached(v) for v in value)
+        return tuple(detached(v) for v in value)
     if isinstance(value, list):
-        return [_detached(v) for v in value]
+        return [detached(v) for v in value]
+    if isinstance(value, dict):
+        return {k: detached(v) for k, v in value.items()}
     return value
 
 
