@@ -48,8 +48,18 @@ def test_each_override_is_needed_and_builds(
     assert model_type in causal_lm_types()
     assert build_tiny(model_type, tmp_path).joinpath("config.json").is_file()  # and ran
     monkeypatch.setattr(shrink_module, "OVERRIDES", {})
-    with pytest.raises(BuildError):
+    try:
         build_tiny(model_type, tmp_path / "generic")
+    except BuildError:
+        return  # needed: the generic shrink alone does not build
+    import transformers
+
+    # the table is written for the transformers CI's main job installs (5.24); an entry
+    # another version does not need (recurrent_gemma on vLLM's pin, 5.19) is said, not failed
+    if transformers.__version__.startswith("5.24"):
+        pytest.fail(f"the override of {model_type} is not needed: the generic shrink builds it")
+    pytest.skip(f"transformers {transformers.__version__} builds {model_type} without its "
+                "override (written for 5.24)")  # fmt: skip
 
 
 def test_a_type_transformers_cannot_build_is_listed_with_its_message(tmp_path: Path) -> None:
