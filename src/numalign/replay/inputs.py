@@ -76,6 +76,8 @@ def input_at_fault(
     """The inputs of the point's call that make it fail alone (``judge(path, actual,
     expected)`` -> CompareResult judges each output against the isolated budget); None when
     the model's inputs could not be taken (a compiled model, a call not recorded)."""
+    import torch
+
     calls = golden.point(point).calls.get(request, [])
     if call >= len(calls) or not hasattr(model, "get_submodule"):
         return None
@@ -95,8 +97,6 @@ def input_at_fault(
             args[replace] = own
         else:
             kwargs[replace] = own
-        import torch
-
         with torch.no_grad():
             outputs = dict(_tensor_outputs(module(*args, **kwargs)))
         failed = None
