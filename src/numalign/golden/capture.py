@@ -263,12 +263,8 @@ def capture(
 
     model_dir, out = Path(model_dir).resolve(), Path(out)
     check_target(out, model_dir, force=force)  # first: never load a model to then refuse
-    _check_counts(continuation=continuation, decode_steps=decode_steps, image=image)
-    if reference_dtype not in ("float32", "float64"):
-        raise ValueError(f"--reference-dtype {reference_dtype!r}: float32 or float64")
-    # None: a bar on a terminal, lines in a log; True: the bar; False: silent
-    show = ("bar" if sys.stderr.isatty() else "lines") if progress is None else (
-        "bar" if progress else "off")  # fmt: skip
+    _check_counts(continuation=continuation, decode_steps=decode_steps, image=image,
+                  reference_dtype=reference_dtype)  # fmt: skip
     # eager attention by default: the reference implementation, whose explicit 4D masks every
     # other attention implementation accepts when a point is replayed alone
     attn_implementation = attn_implementation or "eager"
@@ -278,9 +274,52 @@ def capture(
     torch.manual_seed(0)
     model = load_model(model_dir, reference_dtype, attn_implementation=attn_implementation,
                        trust_remote_code=trust_remote_code, placement=placement)  # fmt: skip
+    decoder = takes_cache(model)
+    requests = _requests(model_dir, model, prompts=prompts, image=image, decoder=decoder,
+                         long=long, far=far, max_position=max_position,
+                         trust_remote_code=trust_remote_code)  # fmt: skip
+    point_names = select_points(model, points)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(out.parent)
+    tmp = temporary_folder(out)
+    bar = _Progress(_progress_mode(progress), len(requests) + finish_steps, out.name)
+    try:
+        manifest = _manifest(model, model_dir, out, reference_dtype, model_hash)
+        _record_all(model, requests, point_names, manifest, ShardWriter(tmp, max_shard_bytes),
+                    bar, continuation=continuation,
+                    decode_steps=decode_steps if decoder else 0)  # fmt: skip
+        write_manifest(tmp, manifest)
+        del model
+        if finish is not None:
+            finish(GoldenSet.open(tmp), bar.step)
+        _place(tmp, out, model_dir, force=force)
+    except BaseException:
+        clear_temporary(tmp)
+        raise
+    finally:
+        bar.close()
+    return GoldenSet.open(out)
+
+
+def _requests(
+    model_dir: Path,
+    model: Any,
+    *,
+    prompts: Sequence[str] | None,
+    image: str | None,
+    decoder: bool,
+    long: int | None,
+    far: int,
+    max_position: int | None,
+    trust_remote_code: bool,
+) -> list[CaptureRequest]:
+    """Every request of a capture, in order: the prompts, the long requests (``long`` None:
+    past every length boundary of a decoder), the far-position request and the image request,
+    each where the model and the options have one; ValueError naming the option on bad
+    sizes."""
     requests = text_requests(model_dir, model.config, prompts or DEFAULT_PROMPTS,
                              trust_remote_code)  # fmt: skip
-    decoder = takes_cache(model)
     if long is None:
         long = long_length(model.config) if decoder else 0
     if long < 0:
@@ -296,50 +335,65 @@ def capture(
     requests += [far_positions] if far_positions is not None else []
     extra = image_request(model_dir, model.config, image)
     requests += [extra] if extra is not None else []
-    point_names = select_points(model, points)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_abandoned(out.parent)
-    tmp = temporary_folder(out)
-    bar = _Progress(show, len(requests) + finish_steps, out.name)
-    try:
-        writer = ShardWriter(tmp, max_shard_bytes)
-        manifest = _manifest(model, model_dir, out, reference_dtype, model_hash)
-        recorder = _Recorder(writer)
-        for request in requests:
-            bar.step(f"request {request.name}")
-            _record_request(model, request, point_names, recorder, manifest, continuation)
-            if request.generate and decoder and decode_steps > 0:
-                manifest.decode[request.name] = record_decode(
-                    model, request, point_names, writer, decode_steps
-                )
-        writer.flush()
-        manifest.tensors, manifest.shards = dict(writer.tensors), dict(writer.shards)
-        order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-        manifest.points = [
-            Point(n, type(model.get_submodule(n)).__name__, order[n], recorder.calls[n])
-            for n in sorted(point_names, key=lambda n: order[n])
-            if recorder.calls.get(n)
-        ]
-        write_manifest(tmp, manifest)
-        del model, recorder
-        if finish is not None:
-            finish(GoldenSet.open(tmp), bar.step)
-        if check_target(out, model_dir, force=force):  # again: it may have changed meanwhile
-            kept = keep_version(out, _stamp(out))
-            print(f"numalign capture: kept the replaced set under {kept}", file=sys.stderr)
-        replace_set(tmp, out)
-    except BaseException:
-        clear_temporary(tmp)
-        raise
-    finally:
-        bar.close()
-    return GoldenSet.open(out)
+    return requests
 
 
-def _check_counts(*, continuation: int, decode_steps: int, image: str | None) -> None:
-    """Capture's counts are whole numbers of at least 0 and its image a file (ValueError
-    naming the option otherwise), checked before the model loads."""
+def _record_all(
+    model: Any,
+    requests: Sequence[CaptureRequest],
+    point_names: list[str],
+    manifest: Manifest,
+    writer: ShardWriter,
+    bar: _Progress,
+    *,
+    continuation: int,
+    decode_steps: int,
+) -> None:
+    """Runs every request through the model with the points hooked, writing their tensors
+    through ``writer`` and filling ``manifest`` (tensors, shards, decode steps of the requests
+    that generate, and the points in forward order with their calls)."""
+    recorder = _Recorder(writer)
+    for request in requests:
+        bar.step(f"request {request.name}")
+        _record_request(model, request, point_names, recorder, manifest, continuation)
+        if request.generate and decode_steps > 0:
+            manifest.decode[request.name] = record_decode(
+                model, request, point_names, writer, decode_steps
+            )
+    writer.flush()
+    manifest.tensors, manifest.shards = dict(writer.tensors), dict(writer.shards)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    manifest.points = [
+        Point(n, type(model.get_submodule(n)).__name__, order[n], recorder.calls[n])
+        for n in sorted(point_names, key=lambda n: order[n])
+        if recorder.calls.get(n)
+    ]
+
+
+def _progress_mode(progress: bool | None) -> str:
+    """None: a bar on a terminal, lines in a log; True: the bar; False: silent."""
+    if progress is None:
+        return "bar" if sys.stderr.isatty() else "lines"
+    return "bar" if progress else "off"
+
+
+def _place(tmp: Path, out: Path, model_dir: Path, *, force: bool) -> None:
+    """Moves the finished set from ``tmp`` into ``out``, keeping a replaced set under
+    ``.versions/``; the target is checked again (it may have changed during the capture)."""
+    if check_target(out, model_dir, force=force):
+        kept = keep_version(out, _stamp(out))
+        print(f"numalign capture: kept the replaced set under {kept}", file=sys.stderr)
+    replace_set(tmp, out)
+
+
+def _check_counts(
+    *, continuation: int, decode_steps: int, image: str | None, reference_dtype: str
+) -> None:
+    """Capture's counts are whole numbers of at least 0, its image a file and its reference
+    dtype float32 or float64 (ValueError naming the option otherwise), checked before the
+    model loads."""
+    if reference_dtype not in ("float32", "float64"):
+        raise ValueError(f"--reference-dtype {reference_dtype!r}: float32 or float64")
     for option, value in (("--continuation", continuation), ("--decode-steps", decode_steps)):
         if value < 0:
             raise ValueError(f"{option} {value}: a number of tokens, 0 or more (0: none)")
