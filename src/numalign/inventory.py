@@ -74,14 +74,31 @@ class Inventory:
 
 
 def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inventory:
-    import torch
-    import transformers
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from numalign.registry import OPERATORS, candidates, load_catalogue
+    """The operators the model in ``model_dir`` uses (built on the meta device: no weights
+    load), by module type and by the aten ops of one traced forward, each with where it is
+    used and whether the catalogue covers it, and what no operator stands for."""
+    from numalign.registry import load_catalogue
 
     load_catalogue()
     folder = Path(model_dir)
+    model = _meta_model(folder, trust_remote_code)
+    result = Inventory(model=folder.name, architecture=type(model).__name__)
+    types: dict[str, list[str]] = defaultdict(list)
+    for name, module in model.named_modules():
+        if name:
+            types[type(module).__name__].append(name)
+    result.module_types = dict(types)
+    counts, result.trace_error = _trace_aten(model)
+    result.aten_ops = dict(sorted(counts.items()))
+    result.rows = _rows(model, types, counts)
+    return result
+
+
+def _meta_model(folder: Path, trust_remote_code: bool) -> Any:
+    """The model of ``folder``'s config on the meta device, in eval mode."""
+    import torch
+    import transformers
+
     config = transformers.AutoConfig.from_pretrained(
         folder, local_files_only=True, trust_remote_code=trust_remote_code
     )
@@ -93,13 +110,14 @@ def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inve
         model = (
             cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
         )
-    model.eval()
-    result = Inventory(model=folder.name, architecture=type(model).__name__)
-    types: dict[str, list[str]] = defaultdict(list)
-    for name, module in model.named_modules():
-        if name:
-            types[type(module).__name__].append(name)
-    result.module_types = dict(types)
+    return model.eval()
+
+
+def _trace_aten(model: Any) -> tuple[dict[str, int], str | None]:
+    """How many times one forward of 8 tokens calls each aten op (by ``_variant`` name), and
+    why the trace stopped early where it did (None: it ran through)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     counts: dict[str, int] = defaultdict(int)
 
@@ -122,9 +140,17 @@ def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inve
         with torch.no_grad(), Recorder():
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     except Exception as exc:  # data-dependent ops cannot run on meta tensors
-        result.trace_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-    result.aten_ops = dict(sorted(counts.items()))
+        return counts, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return counts, None
 
+
+def _rows(model: Any, types: dict[str, list[str]], counts: dict[str, int]) -> list[dict[str, Any]]:
+    """The inventory's rows: each catalogue operator the model uses (by module or by aten op)
+    with where and its coverage, then the module types with parameters and the aten ops that
+    no operator stands for."""
+    from numalign.registry import OPERATORS, candidates
+
+    rows: list[dict[str, Any]] = []
     where: dict[str, set[str]] = defaultdict(set)
     for op in OPERATORS.values():
         for kind, names in types.items():
@@ -140,7 +166,7 @@ def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inve
                     where[op_name].add(f"aten.{aten}")
     for name in sorted(where):
         status = "covered by candidates" if len(candidates(name)) else "reference only"
-        result.rows.append({"operator": name, "where": sorted(where[name]), "status": status})
+        rows.append({"operator": name, "where": sorted(where[name]), "status": status})
     mapped = {n for names in where.values() for n in names}
     absorbing = {n for op_name in ABSORBS_CHILDREN for n in where.get(op_name, ())}
     for kind, names in sorted(types.items()):
@@ -152,15 +178,13 @@ def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inve
         module = model.get_submodule(names[0])
         has_params = any(p.numel() for p in module.parameters(recurse=False))
         if has_params and uncovered:
-            result.rows.append(
+            rows.append(
                 {"operator": f"(module {kind})", "where": uncovered, "status": _missing(kind)}
             )
     for aten in sorted(counts):
         if aten not in aten_map and aten not in GLUE:
-            result.rows.append(
-                {"operator": f"(aten.{aten})", "where": ["forward"], "status": "missing"}
-            )
-    return result
+            rows.append({"operator": f"(aten.{aten})", "where": ["forward"], "status": "missing"})
+    return rows
 
 
 def _missing(kind: str) -> str:
