@@ -35,15 +35,18 @@ def documents(root: Path) -> list[Path]:
     return [p for p in top if p.is_file()] + sorted((root / "docs").rglob("*.md"))
 
 
-def _prose(text: str) -> Iterator[tuple[int, str]]:
-    """(line number, line) outside fenced code, with code spans blanked."""
+def _prose(text: str) -> str:
+    """The text with fenced code blanked and code spans removed, line for line (a link may
+    run over two lines of a paragraph; line numbers stay those of the file)."""
+    lines: list[str] = []
     fenced = False
-    for number, line in enumerate(text.splitlines(), 1):
+    for line in text.splitlines():
         if _FENCE.match(line):
             fenced = not fenced
-            continue
-        if not fenced:
-            yield number, _CODE_SPAN.sub("", line)
+            lines.append("")
+        else:
+            lines.append("" if fenced else _CODE_SPAN.sub("", line))
+    return "\n".join(lines)
 
 
 def slug(heading: str) -> str:
@@ -80,30 +83,35 @@ def anchors(page: Path) -> set[str]:
 def broken_links(root: Path, pages: Iterable[Path] | None = None) -> list[str]:
     """``FILE:LINE: TARGET (why)`` for every relative link that does not resolve."""
     problems: list[str] = []
-    cache: dict[Path, set[str]] = {}
+    known: dict[Path, set[str]] = {}
     for page in documents(root) if pages is None else pages:
-        for number, line in _prose(page.read_text(encoding="utf-8")):
-            for match in _LINK.finditer(line):
-                target = match[1]
-                if _EXTERNAL.match(target):
-                    continue
-                path_part, _, anchor = target.partition("#")
-                dest = (page.parent / path_part).resolve() if path_part else page
-                where = f"{page.relative_to(root).as_posix()}:{number}: {target}"
-                try:
-                    relative = dest.relative_to(root.resolve()).as_posix()
-                except ValueError:
-                    problems.append(f"{where} (outside the repository)")
-                    continue
-                if not dest.exists():
-                    if relative not in GENERATED:
-                        problems.append(f"{where} (no such file)")
-                    continue
-                if anchor and dest.suffix == ".md" and dest.is_file():
-                    known = cache.setdefault(dest, anchors(dest))
-                    if anchor not in known:
-                        problems.append(f"{where} (no heading with that anchor)")
+        prose = _prose(page.read_text(encoding="utf-8"))
+        for match in _LINK.finditer(prose):
+            target = match[1]
+            if _EXTERNAL.match(target):
+                continue
+            number = prose.count("\n", 0, match.start()) + 1
+            where = f"{page.relative_to(root).as_posix()}:{number}: {target}"
+            why = _unresolved(root, page, target, known)
+            if why:
+                problems.append(f"{where} ({why})")
     return problems
+
+
+def _unresolved(root: Path, page: Path, target: str, known: dict[Path, set[str]]) -> str:
+    """Why ``target``, linked from ``page``, does not resolve; empty when it does."""
+    path_part, _, anchor = target.partition("#")
+    dest = (page.parent / path_part).resolve() if path_part else page
+    try:
+        relative = dest.relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return "outside the repository"
+    if not dest.exists():
+        return "" if relative in GENERATED else "no such file"
+    is_page = dest.suffix == ".md" and dest.is_file()
+    if anchor and is_page and anchor not in known.setdefault(dest, anchors(dest)):
+        return "no heading with that anchor"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,17 +36,18 @@ def test_a_broken_file_or_anchor_is_reported_with_its_line(tmp_path: Path) -> No
         "`[in code](docs/missing.md)`\n"
         "```\n[fenced](docs/missing.md)\n```\n"
         "[generated, not yet there](docs/reference/options.md)\n"
-        "[local anchor](#x)\n"
+        "[local anchor](#x) [a link over\ntwo lines](docs/missing.md)\n"
     )
     assert links.broken_links(tmp_path) == [
         "README.md:3: docs/missing.md (no such file)",
         "README.md:4: docs/guide.md#nowhere (no heading with that anchor)",
+        "README.md:10: docs/missing.md (no such file)",
     ]
 
 
 def test_only_the_generated_reference_pages_may_be_absent() -> None:
     links = _script()
-    assert links.GENERATED == {"docs/reference/options.md", "docs/reference/cli.md"}
+    assert {"docs/reference/options.md", "docs/reference/cli.md"} == links.GENERATED
 
 
 def test_anchors_follow_github() -> None:
