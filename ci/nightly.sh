@@ -13,7 +13,7 @@
 # inductor; NUMALIGN_COMPILE=none skips it) into reports/nightly/compiled/, against tonight's
 # eager run (compiled against eager side by side in its drift.html). On the 2-core reference
 # machine the compiled zoo adds tens of minutes to the night, most of it Inductor compiling
-# (full-model replay alone: 19 of 27 zoo tests in 580 s at -n 2, cold; see the README).
+# (full-model replay alone: 19 of 27 zoo tests in 580 s at -n 2, cold; docs/measurements.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

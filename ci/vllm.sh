@@ -24,7 +24,7 @@ reports=${1:-reports/ci-vllm}
 rm -rf "$reports"
 "$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider suites/models --engine vllm \
     --dtype float32,bfloat16 --report-dir "$reports/suites"
-# README's figures are counted in the main environment (another transformers collects other
+# The figures of docs/measurements.md are counted in the main environment (another transformers collects other
 # parametrizations), so their check runs there only
 "$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider tests --report-dir "$reports/tests" \
     --deselect tests/ci/test_readme_figures.py::test_the_readme_figures_are_the_collected_ones
