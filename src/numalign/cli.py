@@ -291,21 +291,22 @@ def _inventory(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_run_options(args: argparse.Namespace, command: str) -> None:
-    from numalign.settings import validate_device
+def _check_run_options(args: argparse.Namespace, command: str, **values: object) -> None:
+    """The options ``run`` and ``nightly`` hand to the suites, validated before any work as
+    the plugin validates them (``Settings.from_options``)."""
+    from numalign.settings import Settings
 
-    _check_dtypes(args.dtype, "--dtype", command)
-    if args.device:
-        try:
-            validate_device(args.device)
-        except ValueError as exc:
-            raise SystemExit(f"numalign {command}: {exc}") from None
+    options = {"device": args.device, "dtype": args.dtype, "tier": args.tier, **values}
+    try:
+        Settings.from_options(options)
+    except ValueError as exc:
+        raise SystemExit(f"numalign {command}: {exc}") from None
 
 
 def _nightly(args: argparse.Namespace) -> int:
     from numalign.nightly import nightly
 
-    _check_run_options(args, "nightly")
+    _check_run_options(args, "nightly", compile=args.compile)
     if not Path(args.models).is_dir():
         raise SystemExit(
             f"numalign nightly: --models {args.models}: no such folder of model folders "
@@ -323,9 +324,7 @@ def _run(args: argparse.Namespace) -> int:
     from numalign.nightly import bring_up
 
     _check_model(args.model_dir, "run")
-    _check_run_options(args, "run")
-    if args.tp < 1:
-        raise SystemExit(f"numalign run: --tp {args.tp}: a number of ranks, 1 or more")
+    _check_run_options(args, "run", tp=str(args.tp))
     if not (Path(args.suites) / "models").is_dir():
         raise SystemExit(
             f"numalign run: --suites {args.suites}: no models/ suite in it; run from the "
@@ -396,21 +395,8 @@ def _subparser(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentPars
     return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of every command. Abbreviations are off everywhere (``--device`` is not
-    ``--device-map``), and every option says its default."""
-    from numalign import __version__
-
-    parser = argparse.ArgumentParser(
-        prog="numalign",
-        description="Numerical alignment and regression suite for LLMs on AI accelerators. "
-        "The suites run under pytest: pytest -n auto suites/",
-        allow_abbrev=False,
-        formatter_class=_Formatter,
-    )
-    parser.add_argument("--version", action="version", version=f"numalign {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-
+def _add_report(commands: Any) -> None:
+    """numalign report RUN | report merge RUN... --out DIR"""
     report = _subparser(
         commands,
         "report",
@@ -436,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.set_defaults(handler=_report)
 
+
+def _add_capture(commands: Any) -> None:
+    """numalign capture MODEL_DIR --out SET"""
     cap = _subparser(
         commands,
         "capture",
@@ -485,6 +474,22 @@ def build_parser() -> argparse.ArgumentParser:
         "replaces the default members (on the CPU: oneDNN and ATen instruction sets below the "
         "machine's, one thread and several, the other attention); 'none': the reference alone",
     )
+    _add_capture_requests(cap)
+    cap.add_argument(
+        "--attn-implementation", choices=ATTN_IMPLEMENTATIONS,
+        help="attention implementation of the reference (none: eager)",
+    )  # fmt: skip
+    cap.add_argument(
+        "--trust-remote-code", action="store_true",
+        help="run the model folder's own Python code (off: transformers' classes only)",
+    )  # fmt: skip
+    _add_capture_placement(cap)
+    cap.set_defaults(handler=_capture)
+
+
+def _add_capture_requests(cap: argparse.ArgumentParser) -> None:
+    """capture: what the set records beyond the prompts' forward (continuation, decode, long
+    and far-position requests)."""
     cap.add_argument("--continuation", type=int, default=8, help="greedy tokens to record")
     cap.add_argument(
         "--decode-steps",
@@ -516,14 +521,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the position range the far-position request spans (default: the config's "
         "max_position_embeddings; lower it where a model is served with fewer)",
     )
-    cap.add_argument(
-        "--attn-implementation", choices=ATTN_IMPLEMENTATIONS,
-        help="attention implementation of the reference (none: eager)",
-    )  # fmt: skip
-    cap.add_argument(
-        "--trust-remote-code", action="store_true",
-        help="run the model folder's own Python code (off: transformers' classes only)",
-    )  # fmt: skip
+
+
+def _add_capture_placement(cap: argparse.ArgumentParser) -> None:
+    """capture: where a model too large for memory is placed (accelerate's big-model
+    placement)."""
     cap.add_argument(
         "--device-map",
         metavar="MAP",
@@ -541,8 +543,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DEVICE=SIZE,...",
         help="with --device-map: memory each device may hold, e.g. cpu=2GiB or 0=20GiB,cpu=64GiB",
     )
-    cap.set_defaults(handler=_capture)
 
+
+def _add_inventory(commands: Any) -> None:
+    """numalign inventory MODEL_DIR"""
     inv = _subparser(
         commands,
         "inventory",
@@ -559,6 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     inv.set_defaults(handler=_inventory)
 
+
+def _add_nightly(commands: Any) -> None:
+    """numalign nightly"""
     night = _subparser(
         commands,
         "nightly",
@@ -593,6 +600,9 @@ def build_parser() -> argparse.ArgumentParser:
     night.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
     night.set_defaults(handler=_nightly)
 
+
+def _add_run(commands: Any) -> None:
+    """numalign run MODEL_DIR"""
     run = _subparser(
         commands,
         "run",
@@ -629,6 +639,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(handler=_run)
 
+
+def _add_zoo(commands: Any) -> None:
+    """numalign zoo build | sweep"""
     zoo = _subparser(commands, "zoo", help="the embedded tiny model zoo, and the day-0 sweep")
     zoo.add_argument(
         "action",
@@ -665,6 +678,9 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--suites", default="suites", help="sweep: the suites folder")
     zoo.set_defaults(handler=_zoo)
 
+
+def _add_cache(commands: Any) -> None:
+    """numalign cache info | prune"""
     cache = _subparser(
         commands,
         "cache",
@@ -684,6 +700,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--all", action="store_true", help="prune: every entry (off: to size)")
     cache.set_defaults(handler=_cache)
 
+
+def _add_golden(commands: Any) -> None:
+    """numalign golden ls | show | verify"""
     golden = _subparser(commands, "golden", help="list, show and verify golden sets")
     golden.add_argument(
         "action", choices=["ls", "show", "verify"],
@@ -695,6 +714,31 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a set folder (ls: a folder of sets, none: {DEFAULT_SETS})",
     )  # fmt: skip
     golden.set_defaults(handler=_golden)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command. Abbreviations are off everywhere (``--device`` is not
+    ``--device-map``), and every option says its default."""
+    from numalign import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="numalign",
+        description="Numerical alignment and regression suite for LLMs on AI accelerators. "
+        "The suites run under pytest: pytest -n auto suites/",
+        allow_abbrev=False,
+        formatter_class=_Formatter,
+    )
+    parser.add_argument("--version", action="version", version=f"numalign {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    _add_report(commands)
+    _add_capture(commands)
+    _add_inventory(commands)
+    _add_nightly(commands)
+    _add_run(commands)
+    _add_zoo(commands)
+    _add_cache(commands)
+    _add_golden(commands)
     return parser
 
 

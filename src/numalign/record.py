@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from numalign.compare import CompareResult
+from numalign.testids import parse as parse_test_id
 
 #: Version of the record schema; bump it when a field changes meaning or goes away.
 #: 2: request, output, step and error fields; the key holds request, output and step;
@@ -45,10 +46,6 @@ STATUSES: tuple[str, ...] = OUTCOMES
 FAILING: tuple[str, ...] = ("failed", "error", "crashed", "xpassed")
 #: Model-suite modes that judge the model's end result rather than a capture point.
 END_MODES = ("logits", "continuation", "output")
-#: The dtype names a test id may carry (its parameters are split at the first of them).
-_DTYPE_WORDS = (
-    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-)  # fmt: skip
 
 
 @dataclass
@@ -197,38 +194,24 @@ class DriftRecord:
         return (self.point or "?").split(".")[0]
 
 
+#: The mode of a model-suite test's records, by its test function.
+_MODES = {"test_layer": "isolated", "test_model": "accumulated", "test_decode": "decode"}
+
+
 def context_from_test_id(test_id: str) -> dict[str, Any]:
-    """What a numalign suite's test id says of its test, for records written without a
-    comparison (a test that raised, a worker that crashed):
-
-    - ``suites/operators/...::test_OP[CANDIDATE-DTYPE-CASE]``
-    - ``suites/models/...::test_layer[SET/POINT-DTYPE]``, ``...::test_model[SET-DTYPE]``,
-      ``...::test_decode[SET-DTYPE-CACHE]``
-
-    Other ids give what they can (nothing, for a test outside the suites)."""
-    path, _, name = test_id.partition("::")
-    suite = None
-    parts = path.replace("\\", "/").split("/")
-    if "suites" in parts and parts.index("suites") + 1 < len(parts) - 1:
-        suite = parts[parts.index("suites") + 1]
-    function, _, params = name.partition("[")
-    params = params.removesuffix("]")
-    words = params.split("-")
-    at = next((i for i, w in enumerate(words) if w in _DTYPE_WORDS), None)
-    context: dict[str, Any] = {"suite": suite}
-    if at is None:
+    """What a numalign suite's test id says of its test (``numalign.testids``), as record
+    fields, for records written without a comparison (a test that raised, a worker that
+    crashed). Other ids give what they can (nothing, for a test outside the suites)."""
+    parsed = parse_test_id(test_id)
+    context: dict[str, Any] = {"suite": parsed.suite}
+    if parsed.dtype is None:
         return context
-    before, dtype, after = "-".join(words[:at]), words[at], "-".join(words[at + 1 :])
-    context["dtype"] = dtype
-    if suite == "models":
-        model, _, point = before.partition("/")
-        context |= {"model": model, "candidate": "transformers"}
-        context["point"] = point or None
-        context["mode"] = {"test_layer": "isolated", "test_model": "accumulated",
-                           "test_decode": "decode"}.get(function)  # fmt: skip
+    context["dtype"] = parsed.dtype
+    if parsed.suite == "models":
+        context |= {"model": parsed.model, "candidate": "transformers", "point": parsed.point,
+                    "mode": _MODES.get(parsed.function)}  # fmt: skip
     else:
-        context |= {"candidate": before or None, "case": after or None}
-        context["point"] = function.removeprefix("test_") or None
+        context |= {"candidate": parsed.candidate, "case": parsed.case, "point": parsed.operator}
     return context
 
 
@@ -430,29 +413,3 @@ def crashed_record(
     return DriftRecord.for_test(
         test_id, "crashed", rule="crashed", reason=reason, message=message, **context
     )
-
-
-def error_record_for(
-    test_id: str,
-    excinfo: Any,
-    user_properties: list[tuple[str, object]],
-    **context: Any,
-) -> tuple[str, dict[str, Any]] | None:
-    """The user property that records a failed test's error, or None where its records
-    already tell the failure: a test that failed its comparisons (``pytest.fail`` or an
-    assertion after recording) has its records; an exception of any other type, or a failure
-    that left no record, becomes an ``error`` record."""
-    recorded = records_of(user_properties)
-    if excinfo is None:
-        return None
-    exc = excinfo.value
-    kind = type(exc).__name__
-    judged = kind in ("Failed", "AssertionError")  # the test's own verdict on its records
-    if judged and recorded:
-        return None
-    message = str(exc) if judged else f"{kind}: {exc}"
-    if not judged:  # where it raised: the last lines of the short traceback
-        lines = str(excinfo.getrepr(style="short")).splitlines()
-        message += "\n\n" + "\n".join(lines[-TRACEBACK_LINES:])
-    record = error_record(test_id, kind, message, **context)
-    return (USER_PROPERTY, record.to_dict())

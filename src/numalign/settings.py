@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from numalign.dtypes import RUN_DTYPES
 
 #: Accelerators in the order ``auto`` tries them.
 ACCELERATORS: tuple[str, ...] = ("cuda", "xpu", "npu", "mps")
@@ -28,7 +32,7 @@ CACHE_IMPLEMENTATIONS: tuple[str, ...] = (*KV_CACHES, "paged")
 DEFAULT_CACHE_IMPLEMENTATIONS: tuple[str, ...] = ("dynamic", "static", "paged")
 
 #: dtypes candidates may run in, in the order of ``--dtype``'s default.
-DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
+DTYPES: tuple[str, ...] = RUN_DTYPES
 DEFAULT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 #: Tiers scale the case grids; a test marked with a tier runs at that tier and above.
 TIERS: tuple[str, ...] = ("smoke", "pr", "nightly")
@@ -87,6 +91,138 @@ class Settings:
 
     def tier_rank(self) -> int:
         return TIERS.index(self.tier)
+
+    @classmethod
+    def from_options(cls, values: Mapping[str, object]) -> Settings:
+        """Validated settings from option values by option name (``numalign.options``:
+        ``dtype`` for ``--dtype``, ``tp_timeout`` for ``--tp-timeout``), as pytest and the
+        CLI read them: strings, lists of strings for repeatable options, booleans for
+        switches; ``truth_cache`` is the folder already resolved (``numalign.truths``). A
+        name absent or None keeps the field's default. The one validation of the plugin and
+        the CLI's ``run`` and ``nightly``: ValueError with the message of the bad value (the
+        plugin raises it as a usage error, the CLI exits with it)."""
+        unknown = sorted(set(values) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}")
+        fields = {
+            field: parse(values[name])
+            for name, (field, parse) in _FIELDS.items()
+            if values.get(name) is not None
+        }
+        settings = cls(**fields)
+        _check_golden(settings)
+        if settings.baseline is not None:
+            _check_baseline(settings.baseline)
+        conflict = engine_conflicts(settings)
+        if conflict:
+            raise ValueError(conflict)
+        return settings
+
+
+def _check_golden(settings: Settings) -> None:
+    """``--golden-only`` has sets to replay, and every ``--golden`` folder exists."""
+    if settings.golden_only and not settings.golden_dirs:
+        raise ValueError(
+            "--golden-only replays the --golden sets alone, and none was given: "
+            "add --golden SET_FOLDER"
+        )
+    for folder in settings.golden_dirs:
+        if not folder.is_dir():
+            raise ValueError(
+                f"--golden {folder}: no such folder; pass a golden set folder or a "
+                "folder of sets (see numalign capture)"
+            )
+
+
+def _check_baseline(path: Path) -> None:
+    """The baseline is a run's records, read now: a wrong path fails before the first test,
+    not after the whole run."""
+    from numalign.record import read_records
+
+    if not path.exists():
+        raise ValueError(f"--drift-baseline {path}: no such run folder or records file")
+    try:
+        read_records(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"--drift-baseline {path}: {exc}; give a run folder under --report-dir "
+            "(reports/<run-id>/) or its records.jsonl"
+        ) from None
+
+
+def _text(value: object) -> str:
+    return str(value or "")
+
+
+def _optional_text(value: object) -> str | None:
+    return _text(value).strip() or None
+
+
+def _optional_path(value: object) -> Path | None:
+    return Path(_text(value)) if _text(value) else None
+
+
+def _dtypes_option(value: object) -> tuple[str, ...]:
+    try:
+        return parse_dtypes(_text(value))
+    except ValueError as exc:
+        raise ValueError(f"--dtype {_text(value)!r}: {exc}") from None
+
+
+def _regression_factor(value: object) -> float:
+    try:
+        factor = float(_text(value))
+    except ValueError:
+        factor = 0.0
+    if not factor > 1.0:
+        raise ValueError("--regression-factor must be a number above 1")
+    return factor
+
+
+#: Option name -> (the Settings field it sets, how its value is read and checked), in the
+#: order of validation.
+_FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "device": ("device", lambda v: validate_device(_text(v))),
+    "device_plugin": ("device_plugins", tuple),
+    "dtype": ("dtypes", _dtypes_option),
+    "tier": ("tier", lambda v: parse_tier(_text(v))),
+    "shard": ("shard", lambda v: parse_shard(_text(v))),
+    "cache_implementation": (
+        "cache_implementations",
+        lambda v: parse_cache_implementations(_text(v)),
+    ),
+    "tp": ("tp", lambda v: parse_tp(_text(v))),
+    "tp_timeout": ("tp_timeout", lambda v: parse_seconds(_text(v), "--tp-timeout")),
+    "engine": ("engine", lambda v: parse_engine(_text(v))),
+    "vllm_memory": ("vllm_memory", lambda v: parse_share(_text(v), "--vllm-memory")),
+    "truth_cache_size": (
+        "truth_cache_max_bytes",
+        lambda v: parse_size(_text(v), "--truth-cache-size"),
+    ),
+    "keep_runs": ("keep_runs", lambda v: parse_count(_text(v), "--keep-runs")),
+    "experts_implementation": (
+        "experts_implementation",
+        lambda v: parse_experts_implementation(_text(v)),
+    ),
+    "golden": ("golden_dirs", lambda v: tuple(Path(p) for p in v)),
+    "golden_only": ("golden_only", bool),
+    "candidates": ("candidate_modules", tuple),
+    "report_dir": ("report_dir", lambda v: Path(str(v))),
+    "drift_baseline": ("baseline", _optional_path),
+    "regression_factor": ("regression_factor", _regression_factor),
+    "fail_on_regression": ("fail_on_regression", bool),
+    "history": ("history", _optional_path),
+    "attn_implementation": (
+        "attn_implementation",
+        lambda v: parse_attn_implementation(_text(v)),
+    ),
+    "swap": ("swaps", tuple),
+    "allow_tf32": ("allow_tf32", bool),
+    "truth_cache": ("truth_cache", Path),
+    "compile": ("compile_backend", _optional_text),
+    "compile_mode": ("compile_mode", _optional_text),
+    "tp_launcher": ("tp_launcher", _optional_text),
+}
 
 
 def parse_dtypes(text: str) -> tuple[str, ...]:

@@ -4,28 +4,19 @@ guard every replay runs in."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import pytest
 
-from numalign.golden import GoldenSetError
-from numalign.golden.reference import CacheUnsupported
 from numalign.record import NodeRecorder
-from numalign.replay.compiled import CompileError
+from numalign.record_errors import recorded_errors
 from numalign.replay.engines import Engine, open_engine
-from numalign.replay.engines.errors import EngineError, EngineUnsupported
-from numalign.replay.layer import AloneUnsupported
-from numalign.replay.model import ReplayUnsupported, unusable_sets, variant_label
-from numalign.replay.paged import PagedUnsupported
-from numalign.replay.tensor_parallel import (
-    NoTensorParallelPlan,
-    TensorParallelError,
-    TensorParallelUsageError,
-)
+from numalign.replay.model import unusable_sets, variant_label
+from numalign.testids import Param
 
-#: The parameters of the model suites' tests, each "SET_PATH::..." (test_layers, test_model,
-#: test_decode).
+#: The parameters of the model suites' tests, each a ``testids.Param`` whose values are a
+#: ``testids.ReplayCase`` (test_layers, test_model, test_decode).
 CASE_PARAMS = ("layer_case", "model_case", "decode_case")
 
 
@@ -37,8 +28,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         case = next((params[k] for k in CASE_PARAMS if k in params), None)
-        if isinstance(case, str) and "::" in case:
-            sets[item] = case.partition("::")[0]
+        if isinstance(case, Param):
+            sets[item] = case.values.path
     unusable = unusable_sets(list(sets.values()))
     first: dict[str, str] = {}
     for item, path in sets.items():
@@ -65,47 +56,9 @@ def replay_engine(numalign_settings: Any) -> Iterator[Engine]:
 def replay_guard(
     record_drift: NodeRecorder, numalign_settings: Any
 ) -> Callable[[], AbstractContextManager[None]]:
-    """What a replay's failures become: stale, broken or corrupted golden data, a
-    compiler's failure (``--compile``), a model that does not split over ``--tp`` ranks and
-    a tensor-parallel rank that raised fail the test with their own message and an ``error``
-    record (a known compiler bug is an expected failure, its record kept); a rank that died
-    or hung fails it with a ``crashed`` record (the session goes on:
-    the group was stopped, the next test starts a fresh one); a path transformers lacks for
-    this model skips, as does a model the serving engine does not support (with its
-    reason); an engine that fails to start or to serve fails the test with an ``error`` (or
-    ``crashed``) record, and the next test starts it afresh."""
-
-    @contextmanager
-    def guard() -> Iterator[None]:
-        __tracebackhide__ = True
-        try:
-            yield
-        except GoldenSetError as exc:
-            record_drift.error(exc)
-            pytest.fail(str(exc), pytrace=False)
-        except (
-            ReplayUnsupported,
-            PagedUnsupported,
-            CacheUnsupported,
-            AloneUnsupported,
-            NoTensorParallelPlan,
-            EngineUnsupported,
-        ) as exc:
-            pytest.skip(str(exc))
-        except CompileError as exc:
-            record_drift.error(exc, swap=variant_label(numalign_settings), **exc.record_fields())
-            if exc.known:  # an upstream compiler bug: expected while it lasts, recorded
-                pytest.xfail(f"known compiler bug: {exc.known}\n{exc}")
-            pytest.fail(str(exc), pytrace=False)
-        except TensorParallelUsageError as exc:
-            record_drift.error(exc, swap=variant_label(numalign_settings))
-            pytest.fail(str(exc), pytrace=False)
-        except (TensorParallelError, EngineError) as exc:  # a rank, or the serving engine
-            swap = variant_label(numalign_settings)
-            if exc.crashed:
-                record_drift.crashed(str(exc).splitlines()[0], str(exc), swap=swap)
-            else:
-                record_drift.error(exc, swap=swap)
-            pytest.fail(str(exc), pytrace=False)
-
-    return guard
+    """The guard every replay runs in: what its failures become is numalign's one exception
+    policy (``numalign.record_errors``: stale or broken golden data, a compiler's failure, a
+    tensor-parallel rank or the serving engine that raised or died, a path the model cannot
+    take here); records carry the session's execution variant."""
+    swap = variant_label(numalign_settings)
+    return lambda: recorded_errors(record_drift, swap=swap)

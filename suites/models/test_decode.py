@@ -17,11 +17,13 @@ from typing import Any
 import pytest
 import torch
 
+from numalign import testids
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.compiled import GraphBreakWarning
-from numalign.replay.engines import Engine, decode_caches, replay_case
+from numalign.replay.engines import Engine, decode_caches
 from numalign.replay.model import suite_sets
+from numalign.testids import ReplayCase, replay_param
 
 ROOT = Path(__file__).resolve().parents[2]
 # Graph breaks under --compile are reported, not failures (as in test_model).
@@ -36,7 +38,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     settings = metafunc.config.stash[settings_key]
     sets = suite_sets(ROOT, settings.golden_dirs, only=settings.golden_only)
     cases = [
-        replay_case(p, f"{p.name}-{d}-{c}", d)
+        replay_param(ReplayCase(str(p), d, cache=c), testids.format_decode(p.name, d, c))
         for p in sets
         for d in settings.dtypes
         for c in decode_caches(settings)
@@ -47,7 +49,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.mark.decode
 @pytest.mark.model
 def test_decode(
-    decode_case: str,
+    decode_case: testids.Param,
     numalign_device: torch.device,
     numalign_settings: Any,
     replay_engine: Engine,
@@ -56,9 +58,8 @@ def test_decode(
     replay_guard: Any,
 ) -> None:
     __tracebackhide__ = True
-    path, _, rest = decode_case.partition("::")
-    rest, _, implementation = rest.rpartition("-")
-    dtype = rest.rpartition("-")[2]
+    case: ReplayCase = decode_case.values
+    path, dtype, implementation = case.path, str(case.dtype), str(case.cache)
     with replay_guard():
         replayed = replay_engine.decode(
             path, dtype, implementation, numalign_device, tolerance_policy

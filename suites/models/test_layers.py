@@ -14,17 +14,17 @@ from typing import Any
 import pytest
 import torch
 
+from numalign import testids
 from numalign.golden import GoldenSet, GoldenSetError
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.compiled import GraphBreakWarning
-from numalign.replay.engines import Engine, replay_case
+from numalign.replay.engines import Engine
 from numalign.replay.model import suite_sets
 from numalign.replay.verdict import layer_message
+from numalign.testids import ReplayCase, replay_param
 
 ROOT = Path(__file__).resolve().parents[2]
-#: The one case of a set whose manifest cannot be read: its points are unknown.
-UNREADABLE = "(unreadable)"
 # Graph breaks under --compile are reported (a warning with Dynamo's reasons, and the
 # records' graph_breaks), not failures: the parts between breaks still run compiled.
 pytestmark = pytest.mark.filterwarnings(
@@ -42,20 +42,20 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         try:
             golden = GoldenSet.open_shared(path)
         except GoldenSetError:  # one failing case for the set, never a collection error
-            name = f"{path.name}/{UNREADABLE}"
-            cases.append(pytest.param(f"{path}::{name}", id=name))
+            name = testids.format_unreadable_layer(path.name)
+            cases.append(replay_param(ReplayCase(str(path)), name))
             continue
         for point in golden.points:
             for dtype in settings.dtypes:
-                name = f"{golden.name}/{point.name}-{dtype}"
-                cases.append(replay_case(path, name, dtype))
+                name = testids.format_layer(golden.name, point.name, dtype)
+                cases.append(replay_param(ReplayCase(str(path), dtype, point.name), name))
     metafunc.parametrize("layer_case", cases)
 
 
 @pytest.mark.layer
 @pytest.mark.model
 def test_layer(
-    layer_case: str,
+    layer_case: testids.Param,
     numalign_device: torch.device,
     numalign_settings: Any,
     replay_engine: Engine,
@@ -64,10 +64,10 @@ def test_layer(
     replay_guard: Any,
 ) -> None:
     __tracebackhide__ = True
-    path, _, rest = layer_case.partition("::")
-    point_name, _, dtype = rest.partition("/")[2].rpartition("-")
+    case: ReplayCase = layer_case.values
+    path, point_name, dtype = case.path, case.point, case.dtype
     with replay_guard():
-        if rest.endswith(f"/{UNREADABLE}"):
+        if point_name is None or dtype is None:  # the set was unreadable at collection
             GoldenSet.open_shared(path)  # raises its error: one error record for the set
             pytest.fail(f"{path}: unreadable when the tests were collected; run them again")
         replayed = replay_engine.layer(path, point_name, dtype, numalign_device, tolerance_policy)

@@ -15,11 +15,13 @@ from typing import Any
 import pytest
 import torch
 
+from numalign import testids
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.compiled import GraphBreakWarning
-from numalign.replay.engines import Engine, replay_case
+from numalign.replay.engines import Engine
 from numalign.replay.model import suite_sets
+from numalign.testids import ReplayCase, replay_param
 
 ROOT = Path(__file__).resolve().parents[2]
 # Graph breaks under --compile are reported (a warning with Dynamo's reasons, and the
@@ -34,13 +36,17 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     settings = metafunc.config.stash[settings_key]
     sets = suite_sets(ROOT, settings.golden_dirs, only=settings.golden_only)
-    cases = [replay_case(p, f"{p.name}-{d}", d) for p in sets for d in settings.dtypes]
+    cases = [
+        replay_param(ReplayCase(str(p), d), testids.format_model(p.name, d))
+        for p in sets
+        for d in settings.dtypes
+    ]
     metafunc.parametrize("model_case", cases)
 
 
 @pytest.mark.model
 def test_model(
-    model_case: str,
+    model_case: testids.Param,
     numalign_device: torch.device,
     numalign_settings: Any,
     replay_engine: Engine,
@@ -49,8 +55,8 @@ def test_model(
     replay_guard: Any,
 ) -> None:
     __tracebackhide__ = True
-    path, _, rest = model_case.partition("::")
-    dtype = rest.rpartition("-")[2]
+    case: ReplayCase = model_case.values
+    path, dtype = case.path, str(case.dtype)
     with replay_guard():
         replayed = replay_engine.model(path, dtype, numalign_device, tolerance_policy)
     verdict = replayed.verdict

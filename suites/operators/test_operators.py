@@ -17,20 +17,21 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from numalign.cases import Case
+from numalign import testids
+from numalign.dtypes import torch_dtype
 from numalign.opcheck import candidate_function, check_operator
 from numalign.phases import phase
 from numalign.record import NodeRecorder
-from numalign.registry import OPERATORS, Candidate, Operator, candidates, load_catalogue
+from numalign.record_errors import recorded_errors
+from numalign.registry import OPERATORS, Operator, candidates, load_catalogue
 from numalign.replay import threads_per_worker
-from numalign.replay.compiled import CompileError, GraphBreakWarning, compile_spec
+from numalign.replay.compiled import GraphBreakWarning, compile_spec
 from numalign.settings import Settings
 
 load_catalogue()
 # One torch thread per core share from collection on (numalign_device sets it up again with
 # the rest of torch's configuration): xdist workers must not each spin up every core.
 torch.set_num_threads(threads_per_worker())
-_PARAMS: dict[tuple[str, str], tuple[Candidate, str, Case]] = {}
 # Graph breaks under --compile are reported (a warning with Dynamo's reasons, and the
 # records' graph_breaks), not failures, even where warnings are errors: the parts between
 # breaks still run compiled, and their numerics are what the test judges.
@@ -42,14 +43,14 @@ pytestmark = pytest.mark.filterwarnings(
 def _make_test(op: Operator) -> Callable[..., None]:
     @pytest.mark.operator
     def test(
-        op_case: str,
+        op_case: testids.Param,
         numalign_device: torch.device,
         numalign_settings: Settings,
         tolerance_policy: object,
         record_drift: NodeRecorder,
     ) -> None:
         __tracebackhide__ = True
-        cand, dtype_name, case = _PARAMS[(op.name, op_case)]
+        cand, dtype_name, case = op_case.values
         compiled = compile_spec(numalign_settings)
         context = {"suite": "operators", "candidate": cand.name, "device": str(numalign_device),
                    "case": case.name, "swap": compiled.label if compiled else None}  # fmt: skip
@@ -58,22 +59,18 @@ def _make_test(op: Operator) -> Callable[..., None]:
             record_drift.skipped(reason, point=op.name, dtype=dtype_name, **context)
             pytest.skip(reason)
         start = time.perf_counter()
-        try:
+        # a compiler's failure is recorded with this test's fields and what compiling cost
+        # (numalign's exception policy); the session goes on
+        with recorded_errors(record_drift, point=op.name, dtype=dtype_name, **context):
             results = check_operator(
                 op,
                 cand,
                 case,
-                getattr(torch, dtype_name),
+                torch_dtype(dtype_name),
                 numalign_device,
                 policy=tolerance_policy,  # type: ignore[arg-type]
                 compiled=compiled,
             )
-        except CompileError as exc:  # the backend's failure, named; the session goes on
-            context |= exc.record_fields()  # what compiling cost this test, not the next
-            record_drift.error(exc, point=op.name, dtype=dtype_name, **context)
-            if exc.known:  # an upstream compiler bug: expected while it lasts, recorded
-                pytest.xfail(f"known compiler bug: {exc.known}\n{exc}")
-            pytest.fail(str(exc), pytrace=False)
         duration = time.perf_counter() - start
         if compiled is not None:  # compile time apart from the run time
             spent = candidate_function(op, cand, compiled).stats.take()  # type: ignore[attr-defined]
@@ -106,15 +103,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
     settings = metafunc.config.stash[settings_key]
     op = OPERATORS[metafunc.function.__name__.removeprefix("test_")]
-    ids = []
+    params = []
     # Case-major order: the candidates of one case and dtype run one after another (on one
     # worker, mostly), so they share the truth, inputs and control kept per worker.
     for case in op.cases_for(settings.tier):
         for dtype in settings.dtypes:
             for cand in candidates(op.name).values():
-                param = f"{cand.name}-{dtype}-{case.name}"
-                _PARAMS[(op.name, param)] = (cand, dtype, case)
-                ids.append(param)
-    # The parameter is the readable id (as Allure and --collect-only show it); the objects
-    # behind it are looked up in the test.
-    metafunc.parametrize("op_case", ids, ids=ids)
+                text = testids.format_operator(cand.name, dtype, case.name)
+                # the parameter reads as the id (as Allure shows it), its objects behind it
+                params.append(pytest.param(testids.Param(text, (cand, dtype, case)), id=text))
+    metafunc.parametrize("op_case", params)

@@ -116,8 +116,9 @@ def load_model(
     """A model from a local folder, offline, in ``dtype``, for inference; with ``tp_plan``
     (``"auto"``), this rank's shard of it (torch.distributed must be running); with
     ``placement``, placed and offloaded by accelerate (``Placement``)."""
-    import torch
     import transformers
+
+    from numalign.dtypes import torch_dtype
 
     transformers.utils.logging.disable_progress_bar()
     config = transformers.AutoConfig.from_pretrained(
@@ -129,7 +130,7 @@ def load_model(
         cls = transformers.AutoModelForCausalLM
     kwargs: dict[str, Any] = {
         "local_files_only": True,
-        "dtype": getattr(torch, dtype),
+        "dtype": torch_dtype(dtype),
         "trust_remote_code": trust_remote_code,
     }
     if attn_implementation:

@@ -1,0 +1,151 @@
+"""What an exception of a test becomes: the one policy, for every suite and the plugin.
+
+A test runs its body in :func:`recorded_errors`; an exception the policy knows ends the test
+as :func:`outcome_for` says, with its record:
+
+- broken, stale or corrupted golden data (``GoldenSetError``): an ``error`` record holding
+  what the test id tells (the set is broken whatever the variant) and a failure with the
+  set's own message (it says how to fix it);
+- a path this model cannot take here (transformers lacks it, the serving engine does not
+  support the model, no tensor-parallel plan, ...): a skip with its reason, no record;
+- a compiler's failure (``--compile``): an ``error`` record with the test's fields and what
+  compiling cost; a known upstream compiler bug is an expected failure (xfail), its record
+  kept; any other fails the test;
+- a model that does not split over ``--tp`` ranks: an ``error`` record and a failure;
+- a tensor-parallel rank or the serving engine that raised: an ``error`` record, or
+  ``crashed`` when it died or hung (the session goes on: the next test starts afresh), and a
+  failure.
+
+Any other exception propagates: pytest reports it, and the plugin's report hook gives the
+test an ``error`` record with the exception's type, message and the last lines of its
+traceback (:func:`error_property_for`), unless the test's own records already tell its
+failure (``pytest.fail`` or an assertion after recording).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import pytest
+
+from numalign.record import (
+    TRACEBACK_LINES,
+    USER_PROPERTY,
+    DriftRecord,
+    crashed_record,
+    error_record,
+    records_of,
+)
+
+if TYPE_CHECKING:
+    from numalign.record import NodeRecorder
+
+#: How a test that raised ends.
+ENDINGS: tuple[str, ...] = ("fail", "skip", "xfail")
+
+
+@dataclass(frozen=True)
+class ErrorOutcome:
+    """What one exception of a test becomes: how the test ends (one of ENDINGS), the message
+    pytest shows, and the record it leaves (None: none, a skip)."""
+
+    ending: str
+    message: str
+    record: DriftRecord | None = None
+
+    def apply(self, recorder: NodeRecorder) -> NoReturn:
+        """Records ``record`` through the test's recorder, then ends the test."""
+        __tracebackhide__ = True
+        if self.record is not None:
+            recorder.add(self.record)
+        if self.ending == "skip":
+            pytest.skip(self.message)
+        if self.ending == "xfail":
+            pytest.xfail(self.message)
+        pytest.fail(self.message, pytrace=False)
+
+
+def outcome_for(exc: BaseException, test_id: str, **context: Any) -> ErrorOutcome | None:
+    """The outcome of ``exc``, raised by the test ``test_id`` (see the module's docstring);
+    ``context``: the fields its record carries besides what the test id tells (the
+    candidate, device, case, execution variant). None: an exception the policy leaves to
+    pytest and the plugin's report hook."""
+    from numalign.golden import GoldenSetError
+    from numalign.golden.reference import CacheUnsupported
+    from numalign.replay.compiled import CompileError
+    from numalign.replay.engines.errors import EngineError, EngineUnsupported
+    from numalign.replay.layer import AloneUnsupported
+    from numalign.replay.model import ReplayUnsupported
+    from numalign.replay.paged import PagedUnsupported
+    from numalign.replay.tensor_parallel import (
+        NoTensorParallelPlan,
+        TensorParallelError,
+        TensorParallelUsageError,
+    )
+
+    text = str(exc)
+    kind = type(exc).__name__
+    if isinstance(exc, GoldenSetError):
+        return ErrorOutcome("fail", text, error_record(test_id, kind, text))
+    unsupported = (ReplayUnsupported, PagedUnsupported, CacheUnsupported, AloneUnsupported,
+                   NoTensorParallelPlan, EngineUnsupported)  # fmt: skip
+    if isinstance(exc, unsupported):
+        return ErrorOutcome("skip", text)
+    if isinstance(exc, CompileError):
+        record = error_record(test_id, kind, text, **(context | exc.record_fields()))
+        if exc.known:  # an upstream compiler bug: expected while it lasts, recorded
+            return ErrorOutcome("xfail", f"known compiler bug: {exc.known}\n{exc}", record)
+        return ErrorOutcome("fail", text, record)
+    if isinstance(exc, TensorParallelUsageError):
+        return ErrorOutcome("fail", text, error_record(test_id, kind, text, **context))
+    if isinstance(exc, (TensorParallelError, EngineError)):  # a rank, or the serving engine
+        if exc.crashed:
+            reason = (text.splitlines() or [""])[0][:500]
+            return ErrorOutcome("fail", text, crashed_record(test_id, text, reason, **context))
+        return ErrorOutcome("fail", text, error_record(test_id, kind, text, **context))
+    return None
+
+
+@contextmanager
+def recorded_errors(recorder: NodeRecorder, **context: Any) -> Iterator[None]:
+    """Runs a test's body under the policy: an exception it knows ends the test as
+    :func:`outcome_for` says, recorded through ``recorder`` with ``context``; any other
+    propagates unchanged."""
+    __tracebackhide__ = True
+    try:
+        yield
+    except Exception as exc:
+        outcome = outcome_for(exc, recorder.nodeid, **context)
+        if outcome is None:
+            raise
+        outcome.apply(recorder)
+
+
+def error_property_for(
+    test_id: str,
+    excinfo: Any,
+    user_properties: list[tuple[str, object]],
+    **context: Any,
+) -> tuple[str, dict[str, Any]] | None:
+    """The user property that records a failed test's error (the plugin's report hook), or
+    None where its records already tell the failure: a test that failed its comparisons
+    (``pytest.fail`` or an assertion after recording) has its records; an exception of any
+    other type, or a failure that left no record, becomes an ``error`` record, with the last
+    lines of the short traceback for an exception other than the test's own verdict."""
+    recorded = records_of(user_properties)
+    if excinfo is None:
+        return None
+    exc = excinfo.value
+    kind = type(exc).__name__
+    judged = isinstance(exc, (pytest.fail.Exception, AssertionError))  # the test's verdict
+    if judged and recorded:
+        return None
+    message = str(exc) if judged else f"{kind}: {exc}"
+    if not judged:  # where it raised: the last lines of the short traceback
+        lines = str(excinfo.getrepr(style="short")).splitlines()
+        message += "\n\n" + "\n".join(lines[-TRACEBACK_LINES:])
+    record = error_record(test_id, kind, message, **context)
+    return (USER_PROPERTY, record.to_dict())

@@ -1,0 +1,118 @@
+"""numalign's one exception policy (numalign.record_errors): what each exception of a test
+becomes, its record's fields, and that an exception the policy does not know propagates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from numalign.golden import GoldenSetError
+from numalign.record import USER_PROPERTY, DriftRecord, NodeRecorder, records_of
+from numalign.record_errors import error_property_for, outcome_for, recorded_errors
+from numalign.replay.compiled import CompileError, CompileStats
+from numalign.replay.engines.errors import EngineError, EngineUnsupported
+from numalign.replay.model import ReplayUnsupported
+from numalign.replay.tensor_parallel import RankCrashed, RankFailed, TensorParallelUsageError
+
+TEST = "suites/models/test_model.py::test_model[tiny-llama-bfloat16]"
+OP = "suites/operators/test_operators.py::test_rms_norm[fused-float16-aligned-4x8]"
+
+
+def _ended(
+    exc: BaseException, test_id: str = TEST, **context: Any
+) -> tuple[str, str, list[DriftRecord]]:
+    """How a test whose body raised ``exc`` ends (pytest's outcome exception), its message,
+    and the records it left."""
+    properties: list[tuple[str, object]] = []
+    recorder = NodeRecorder(test_id, properties)
+    endings = (pytest.fail.Exception, pytest.skip.Exception, pytest.xfail.Exception)
+    with pytest.raises(endings) as ended, recorded_errors(recorder, **context):  # type: ignore[arg-type]
+        raise exc
+    return type(ended.value).__name__, str(ended.value.msg), records_of(properties)  # type: ignore[attr-defined]
+
+
+def test_broken_golden_data_fails_with_an_error_record_of_what_the_id_tells() -> None:
+    ending, message, (record,) = _ended(GoldenSetError("set x: stale; recapture"), swap="tp=2")
+    assert (ending, message) == ("Failed", "set x: stale; recapture")
+    assert (record.verdict, record.error, record.model, record.dtype) == (
+        "error", "GoldenSetError", "tiny-llama", "bfloat16",
+    )  # fmt: skip
+    assert record.swap is None  # the set is broken whatever the variant
+
+
+@pytest.mark.parametrize(
+    "exc", [ReplayUnsupported("no sdpa here"), EngineUnsupported("no sdpa here")]
+)
+def test_a_path_the_model_cannot_take_skips_without_a_record(exc: Exception) -> None:
+    assert _ended(exc) == ("Skipped", "no sdpa here", [])
+
+
+def test_a_compiler_failure_is_an_error_record_with_what_compiling_cost() -> None:
+    spent = CompileStats(compile_s=1.25, graph_breaks=2)
+    ending, message, (record,) = _ended(
+        CompileError("inductor: boom", spent=spent), OP, point="rms_norm", swap="compile=inductor"
+    )
+    assert (ending, message) == ("Failed", "inductor: boom")
+    assert (record.verdict, record.error, record.point, record.swap) == (
+        "error", "CompileError", "rms_norm", "compile=inductor",
+    )  # fmt: skip
+    assert (record.compile_s, record.graph_breaks, record.candidate, record.case) == (
+        1.25, 2, "fused", "aligned-4x8",
+    )  # fmt: skip
+
+
+def test_a_known_compiler_bug_is_an_expected_failure_its_record_kept() -> None:
+    ending, message, (record,) = _ended(CompileError("inductor: boom", known="issue 123"))
+    assert ending == "XFailed" and message == "known compiler bug: issue 123\ninductor: boom"
+    assert record.verdict == "error"
+
+
+def test_ranks_and_engines_that_died_are_crashed_those_that_raised_errors() -> None:
+    ending, _, (crashed,) = _ended(RankCrashed("rank 1 died\nexit code -9"), swap="tp=2")
+    assert ending == "Failed"
+    assert (crashed.verdict, crashed.reason, crashed.message, crashed.swap) == (
+        "crashed", "rank 1 died", "rank 1 died\nexit code -9", "tp=2",
+    )  # fmt: skip
+    assert _ended(EngineError("hung", crashed=True))[2][0].verdict == "crashed"
+    for exc in (
+        RankFailed("rank 0 raised"),
+        EngineError("no start"),
+        TensorParallelUsageError("9 heads"),
+    ):
+        ending, message, (record,) = _ended(exc, swap="tp=2")
+        assert (ending, message, record.verdict, record.swap) == (
+            "Failed",
+            str(exc),
+            "error",
+            "tp=2",
+        )
+        assert record.error == type(exc).__name__
+
+
+def test_an_exception_the_policy_does_not_know_propagates_unchanged() -> None:
+    assert outcome_for(RuntimeError("kernel launch failed"), TEST) is None
+    properties: list[tuple[str, object]] = []
+    recorder = NodeRecorder(TEST, properties)
+    with pytest.raises(RuntimeError, match="kernel launch failed"), recorded_errors(recorder):
+        raise RuntimeError("kernel launch failed")
+    assert properties == []
+
+
+def test_the_report_hook_records_a_raise_with_its_traceback_and_trusts_a_judged_failure() -> None:
+    with pytest.raises(RuntimeError) as raised:
+        raise RuntimeError("kernel launch failed")
+    name, value = error_property_for(OP, raised, [], device="cpu")  # type: ignore[misc]
+    record = DriftRecord.from_dict(value)  # type: ignore[arg-type]
+    assert name == USER_PROPERTY and (record.verdict, record.error, record.device) == (
+        "error", "RuntimeError", "cpu",
+    )  # fmt: skip
+    assert record.message is not None and "RuntimeError: kernel launch failed" in record.message
+    assert "raise RuntimeError" in record.message  # where it raised
+    recorded = [(USER_PROPERTY, DriftRecord(test_id=OP, verdict="failed").to_dict())]
+    with pytest.raises(pytest.fail.Exception) as failed:
+        pytest.fail("budget exceeded")
+    assert error_property_for(OP, failed, recorded) is None  # its records tell the failure
+    _, value = error_property_for(OP, failed, [])  # type: ignore[misc]
+    assert DriftRecord.from_dict(value).message == "budget exceeded"  # type: ignore[arg-type]
+    assert error_property_for(OP, None, []) is None
