@@ -3,8 +3,13 @@
 # and transformers <5.20), numalign installed into it, then
 #   1. the model suites through vLLM (--engine vllm) on the zoo, float32 and bfloat16: the
 #      zoo's members vLLM's CPU attention serves pass, the others skip with vLLM's reason;
-#   2. the project's own tests on the transformers vLLM pins (numalign supports 5.16 to the
-#      newest), the vLLM engine's planted-bug tests among them.
+#   2. the model suites through transformers on the transformers vLLM pins (numalign supports
+#      5.16 to the newest): the zoo's sets, captured on the newest, replayed on the older;
+#   3. the project's tests whose subject depends on the transformers version (capture, the
+#      vLLM engine and its planted bugs, the paths a model cannot take, swaps, inventory, the
+#      sweep's shrink). The rest of the tests run in the main environment: they exercise
+#      torch, pandas and the browser, which are the same here, and running them twice cost
+#      CI some ten minutes.
 # Usage: ci/vllm.sh [REPORT_DIR]; NUMALIGN_VLLM_VENV names the environment (default .venv-vllm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +29,9 @@ reports=${1:-reports/ci-vllm}
 rm -rf "$reports"
 "$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider suites/models --engine vllm \
     --dtype float32,bfloat16 --report-dir "$reports/suites"
-# The figures of docs/measurements.md are counted in the main environment (another transformers collects other
-# parametrizations), so their check runs there only
-"$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider tests --report-dir "$reports/tests" \
-    --deselect tests/ci/test_readme_figures.py::test_the_readme_figures_are_the_collected_ones
+"$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider suites/models \
+    --report-dir "$reports/suites-transformers"
+"$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider --report-dir "$reports/tests" \
+    tests/golden tests/sweep tests/test_inventory_hybrid.py tests/replay/test_vllm_engine.py \
+    tests/replay/test_vllm_points.py tests/replay/test_paths_a_model_cannot_take.py \
+    tests/replay/test_swaps_fit_any_model.py
