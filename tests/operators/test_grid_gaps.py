@@ -1,17 +1,17 @@
 """The grid gaps of the operator catalogue, closed (issue 13, part A), shown by running the
 real suite (in a subprocess, as a vendor would) on kernels from outside the repository:
 
-- every planted bug of ``gap_kernels.py`` fails on the case that closes its gap, in the
-  dtypes named (some bugs hide in one dtype only: that is the gap);
-- every honest kernel there passes in every dtype, at tier pr;
-- tier smoke alone catches every wrong kernel of ``external_kernels.py`` and every planted
-  bug here (the smoke grid holds the unaligned tails, long scans and large regimes).
+- every grid-gap bug of the catalogue of planted kernels (``planted_kernels.py``) fails on
+  the case that closes its gap, in the dtypes named (some bugs hide in one dtype only: that is
+  the gap);
+- every honest grid-gap kernel there passes in every dtype, at tier pr;
+- tier smoke alone catches every wrong kernel of ``test_suite_finds_bugs.py`` and every
+  planted bug here (the smoke grid holds the unaligned tails, long scans and large regimes).
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -63,25 +63,22 @@ TRUNCATED = (
 
 @pytest.fixture(scope="module")
 def outside(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("vendor")
-    here = Path(__file__).parent
-    shutil.copy(here / "gap_kernels.py", folder / "gap_vendor_kernels.py")
-    shutil.copy(here / "external_kernels.py", folder / "vendor_kernels.py")
-    return folder
+    return tmp_path_factory.mktemp("vendor")
 
 
 @pytest.fixture(scope="module")
 def smoke_run(outside: Path) -> tuple[str, list]:
-    """Tier smoke, all dtypes, over both kernel modules (every wrong and right kernel)."""
-    return run_operator_suite(outside, ["vendor_kernels", "gap_vendor_kernels"], tier="smoke")
+    """Tier smoke, all dtypes, over the grid-gap kernels and the bug classes of every family
+    (``test_suite_finds_bugs.py``'s kernels: tier smoke alone must catch them too)."""
+    from tests.operators.test_suite_finds_bugs import KERNELS
+
+    return run_operator_suite(outside, [*GAPS, *RIGHT, *KERNELS], tier="smoke")
 
 
 @pytest.fixture(scope="module")
 def pr_run(outside: Path) -> tuple[str, list]:
-    """Tier pr, all dtypes, over the honest kernels of gap_kernels.py."""
-    return run_operator_suite(
-        outside, ["gap_vendor_kernels"], tier="pr", select="right_half or right_softcap"
-    )
+    """Tier pr, all dtypes, over the honest grid-gap kernels."""
+    return run_operator_suite(outside, RIGHT, tier="pr")
 
 
 def _get(record: Any, key: str) -> Any:
