@@ -32,6 +32,6 @@ rm -rf "$reports"
 "$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider suites/models \
     --report-dir "$reports/suites-transformers"
 "$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider --report-dir "$reports/tests" \
-    tests/golden tests/sweep tests/test_inventory_hybrid.py tests/replay/test_vllm_engine.py \
+    tests/golden tests/sweep tests/test_inventory.py tests/replay/test_vllm_engine.py \
     tests/replay/test_vllm_points.py tests/replay/test_paths_a_model_cannot_take.py \
     tests/replay/test_swaps_fit_any_model.py

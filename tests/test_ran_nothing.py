@@ -1,4 +1,4 @@
-"""A green run always tested something (issue 27, item 4): a session whose numalign suite
+"""A green run always tested something: a session whose numalign suite
 tests all skipped exits non-zero and says so; sessions without suite tests are untouched."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The fingerprint covers every file a checkpoint loads from, whatever its format, and a
-remote-code model's modules (issue 27, item 2: a changed pytorch_model.bin was "fresh")."""
+remote-code model's modules (a changed pytorch_model.bin was once "fresh")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Capture never destroys what numalign did not write, and discovery never replays numalign's
-own temporary or previous folders (issue 27, items 1 and 3)."""
+own temporary or previous folders."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``golden verify`` checks everything the suites rely on, ``golden show`` and ``golden ls``
-never die on a bad set, and shards are as readable as manifests (issue 27, item 11)."""
+never die on a bad set, and shards are as readable as manifests."""
 
 from __future__ import annotations
 

@@ -5,12 +5,12 @@ dtype). The tests copy this file out of the repository, name it with ``--candida
 select the kernels they are about (``suite_runner.select``):
 
 - the bug classes of every family (norms, softmax, attention, rotary, linear, routing,
-  paged KV, scans, top-k): ``test_suite_finds_bugs.py``;
+  paged KV, scans, top-k): ``test_planted_bug_classes.py``;
 - the grid gaps the case tables once let through (zero-centred norms, soft-capping after the
   mask, truncating quantizers, routing bias, float16 accumulators, logits-side operators,
-  scaled rotary): ``test_grid_gaps.py``;
+  scaled rotary): ``test_case_grid_gaps.py``;
 - the operators of the newest models (MLA, attention sinks, block-scaled FP8, int4 weights,
-  quantized KV caches): ``test_new_operators.py``.
+  quantized KV caches): ``test_latent_sink_quantized_operators.py``.
 
 Importing the families registers their operators where the built-in catalogue does not list
 them yet. Names are unique per operator (``wrong_no_max`` is softmax's and log_softmax's).

@@ -1,4 +1,4 @@
-"""Reports survive a full disk and errors at the session's end (issue 27, item 7): the session
+"""Reports survive a full disk and errors at the session's end: the session
 runs every test, writes what it can, says in one line what to free or fix, and ``numalign
 report`` rebuilds the rest; no file is left torn."""
 

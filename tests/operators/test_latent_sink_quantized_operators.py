@@ -225,7 +225,7 @@ def test_kv_quantizers_round_trip_within_half_a_step(
 
 def test_truncation_breaks_the_half_step_property() -> None:
     """The property above has teeth: a kernel that truncates instead of rounding fails it
-    (as it fails the suite's rounding rule: see test_grid_gaps.py)."""
+    (as it fails the suite's rounding rule: see test_case_grid_gaps.py)."""
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
     _, scale = fp8_block.fp8_block_quant_reference(x, *fp8_block.ACT_BLOCK)
     full = fp8_block.expand_scale(scale, x.shape, fp8_block.ACT_BLOCK)

@@ -1,11 +1,11 @@
-"""The grid gaps of the operator catalogue, closed (issue 13, part A), shown by running the
+"""The grid gaps of the operator catalogue, closed, shown by running the
 real suite (in a subprocess, as a vendor would) on kernels from outside the repository:
 
 - every grid-gap bug of the catalogue of planted kernels (``planted_kernels.py``) fails on
   the case that closes its gap, in the dtypes named (some bugs hide in one dtype only: that is
   the gap);
 - every honest grid-gap kernel there passes in every dtype, at tier pr;
-- tier smoke alone catches every wrong kernel of ``test_suite_finds_bugs.py`` and every
+- tier smoke alone catches every wrong kernel of ``test_planted_bug_classes.py`` and every
   planted bug here (the smoke grid holds the unaligned tails, long scans and large regimes).
 """
 
@@ -69,8 +69,8 @@ def outside(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def smoke_run(outside: Path) -> tuple[str, list]:
     """Tier smoke, all dtypes, over the grid-gap kernels and the bug classes of every family
-    (``test_suite_finds_bugs.py``'s kernels: tier smoke alone must catch them too)."""
-    from tests.operators.test_suite_finds_bugs import KERNELS
+    (``test_planted_bug_classes.py``'s kernels: tier smoke alone must catch them too)."""
+    from tests.operators.test_planted_bug_classes import KERNELS
 
     return run_operator_suite(outside, [*GAPS, *RIGHT, *KERNELS], tier="smoke")
 
@@ -125,7 +125,7 @@ def test_a_truncating_quantizer_fails_by_the_rounding_rule(
 
 
 def test_smoke_catches_every_wrong_external_kernel(smoke_run: tuple[str, list]) -> None:
-    from tests.operators.test_suite_finds_bugs import WRONG
+    from tests.operators.test_planted_bug_classes import WRONG
 
     output, _ = smoke_run
     escaped = [name for name, (op, _case) in WRONG.items() if not _failed(output, name, op)]
