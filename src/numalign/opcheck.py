@@ -18,6 +18,7 @@ from numalign.compare import (
 )
 from numalign.compare.rounding import judge_rounding
 from numalign.phases import add_phase, phase
+from numalign.record import DriftRecord
 from numalign.registry import Candidate, Operator, Output
 from numalign.truths import active_truth_cache
 
@@ -259,6 +260,32 @@ def _judge_float(
             "are not compared",
         )
     return result
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorVerdict:
+    """What one operator test judged: a candidate on a case, one result per output. The
+    operator suite records it (``records``) and fails with ``message``, as the model suites
+    do with ``ModelVerdict``."""
+
+    candidate: Candidate
+    case: Case
+    results: tuple[CompareResult, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    def records(self, test_id: str, **context: Any) -> list[DriftRecord]:
+        """One record per output (``context``: suite, candidate, device, case, timings)."""
+        return [DriftRecord.from_result(r, test_id=test_id, **context) for r in self.results]
+
+    def message(self) -> str:
+        """The failure message: the candidate and case, then every failing output's."""
+        c, case = self.candidate, self.case
+        return f"candidate {c.name!r} ({c.module}) on case {case.name} [{case.regime}]:\n" + (
+            "\n\n".join(r.message() for r in self.results if not r.passed)
+        )
 
 
 def _zero_where(mask: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

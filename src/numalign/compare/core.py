@@ -97,11 +97,12 @@ def compare(
         return result.conclude(shape)
     _check_control(name, control, actual, expected)
     if exact:
-        decision, result.metrics = judge_exact(
+        exact_decision, result.metrics = judge_exact(
             actual, expected, ties=ties, tolerance=tolerance, name=name
         )
-        result.budget = decision.budget.limits() if decision.budget is not None else {}
-        return result.conclude(decision)
+        budget_of = exact_decision.budget
+        result.budget = budget_of.limits() if budget_of is not None else {}
+        return result.conclude(exact_decision)
     if control is not None or control_errors is not None:
         measured = _control_budget(
             actual, expected, control, control_errors, reduction_length, name, policy, budget

@@ -21,7 +21,10 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 #: Operator classes known to the tolerance table.
 OP_CLASSES: tuple[str, ...] = (
@@ -296,7 +299,7 @@ def thresholds_from_table(table: Mapping[str, Any], where: str) -> Thresholds:
 
 
 #: A rule a policy's rounding overrides replace fields of (``compare.rounding.RoundingRule``).
-R = TypeVar("R")
+R = TypeVar("R", bound="DataclassInstance")
 
 
 @dataclass(frozen=True)
@@ -354,7 +357,7 @@ class TolerancePolicy:
         own rule) with the fields the last matching override gives replaced."""
         for override in reversed(self.overrides):
             if override.rounding and override.applies(name, dtype):
-                return replace(default, **dict(override.rounding))  # type: ignore[type-var]
+                return replace(default, **dict(override.rounding))
         return default
 
     def source(self, what: str, name: str, dtype: str) -> str | None:
