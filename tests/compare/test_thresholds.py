@@ -58,7 +58,7 @@ def test_the_thresholds_table_overrides_the_logits_constants(tmp_path: Path) -> 
     assert policy.thresholds.near_tie_multiplier == 3.0
     assert near_tie(0.25, policy.thresholds) == 0.75
     assert near_tie(0.25) == 0.5  # the default: twice the max-abs budget
-    assert policy.thresholds.noise_floor == tolerances.NOISE_FLOOR
+    assert policy.thresholds.kl_spread_power == tolerances.KL_SPREAD_POWER
     # spread 3 squared times the control's KL, half an ulp squared, the float64 evaluation
     assert kl_budget(3.0, 1e-3, 0.0, 1) == pytest.approx(9e-3 + 2.0**-52)
     assert kl_budget(1.0, 0.0, 0.5, 1) == pytest.approx(0.125 + 2.0**-52)
@@ -78,7 +78,8 @@ def test_the_moved_thresholds_keep_their_values() -> None:
 
     assert RoundingRule() == RoundingRule(1e-3, 1.5, 1e-3, 0.05)
     assert baseline.NOISE_FLOOR == 0.05
-    assert Thresholds() == Thresholds(2.0, 2.0, 0.5, 2.0**-52, 0.05, 4.0)
+    assert Thresholds() == Thresholds(2.0, 2.0, 0.5, 2.0**-52)
+    assert tolerances.SWAP_PROBE_EPS == 4.0
 
 
 def test_each_rule_states_its_budget_where_it_came_from() -> None:
