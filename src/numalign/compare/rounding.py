@@ -51,7 +51,7 @@ class RoundingRule:
 ROUND_TO_NEAREST = RoundingRule()
 
 #: Integer code formats (their grid is the integers); float8 formats are those of
-#: ````compare.tolerances.FLOAT_FORMATS````.
+#: ``compare.tolerances.FLOAT_FORMATS``.
 INTEGER_CODES: tuple[str, ...] = ("int8", "uint8", "int16", "int32")
 
 
