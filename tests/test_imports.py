@@ -83,3 +83,25 @@ def test_a_cycle_is_found(tmp_path: Path) -> None:
     (package / "a.py").write_text("def f():\n    from pkg import b\n")
     (package / "b.py").write_text("from pkg.a import f\n")
     assert cycles(import_graph(package)) == [["pkg.a", "pkg.b", "pkg.a"]]
+
+
+#: What compare sits below: the engine's upper rooms, which may import compare, never the
+#: reverse (DESIGN.md, "Layout"): the verdict rules are plain functions of tensors and data.
+ABOVE_COMPARE = (
+    "numalign.replay", "numalign.golden", "numalign.record", "numalign.report",
+    "numalign.plugin", "numalign.settings", "numalign.cli", "numalign.opcheck",
+    "numalign.registry",
+)  # fmt: skip
+
+
+def test_compare_imports_nothing_above_it() -> None:
+    graph = import_graph()
+    compare = {m: deps for m, deps in graph.items() if m.startswith("numalign.compare")}
+    assert "numalign.compare.rounding" in compare  # the graph covers the package
+    above = {
+        (m, d)
+        for m, deps in compare.items()
+        for d in deps
+        if any(d == a or d.startswith(a + ".") for a in ABOVE_COMPARE)
+    }
+    assert above == set(), sorted(above)

@@ -19,7 +19,9 @@ from typing import Any, TypeVar
 
 from numalign.cases import Case
 from numalign.compare import OP_CLASSES, Budget
-from numalign.compare.tolerances import FLOAT_FORMATS
+
+# the rounding judge's data, at home in compare.rounding: catalogue modules import it from here
+from numalign.compare.rounding import DEFAULT_LAYOUT, ROUND_TO_NEAREST, CodeLayout, RoundingRule
 from numalign.names import did_you_mean
 
 #: The built-in catalogue: one module per operator family.
@@ -84,76 +86,6 @@ class Registry(Mapping[str, T]):
 
 
 @dataclass(frozen=True)
-class RoundingRule:
-    """How a quantizer's rounding is judged (outputs of kind "quantized").
-
-    Quantized values q (the codes, decoded: see ``CodeLayout``) with scale s stand for
-    x / s. Each element's rounding error is measured in steps of the codes' grid at x / s (1
-    for integers, the format's spacing there for float8), against the float64 truth and the
-    scale the candidate returned: r = (q - x / s) / step. Round to nearest gives |r| <= 0.5;
-    truncation gives r in (-1, 0] toward zero, 40-50% of the elements off by one, all of
-    them biased the same way."""
-
-    #: Elements within this many steps of a rounding tie may round either way (round half
-    #: away from zero is as honest as ties to even): x / s computed as x * (1 / s) in float32
-    #: is off by two float32 roundings, 2**-23 of |x / s|: about 1.5e-5 steps for int8
-    #: (|x / s| <= 128), 2**-19 for float8 (|x / s| is under 16 of its steps there);
-    #: 1e-3 leaves 60x that and stays far below any real misrounding.
-    tie_band: float = 1e-3
-    #: No element may be more than one step from the nearest grid point (|r| <= 1.5): the
-    #: old "q within 1 of the control" allowance, now against the candidate's own scale.
-    max_step_error: float = 1.5
-    #: At most this share of elements may round to the farther neighbour outside the tie
-    #: band: an honest round-to-nearest has none (reciprocal products stay inside the band);
-    #: 0.1% leaves room for a few flips at the band's edge; truncation flips 40-50%.
-    off_by_one_share: float = 1e-3
-    #: The mean signed error beyond round to nearest's own on the same values (q minus the
-    #: nearest grid point, in steps, averaged overall and toward zero; 0 within the tie band,
-    #: so data full of exact ties does not bias an honest tie rule) may be at most a
-    #: twentieth of a step: honest kernels leave the nearest point only at ties; truncation
-    #: biases by about half a step toward zero, 10x this limit.
-    bias_limit: float = 0.05
-
-
-#: The rounding rule of quantizers that round to nearest.
-ROUND_TO_NEAREST = RoundingRule()
-
-#: Integer code formats (their grid is the integers); float8 formats are those of
-#: ``numalign.compare.tolerances.FLOAT_FORMATS``.
-INTEGER_CODES: tuple[str, ...] = ("int8", "uint8", "int16", "int32")
-
-
-@dataclass(frozen=True)
-class CodeLayout:
-    """What a quantizer's values (its codes) are, and which of them share a scale.
-
-    ``codes`` names the format the codes are in: an integer dtype of ``INTEGER_CODES`` (the
-    codes are those integers) or a float format such as "float8_e4m3fn": the codes are of
-    that dtype or are its bit patterns as uint8 (``q.view(torch.uint8)``: the suite casts
-    floating inputs to the dtype under test, never integer ones, so FP8 caches travel as
-    bits). Codes of any other dtype fail: an E5M2 tensor where E4M3 is declared. None: the
-    codes' own dtype, whatever it is (uint8 then reads as integers).
-
-    ``block`` gives, per dimension of the codes, how many consecutive elements share one
-    scale: the scale has ceil(n / block) entries along a dimension of n, the last block
-    possibly partial (1x128 groups over 4097 columns: 33 scales, the last over 1 column).
-    None in the tuple: one scale along the whole dimension (size 1 there). ``block=None``:
-    the scale broadcasts against the codes. A scale of another shape fails."""
-
-    codes: str | None = None
-    block: tuple[int | None, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.codes is not None and self.codes not in (*INTEGER_CODES, *FLOAT_FORMATS):
-            raise ValueError(
-                f"code format {self.codes!r}: expected one of "
-                f"{', '.join((*INTEGER_CODES, *FLOAT_FORMATS))}"
-            )
-        if self.block is not None and not all(b is None or b >= 1 for b in self.block):
-            raise ValueError(f"block {self.block}: sizes are positive, or None for a whole dim")
-
-
-@dataclass(frozen=True)
 class Output:
     """One output of an operator.
 
@@ -180,7 +112,7 @@ class Output:
     quantized_from: str | None = None
     scale_from: str | None = None
     rounding: RoundingRule = ROUND_TO_NEAREST
-    layout: CodeLayout | Callable[[Case], CodeLayout] = CodeLayout()
+    layout: CodeLayout | Callable[[Case], CodeLayout] = DEFAULT_LAYOUT
 
     def __post_init__(self) -> None:
         if self.kind not in ("float", "exact", "ties", "quantized"):

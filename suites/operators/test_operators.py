@@ -19,7 +19,7 @@ import torch
 
 from numalign import testids
 from numalign.dtypes import torch_dtype
-from numalign.opcheck import candidate_function, check_operator
+from numalign.opcheck import OperatorVerdict, candidate_function, check_operator
 from numalign.phases import phase
 from numalign.record import NodeRecorder
 from numalign.record_errors import recorded_errors
@@ -76,16 +76,12 @@ def _make_test(op: Operator) -> Callable[..., None]:
             spent = candidate_function(op, cand, compiled).stats.take()  # type: ignore[attr-defined]
             context |= spent.record_fields()
             duration -= spent.compile_s
+        verdict = OperatorVerdict(cand, case, tuple(results))
         with phase("records"):
-            for result in results:
-                record_drift(result, duration_s=duration, **context)
-        failed = [r for r in results if not r.passed]
-        if failed:
-            pytest.fail(
-                f"candidate {cand.name!r} ({cand.module}) on case {case.name} [{case.regime}]:\n"
-                + "\n\n".join(r.message() for r in failed),
-                pytrace=False,
-            )
+            for record in verdict.records(record_drift.nodeid, duration_s=duration, **context):
+                record_drift.add(record)
+        if not verdict.passed:
+            pytest.fail(verdict.message(), pytrace=False)
 
     test.__name__ = f"test_{op.name}"
     test.__doc__ = op.description

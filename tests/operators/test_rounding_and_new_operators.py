@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from numalign.cases import Case, generator
+from numalign.compare.rounding import ROUND_TO_NEAREST, expand_scale, judge_rounding
 from numalign.inventory import aten_to_operators
-from numalign.opcheck import expand_scale, judge_rounding, make_inputs
+from numalign.opcheck import make_inputs
 from numalign.registry import OPERATORS, CodeLayout, Output, load_catalogue
 
 Q = Output("q", kind="quantized", quantized_from="x", scale_from="scale")
+RULE, LAYOUT = Q.rounding, Q.layout_for(None)
 
 
 def _int8(x: torch.Tensor, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,10 +28,10 @@ def _int8(x: torch.Tensor, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_round_to_nearest_passes_and_truncation_fails_by_share_of_off_by_one() -> None:
     x = torch.randn(8, 4096, generator=generator("rounding"), dtype=torch.float64)
-    good = judge_rounding(*_int8(x, "nearest"), x, Q, name="q")
+    good = judge_rounding(*_int8(x, "nearest"), x, RULE, LAYOUT, name="q")
     assert good.passed and good.rule == "rounding"
     assert good.budget["off_by_one_share"] == 0.0
-    bad = judge_rounding(*_int8(x, "trunc"), x, Q, name="q")
+    bad = judge_rounding(*_int8(x, "trunc"), x, RULE, LAYOUT, name="q")
     assert not bad.passed
     # truncation rounds about half of the elements to the farther neighbour
     assert 0.4 < bad.budget["off_by_one_share"] < 0.6
@@ -37,7 +39,6 @@ def test_round_to_nearest_passes_and_truncation_fails_by_share_of_off_by_one() -
 
 
 def test_a_biased_rounding_with_few_flips_fails_by_its_bias() -> None:
-    from dataclasses import replace
 
     x = torch.randn(4, 1000, generator=generator("bias"), dtype=torch.float64)
     q, scale = _int8(x, "nearest")
@@ -45,8 +46,8 @@ def test_a_biased_rounding_with_few_flips_fails_by_its_bias() -> None:
     # round down the elements whose fraction lies in (0.45, 0.55): ~10% flips, all one way
     near_tie = (v - v.floor() - 0.5).abs() < 0.05
     q = torch.where(near_tie, v.floor(), q.to(torch.float64)).to(torch.int8)
-    lenient = replace(Q, rounding=replace(Q.rounding, off_by_one_share=1.0))
-    result = judge_rounding(q, scale, x, lenient, name="q")
+    lenient = replace(ROUND_TO_NEAREST, off_by_one_share=1.0)
+    result = judge_rounding(q, scale, x, lenient, LAYOUT, name="q")
     assert not result.passed
     assert "biased" in result.reason
     assert result.budget["bias_steps"] < -0.03  # about -0.05: half the flips, one step down
@@ -56,8 +57,8 @@ def test_two_steps_off_fails_and_a_zero_scale_is_not_finite() -> None:
     x = torch.linspace(-1, 1, 64, dtype=torch.float64)[None]
     q, scale = _int8(x, "nearest")
     q[0, 10] += 2
-    assert "steps from x / scale" in judge_rounding(q, scale, x, Q, name="q").reason
-    zero = judge_rounding(q, torch.zeros_like(scale), x, Q, name="q")
+    assert "steps from x / scale" in judge_rounding(q, scale, x, RULE, LAYOUT, name="q").reason
+    zero = judge_rounding(q, torch.zeros_like(scale), x, RULE, LAYOUT, name="q")
     assert not zero.passed and zero.rule == "non-finite"
 
 
@@ -65,11 +66,11 @@ def test_float8_values_are_judged_in_steps_of_their_grid() -> None:
     x = torch.randn(16, 256, generator=generator("fp8"), dtype=torch.float64)
     scale = x.abs().amax() / 448
     q = (x / scale).to(torch.float8_e4m3fn)
-    assert judge_rounding(q, scale, x, Q, name="q").passed
+    assert judge_rounding(q, scale, x, RULE, LAYOUT, name="q").passed
     # one code toward zero everywhere the cast rounded away from zero
     away = q.to(torch.float64).abs() > (x / scale).abs()
     bits = torch.where(away, q.view(torch.uint8) - 1, q.view(torch.uint8))
-    result = judge_rounding(bits.view(torch.float8_e4m3fn), scale, x, Q, name="q")
+    result = judge_rounding(bits.view(torch.float8_e4m3fn), scale, x, RULE, LAYOUT, name="q")
     assert not result.passed
 
 
@@ -78,7 +79,7 @@ def test_a_nan_float8_value_fails_as_non_finite() -> None:
     scale = x.abs().amax() / 448
     q = (x / scale).to(torch.float8_e4m3fn)
     q[3] = float("nan")
-    result = judge_rounding(q, scale, x, Q, name="q")
+    result = judge_rounding(q, scale, x, RULE, LAYOUT, name="q")
     assert not result.passed and result.rule == "non-finite"
 
 
@@ -120,20 +121,17 @@ def _fp8_case(rounding: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, bits, scale
 
 
-GROUPS = Output("q", kind="quantized", quantized_from="x", scale_from="scale",
-                layout=CodeLayout("float8_e4m3fn", (1, 128)))  # fmt: skip
+GROUPS = CodeLayout("float8_e4m3fn", (1, 128))
 
 
 def test_float8_bits_are_decoded_and_judged_on_the_declared_format_and_blocks() -> None:
     x, bits, scale = _fp8_case("nearest")
-    good = judge_rounding(bits, scale, x, GROUPS, name="q")
+    good = judge_rounding(bits, scale, x, RULE, GROUPS, name="q")
     assert good.passed and good.dtype == "float8_e4m3fn", good.reason
     assert good.budget["off_by_one_share"] == 0.0
     # read as integers (the old way), the same codes are nonsense
-    assert not judge_rounding(
-        bits, scale, x, replace(GROUPS, layout=CodeLayout(None, (1, 128))), name="q"
-    ).passed
-    truncated = judge_rounding(*_fp8_case("toward zero")[1:], x, GROUPS, name="q")
+    assert not judge_rounding(bits, scale, x, RULE, CodeLayout(None, (1, 128)), name="q").passed
+    truncated = judge_rounding(*_fp8_case("toward zero")[1:], x, RULE, GROUPS, name="q")
     assert not truncated.passed and truncated.rule == "rounding"
     assert "farther neighbour" in truncated.reason
 
@@ -141,25 +139,24 @@ def test_float8_bits_are_decoded_and_judged_on_the_declared_format_and_blocks() 
 def test_codes_of_another_format_fail() -> None:
     x, _, scale = _fp8_case("nearest")
     v = x / expand_scale(scale, x.shape, (1, 128))
-    e5m2 = judge_rounding(v.to(torch.float8_e5m2), scale, x, GROUPS, name="q")
+    e5m2 = judge_rounding(v.to(torch.float8_e5m2), scale, x, RULE, GROUPS, name="q")
     assert not e5m2.passed and e5m2.rule == "rounding"
     assert "not the declared float8_e4m3fn" in e5m2.reason
     # as uint8 bits the format cannot be told from the dtype: decoded as E4M3 they land far
     # off x / scale (E5M2 bits read as E4M3 are other values)
-    e5m2_bits = judge_rounding(v.to(torch.float8_e5m2).view(torch.uint8), scale, x, GROUPS,
-                               name="q")  # fmt: skip
+    e5m2_bits = judge_rounding(v.to(torch.float8_e5m2).view(torch.uint8), scale, x, RULE,
+                               GROUPS, name="q")  # fmt: skip
     assert not e5m2_bits.passed and e5m2_bits.rule in ("rounding", "non-finite")
-    int8 = Output("q", kind="quantized", quantized_from="x", scale_from="scale",
-                  layout=CodeLayout("int8"))  # fmt: skip
+    int8 = CodeLayout("int8")
     q, row_scale = _int8(x, "nearest")
-    assert judge_rounding(q, row_scale, x, int8, name="q").passed
-    wide = judge_rounding(q.to(torch.int16), row_scale, x, int8, name="q")
+    assert judge_rounding(q, row_scale, x, RULE, int8, name="q").passed
+    wide = judge_rounding(q.to(torch.int16), row_scale, x, RULE, int8, name="q")
     assert not wide.passed and "the codes are int16" in wide.reason
 
 
 def test_a_scale_that_misses_a_declared_block_fails_by_shape() -> None:
     x, bits, scale = _fp8_case("nearest")
-    result = judge_rounding(bits, scale[:, :2], x, GROUPS, name="q")
+    result = judge_rounding(bits, scale[:, :2], x, RULE, GROUPS, name="q")
     assert not result.passed and result.rule == "shape"
     assert "expected (4, 3)" in result.reason and result.hint
 
@@ -169,9 +166,9 @@ def test_a_layout_that_depends_on_the_case_is_read_from_it() -> None:
                       layout=lambda case: CodeLayout("float8_e4m3fn", case["block"]))  # fmt: skip
     x, bits, scale = _fp8_case("nearest")
     case = Case("groups", {"block": (1, 128)})
-    assert judge_rounding(bits, scale, x, per_case, name="q", case=case).passed
+    assert judge_rounding(bits, scale, x, RULE, per_case.layout_for(case), name="q").passed
     with pytest.raises(ValueError, match="depends on the case"):
-        judge_rounding(bits, scale, x, per_case, name="q")
+        per_case.layout_for(None)
     with pytest.raises(ValueError, match="code format"):
         CodeLayout("float8_e4m3")
 
@@ -184,7 +181,7 @@ def test_ties_may_round_either_way_without_biasing() -> None:
     scale = torch.ones(1, 1)
     away = torch.sign(x) * torch.floor(x.abs() + 0.5)
     for q in (torch.round(x), away):
-        result = judge_rounding(q.to(torch.int8), scale, x, Q, name="q")
+        result = judge_rounding(q.to(torch.int8), scale, x, RULE, LAYOUT, name="q")
         assert result.passed, result.reason
         assert result.budget["off_by_one_share"] == result.budget["bias_steps"] == 0.0
 

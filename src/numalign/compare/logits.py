@@ -4,8 +4,11 @@ divergence and max abs error, over the positions kept. Plain statistics; the mod
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
+
+from numalign.compare.tolerances import Thresholds
 
 if TYPE_CHECKING:
     import torch
@@ -73,4 +76,28 @@ def logits_stats(actual: torch.Tensor, expected: torch.Tensor, near_tie: float) 
         kl_max=float(kl.max()),
         max_abs=float((a - e).abs().max()),
         near_tie=near_tie,
+    )
+
+
+def near_tie(max_abs_budget: float, thresholds: Thresholds | None = None) -> float:
+    """How far apart two tokens' golden logits may lie for a top-1 or top-5 difference (or
+    the greedy continuation's first differing token) to be a near tie: each of the two may
+    move by the logits' max-abs budget (``tolerances.NEAR_TIE_MULTIPLIER``)."""
+    return (thresholds or Thresholds()).near_tie_multiplier * max_abs_budget
+
+
+def kl_budget(
+    spread: float,
+    control_kl: float,
+    ulp: float,
+    vocab: int,
+    thresholds: Thresholds | None = None,
+) -> float:
+    """The logits' KL budget: the control's KL times the relative L2 spread squared, plus
+    two roundings of every logit (``ulp`` at the largest golden logit) and the KL's own
+    float64 evaluation over ``vocab`` tokens (``tolerances.KL_*``)."""
+    t = thresholds or Thresholds()
+    evaluation = t.kl_evaluation_roundoff * (math.log(max(vocab, 1)) + 1.0)
+    return (
+        math.pow(spread, t.kl_spread_power) * control_kl + t.kl_rounding_floor * ulp**2 + evaluation
     )

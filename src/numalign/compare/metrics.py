@@ -131,6 +131,11 @@ class ControlErrors:
         )  # fmt: skip
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
 def float_format(dtype: torch.dtype) -> tuple[int, int] | None:
     """(mantissa bits, log2 of the smallest subnormal) of a floating dtype; None otherwise."""
     return FLOAT_FORMATS.get(str(dtype).removeprefix("torch."))

@@ -19,9 +19,12 @@ import fnmatch
 import math
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 #: Operator classes known to the tolerance table.
 OP_CLASSES: tuple[str, ...] = (
@@ -190,7 +193,7 @@ DISTRIBUTION_THRESHOLDS: Mapping[str, tuple[float, float]] = {
 #: Distribution floors against a calibrated control (a golden set's calibration), per dtype:
 #: (|norm_ratio - 1|, 1 - cosine). The limit is the largest of the floor, the control's own
 #: deviation times the budget's spread, and what an error as large as the control's explains
-#: (``compare.core._distribution``), so a deep model's accumulated drift passes where it is
+#: (``compare.distribution``), so a deep model's accumulated drift passes where it is
 #: the reference's own. The norm floor is the unit roundoff u = eps / 2: round to nearest moves
 #: each element by at most u relative, so one rounding cannot scale a norm by more; a 1%
 #: systematic scale in bfloat16 (u = 0.0039) fails. The cosine floor is that of an error of
@@ -208,6 +211,96 @@ ZERO_EXCESS_FRACTION = 0.01
 ZERO_EXCESS_COUNT = 1
 
 
+#: A quantizer's rounding (``compare.rounding.RoundingRule``, outputs of kind "quantized") is
+#: measured in steps of its codes' grid at x / scale: r = (q - x / scale) / step. Round to
+#: nearest gives |r| <= 0.5; truncation gives r in (-1, 0] toward zero, 40-50% of the elements
+#: off by one, all of them biased the same way.
+#:
+#: Elements within ROUNDING_TIE_BAND steps of a rounding tie may round either way (round half
+#: away from zero is as honest as ties to even): x / s computed as x * (1 / s) in float32 is
+#: off by two float32 roundings, 2**-23 of |x / s|: about 1.5e-5 steps for int8 (|x / s| <=
+#: 128), 2**-19 for float8 (|x / s| is under 16 of its steps there); 1e-3 leaves 60x that and
+#: stays far below any real misrounding.
+ROUNDING_TIE_BAND = 1e-3
+#: No element may be more than one step from the nearest grid point (|r| <= 1.5): the old "q
+#: within 1 of the control" allowance, now against the candidate's own scale.
+ROUNDING_MAX_STEP_ERROR = 1.5
+#: At most this share of elements may round to the farther neighbour outside the tie band: an
+#: honest round-to-nearest has none (reciprocal products stay inside the band); 0.1% leaves
+#: room for a few flips at the band's edge; truncation flips 40-50%.
+ROUNDING_OFF_BY_ONE_SHARE = 1e-3
+#: The mean signed error beyond round to nearest's own on the same values (q minus the nearest
+#: grid point, in steps, averaged overall and toward zero; 0 within the tie band, so data full
+#: of exact ties does not bias an honest tie rule) may be at most a twentieth of a step: honest
+#: kernels leave the nearest point only at ties; truncation biases by about half a step toward
+#: zero, 10x this limit.
+ROUNDING_BIAS_LIMIT = 0.05
+#: The fields of a rounding rule an ``[[tool.numalign.override]]`` entry may set.
+ROUNDING_KEYS: tuple[str, ...] = ("tie_band", "max_step_error", "off_by_one_share", "bias_limit")
+
+#: Logits: a top-1 or top-5 difference is explained (a near tie) where the golden logits of
+#: the two tokens lie within NEAR_TIE_MULTIPLIER times the logits' max-abs budget: each of the
+#: two logits may move by the whole budget, one up and one down. The greedy continuation's
+#: first differing token is allowed the same gap.
+NEAR_TIE_MULTIPLIER = 2.0
+#: The logits' KL budget: KL_SPREAD_POWER, because a KL divergence is quadratic in small logit
+#: differences, so an error the relative L2 spread s allows moves it by s**2 times the
+#: control's KL; plus a rounding floor of KL_ROUNDING_FLOOR ulp**2 (two roundings of every
+#: logit differ by at most 2 * ulp / 2, and a KL is half the squared difference: (ulp)**2 / 2);
+#: plus the KL's own float64 evaluation, a sum over the vocabulary of p * (log p - log q)
+#: terms whose roundings reach about KL_EVALUATION_ROUNDOFF (eps of float64) times the entropy
+#: (at most log(vocab)) plus one.
+KL_SPREAD_POWER = 2.0
+KL_ROUNDING_FLOOR = 0.5
+KL_EVALUATION_ROUNDOFF = 2.0**-52
+
+#: A baseline diff does not report growth below this use of the budget: 0.001 -> 0.004 of a
+#: budget is noise of the last bits, not a trend (``report.baseline``).
+NOISE_FLOOR = 0.05
+
+#: A swap's adapter check (``replay.swap``): the operator's float32 reference through the
+#: adapter must reproduce the module on a probe input within SWAP_PROBE_EPS eps of the
+#: module's dtype, relative and absolute: the module rounds to its dtype a few times more than
+#: the float32 reference (a product, a sum, a scale: about one eps each, four with margin).
+SWAP_PROBE_EPS = 4.0
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The thresholds that do not depend on an operator or point name, each overridable in
+    ``[tool.numalign.thresholds]`` of pyproject.toml (the constants above give the defaults
+    and their reasons). NOISE_FLOOR and SWAP_PROBE_EPS are read as constants by the baseline
+    diff and the swap check, which no policy reaches yet."""
+
+    near_tie_multiplier: float = NEAR_TIE_MULTIPLIER
+    kl_spread_power: float = KL_SPREAD_POWER
+    kl_rounding_floor: float = KL_ROUNDING_FLOOR
+    kl_evaluation_roundoff: float = KL_EVALUATION_ROUNDOFF
+
+
+def _threshold(value: Any, where: str) -> float:
+    """A threshold read from pyproject: a number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: expected a number, got {value!r}")
+    number = float(value)
+    if not number >= 0:  # NaN too
+        raise ValueError(f"{where}: expected a number >= 0, got {value!r}")
+    return number
+
+
+def thresholds_from_table(table: Mapping[str, Any], where: str) -> Thresholds:
+    """``[tool.numalign.thresholds]`` as ``Thresholds`` (unknown keys are errors)."""
+    known = [f.name for f in fields(Thresholds)]
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed: {known}")
+    return Thresholds(**{k: _threshold(v, f"{where}: {k}") for k, v in table.items()})
+
+
+#: A rule a policy's rounding overrides replace fields of (``compare.rounding.RoundingRule``).
+R = TypeVar("R", bound="DataclassInstance")
+
+
 @dataclass(frozen=True)
 class Override:
     """One ``[[tool.numalign.override]]`` entry of pyproject.toml."""
@@ -216,6 +309,8 @@ class Override:
     dtype: str | None = None
     tolerance: Tolerance | None = None
     budget: Budget | None = None
+    #: fields of a quantizer's rounding rule (``ROUNDING_KEYS``) that this entry replaces
+    rounding: tuple[tuple[str, float], ...] = ()
 
     def applies(self, name: str, dtype: str) -> bool:
         if self.dtype is not None and self.dtype != dtype:
@@ -231,6 +326,8 @@ class TolerancePolicy:
     """
 
     overrides: tuple[Override, ...] = field(default_factory=tuple)
+    #: the thresholds that apply by name, not per operator (``[tool.numalign.thresholds]``)
+    thresholds: Thresholds = field(default_factory=Thresholds)
 
     def tolerance(
         self, name: str, dtype: str, op_class: str, reduction_length: int | None
@@ -254,12 +351,29 @@ class TolerancePolicy:
                 return override.budget
         return default or Budget()
 
+    def rounding(self, name: str, dtype: str, default: R) -> R:
+        """A quantizer's rounding rule for ``name`` in ``dtype``: ``default`` (the output's
+        own rule) with the fields the last matching override gives replaced."""
+        for override in reversed(self.overrides):
+            if override.rounding and override.applies(name, dtype):
+                return replace(default, **dict(override.rounding))
+        return default
+
+    def source(self, what: str, name: str, dtype: str) -> str | None:
+        """Which override gives ``what`` ("tolerance", "budget" or "rounding") for ``name``
+        in ``dtype`` (its pattern, as messages name it), or None where none does."""
+        for override in reversed(self.overrides):
+            if getattr(override, what) and override.applies(name, dtype):
+                return f"pyproject override {override.match!r}"
+        return None
+
 
 DEFAULT_POLICY = TolerancePolicy()
 
 
 def _override_from_table(entry: Mapping[str, Any], where: str) -> Override:
     known = {"match", "dtype", "rtol", "atol", "max_abs_multiplier", "rel_l2_multiplier"}
+    known |= set(ROUNDING_KEYS)
     unknown = sorted(set(entry) - known)
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(known)}")
@@ -283,16 +397,28 @@ def _override_from_table(entry: Mapping[str, Any], where: str) -> Override:
                 if k in entry
             },
         )
-    return Override(match=str(entry["match"]), dtype=dtype, tolerance=tolerance, budget=budget)
+    rounding = tuple(
+        (k, _threshold(entry[k], f"{where}: {k}")) for k in ROUNDING_KEYS if k in entry
+    )
+    return Override(
+        match=str(entry["match"]), dtype=dtype, tolerance=tolerance, budget=budget,
+        rounding=rounding,
+    )  # fmt: skip
 
 
-def policy_from_entries(entries: Iterable[Mapping[str, Any]], source: str) -> TolerancePolicy:
-    """Builds a policy from ``[[tool.numalign.override]]`` tables (``source`` names them)."""
+def policy_from_entries(
+    entries: Iterable[Mapping[str, Any]],
+    source: str,
+    thresholds: Mapping[str, Any] | None = None,
+) -> TolerancePolicy:
+    """Builds a policy from ``[[tool.numalign.override]]`` tables and the
+    ``[tool.numalign.thresholds]`` table (``source`` names them)."""
     return TolerancePolicy(
         tuple(
             _override_from_table(entry, f"{source}: override #{i + 1}")
             for i, entry in enumerate(entries)
-        )
+        ),
+        thresholds_from_table(thresholds or {}, f"{source}: [tool.numalign.thresholds]"),
     )
 
 
@@ -305,11 +431,14 @@ def load_policy(pyproject: str | Path) -> TolerancePolicy:
         match = "attention*"        # fnmatch pattern over operator or point names
         dtype = "bfloat16"          # optional
         max_abs_multiplier = 6.0    # looser budget against the control
+
+        [tool.numalign.thresholds]
+        near_tie_multiplier = 3.0   # any field of ``Thresholds``
     """
     path = Path(pyproject)
     if not path.is_file():
         return DEFAULT_POLICY
     with path.open("rb") as fh:
         data = tomllib.load(fh)
-    entries = data.get("tool", {}).get("numalign", {}).get("override", [])
-    return policy_from_entries(entries, str(path))
+    table = data.get("tool", {}).get("numalign", {})
+    return policy_from_entries(table.get("override", []), str(path), table.get("thresholds"))

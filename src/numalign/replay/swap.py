@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from numalign.compare.tolerances import SWAP_PROBE_EPS
 from numalign.registry import OPERATORS, Candidate, Operator, candidates, load_catalogue
 
 
@@ -227,8 +228,8 @@ def _check_adapter(name: str, module: torch.nn.Module, op: Operator) -> None:
     with torch.no_grad():
         mine = op.reference(probe.float(), **op.adapter(module)).float()
         theirs = module(probe).float()
-    # the module rounds to its dtype a few times more than the float32 reference: 4 eps
-    tol = 4 * torch.finfo(weight.dtype).eps
+    # the module rounds to its dtype a few times more than the float32 reference
+    tol = SWAP_PROBE_EPS * torch.finfo(weight.dtype).eps
     if not torch.allclose(mine, theirs, rtol=tol, atol=tol):
         raise SwapError(
             f"--swap {op.name}: the adapter does not reproduce {name} ({type(module).__name__}); "

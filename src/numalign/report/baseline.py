@@ -6,14 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from numalign.compare import tolerances
 from numalign.record import DriftRecord
 
 #: A record regresses when its budget use grows beyond this factor of the baseline's: twice
 #: the error is beyond run-to-run noise of deterministic inputs, well before a failure.
 DEFAULT_REGRESSION_FACTOR = 2.0
-#: Growth below this use of the budget is not reported: 0.001 -> 0.004 of a budget is noise
-#: of the last bits, not a trend.
-NOISE_FLOOR = 0.05
+#: Growth below this use of the budget is not reported (its reason: compare.tolerances).
+NOISE_FLOOR = tolerances.NOISE_FLOOR
 
 
 @dataclass
