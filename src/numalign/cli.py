@@ -47,12 +47,16 @@ def _report(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from numalign.compare.tolerances import load_policy
+
     rendered = render_run(
         run_dir,
         baseline=baseline,
         factor=args.factor,
         history=Path(args.history) if args.history else None,
         append=False,
+        # the thresholds of the project it runs in (its pyproject.toml), as the session's
+        thresholds=load_policy(Path("pyproject.toml")).thresholds,
     )
     for path in rendered.written:
         print(path)

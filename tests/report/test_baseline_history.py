@@ -44,6 +44,27 @@ def test_noise_below_the_floor_and_within_the_factor_is_not_a_regression(
     assert diff_runs(current, run_records).regressed == []
 
 
+def test_the_noise_floor_is_the_projects_from_pyproject(
+    run_records: list[DriftRecord], tmp_path: Path
+) -> None:
+    """``[tool.numalign.thresholds] noise_floor`` reaches the report's baseline diff: a use
+    grown from 0.01 to 0.2 (20x, over the factor 2) regresses above the default floor and is
+    noise below a floor of 0.3."""
+    from numalign.compare import load_policy
+
+    baseline = copy.deepcopy(run_records)
+    baseline[0].budget_used = 0.01
+    current = copy.deepcopy(baseline)
+    current[0].budget_used = 0.2
+    old = write_run(tmp_path / "old", baseline)
+    default = render_run(write_run(tmp_path / "a", current), baseline=old)
+    assert default.diff is not None and len(default.diff.regressed) == 1
+    (tmp_path / "pyproject.toml").write_text("[tool.numalign.thresholds]\nnoise_floor = 0.3\n")
+    thresholds = load_policy(tmp_path / "pyproject.toml").thresholds
+    raised = render_run(write_run(tmp_path / "b", current), baseline=old, thresholds=thresholds)
+    assert raised.diff is not None and raised.diff.regressed == []
+
+
 def test_newly_failing_new_and_vanished_records(run_records: list[DriftRecord]) -> None:
     current = copy.deepcopy(run_records)
     current[2].verdict = "failed"

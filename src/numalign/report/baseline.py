@@ -44,11 +44,14 @@ def diff_runs(
     current: list[DriftRecord],
     baseline: list[DriftRecord],
     factor: float = DEFAULT_REGRESSION_FACTOR,
+    *,
+    noise_floor: float = NOISE_FLOOR,
 ) -> BaselineDiff:
     """Flags records whose budget use grew beyond ``factor`` times the baseline's (above
-    ``NOISE_FLOOR``), or that passed in the baseline and fail or crash now, even while
-    others still pass; a record of an expected failure (xfailed) is never flagged. Lists
-    keys new in this run and keys that vanished from it."""
+    ``noise_floor``, overridable in ``[tool.numalign.thresholds]``), or that passed in the
+    baseline and fail or crash now, even while others still pass; a record of an expected
+    failure (xfailed) is never flagged. Lists keys new in this run and keys that vanished
+    from it."""
     if factor <= 1.0:
         raise ValueError(f"the regression factor must be above 1, got {factor}")
     before = {r.key: r for r in baseline if r.verdict != "skipped"}
@@ -70,7 +73,7 @@ def diff_runs(
             not expected
             and used is not None
             and old_used is not None
-            and used > NOISE_FLOOR
+            and used > noise_floor
             and used > factor * old_used
         )
         if newly_failing or grew:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from numalign.compare.tolerances import load_policy
 from numalign.record import (
     FAILING,
     DriftRecord,
@@ -135,6 +136,7 @@ class DriftCollector:
             factor=settings.regression_factor,
             history=history,
             append=not interrupted,
+            thresholds=load_policy(session.config.rootpath / "pyproject.toml").thresholds,
         )
         self.records = rendered.records
         self.written = [self.writer.path, *rendered.written]

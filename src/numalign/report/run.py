@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from numalign.compare.tolerances import Thresholds
 from numalign.record import (
     DriftRecord,
     count_outcomes,
@@ -41,9 +42,11 @@ def render_run(
     factor: float = DEFAULT_REGRESSION_FACTOR,
     history: Path | None = None,
     append: bool = False,
+    thresholds: Thresholds | None = None,
 ) -> RenderedRun:
     """Writes drift.csv (and .parquet), summary.json, regressions.json (with a baseline) and
-    drift.html for the records of ``run_dir``; with ``append``, adds the run to ``history``."""
+    drift.html for the records of ``run_dir``; with ``append``, adds the run to ``history``.
+    ``thresholds``: the project's (its pyproject.toml), for the baseline diff's noise floor."""
     records = read_records(run_dir)
     if header is None:
         previous = run_dir / "summary.json"
@@ -58,7 +61,8 @@ def render_run(
     variants = None  # compiled against eager, where one run of the two is compiled
     if baseline is not None:
         baseline_records = read_records(baseline)
-        rendered.diff = diff_runs(records, baseline_records, factor)
+        floor = (thresholds or Thresholds()).noise_floor
+        rendered.diff = diff_runs(records, baseline_records, factor, noise_floor=floor)
         variants = side_by_side(records, baseline_records)
         baseline_dict = rendered.diff.to_dict() | {"path": str(baseline)}
         summary["regressions"] = len(rendered.diff.regressed)
