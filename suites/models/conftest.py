@@ -12,17 +12,18 @@ import pytest
 from numalign.golden import GoldenSetError
 from numalign.golden.reference import CacheUnsupported
 from numalign.record import NodeRecorder
-from numalign.replay.compiled import CompileError
 from numalign.replay.engines import Engine, open_engine
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
 from numalign.replay.layer import AloneUnsupported
-from numalign.replay.model import ReplayUnsupported, unusable_sets, variant_label
+from numalign.replay.model import ReplayUnsupported, unusable_sets
 from numalign.replay.paged import PagedUnsupported
 from numalign.replay.tensor_parallel import (
     NoTensorParallelPlan,
     TensorParallelError,
     TensorParallelUsageError,
 )
+from numalign.runtime.compiled import CompileError
+from numalign.runtime.variant import Variant
 
 #: The parameters of the model suites' tests, each "SET_PATH::..." (test_layers, test_model,
 #: test_decode).
@@ -75,6 +76,9 @@ def replay_guard(
     reason); an engine that fails to start or to serve fails the test with an ``error`` (or
     ``crashed``) record, and the next test starts it afresh."""
 
+    # the records' variant fields (the cache is the test's own: not known here)
+    variant = Variant.from_settings(numalign_settings).record_fields()
+
     @contextmanager
     def guard() -> Iterator[None]:
         __tracebackhide__ = True
@@ -93,19 +97,18 @@ def replay_guard(
         ) as exc:
             pytest.skip(str(exc))
         except CompileError as exc:
-            record_drift.error(exc, swap=variant_label(numalign_settings), **exc.record_fields())
+            record_drift.error(exc, **variant, **exc.record_fields())
             if exc.known:  # an upstream compiler bug: expected while it lasts, recorded
                 pytest.xfail(f"known compiler bug: {exc.known}\n{exc}")
             pytest.fail(str(exc), pytrace=False)
         except TensorParallelUsageError as exc:
-            record_drift.error(exc, swap=variant_label(numalign_settings))
+            record_drift.error(exc, **variant)
             pytest.fail(str(exc), pytrace=False)
         except (TensorParallelError, EngineError) as exc:  # a rank, or the serving engine
-            swap = variant_label(numalign_settings)
             if exc.crashed:
-                record_drift.crashed(str(exc).splitlines()[0], str(exc), swap=swap)
+                record_drift.crashed(str(exc).splitlines()[0], str(exc), **variant)
             else:
-                record_drift.error(exc, swap=swap)
+                record_drift.error(exc, **variant)
             pytest.fail(str(exc), pytrace=False)
 
     return guard

@@ -19,9 +19,9 @@ import torch
 
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
-from numalign.replay.compiled import GraphBreakWarning
 from numalign.replay.engines import Engine, decode_caches, replay_case
 from numalign.replay.model import suite_sets
+from numalign.runtime.compiled import GraphBreakWarning
 
 ROOT = Path(__file__).resolve().parents[2]
 # Graph breaks under --compile are reported, not failures (as in test_model).

@@ -17,10 +17,10 @@ import torch
 from numalign.golden import GoldenSet, GoldenSetError
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
-from numalign.replay.compiled import GraphBreakWarning
 from numalign.replay.engines import Engine, replay_case
 from numalign.replay.model import suite_sets
 from numalign.replay.verdict import layer_message
+from numalign.runtime.compiled import GraphBreakWarning
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The one case of a set whose manifest cannot be read: its points are unknown.
