@@ -33,14 +33,16 @@ def bench_model(name: str, dtype: str, backend: str, repeat: int) -> dict[str, f
     """Eager and compiled full-model replay of one zoo set: seconds of each phase."""
     import torch
 
-    from numalign.replay.compiled import CompileSpec, take_stats
     from numalign.replay.model import ModelCache, open_fresh, replay_model
+    from numalign.runtime.compiled import CompileSpec, take_stats
+    from numalign.runtime.variant import Variant
 
     device = torch.device("cpu")
     golden = open_fresh(Path("golden/sets") / name)
     cache = ModelCache()
-    eager = cache.get(golden, device, dtype)
-    compiled = cache.get(golden, device, dtype, compiled=CompileSpec(backend))
+    variant = Variant(engine="transformers", device=str(device), dtype=dtype)
+    eager = cache.get(golden, variant)
+    compiled = cache.get(golden, variant.with_changes(compile=CompileSpec(backend)))
     replay_model(golden, eager, dtype, device)  # warm: the golden tensors read once
     eager_s = best_of(lambda: replay_model(golden, eager, dtype, device), repeat)
     start = time.perf_counter()
@@ -59,7 +61,7 @@ def bench_operator(op_name: str, candidate: str, backend: str, repeat: int) -> d
 
     from numalign.opcheck import candidate_function, check_operator
     from numalign.registry import OPERATORS, candidates, load_catalogue
-    from numalign.replay.compiled import CompileSpec
+    from numalign.runtime.compiled import CompileSpec
 
     load_catalogue()
     op, cand = OPERATORS[op_name], candidates(op_name)[candidate]

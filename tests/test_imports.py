@@ -76,6 +76,58 @@ def test_the_golden_package_does_not_import_replay() -> None:
     assert all(not d.startswith("numalign.replay") for deps in golden.values() for d in deps)
 
 
+#: The operator engine: operator specs, cases, truths, one operator case run.
+OPERATOR_ENGINE = ("numalign.opcheck", "numalign.truths", "numalign.cases", "numalign.registry")
+#: What the runtime package sits below: none of it may be imported from it.
+ABOVE_RUNTIME = ("replay", "golden", "record", "report", "plugin")
+
+
+def reached(graph: dict[str, set[str]], starts: tuple[str, ...]) -> set[str]:
+    """Every package module ``starts`` import, directly or through other modules."""
+    seen: set[str] = set()
+    stack = list(starts)
+    while stack:
+        for dep in graph[stack.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                stack.append(dep)
+    return seen
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == f"numalign.{p}" or module.startswith(f"numalign.{p}.") for p in packages)
+
+
+def test_the_operator_engine_never_imports_replay() -> None:
+    """Operators run on the runtime (device policy, compilation), not on the replays: nothing
+    the operator engine imports, directly or not, is a module of ``numalign.replay``."""
+    graph = import_graph()
+    assert all(m in graph for m in OPERATOR_ENGINE)
+    found = sorted(m for m in reached(graph, OPERATOR_ENGINE) if _within(m, ("replay",)))
+    assert found == []
+    assert "numalign.runtime.compiled" in reached(graph, ("numalign.opcheck",))
+
+
+def test_the_runtime_imports_nothing_above_it() -> None:
+    """``numalign.runtime`` is used by the operator engine and the replays and imports none
+    of replay, golden, record, report or plugin, directly or not."""
+    graph = import_graph()
+    runtime = tuple(m for m in graph if _within(m, ("runtime",)))
+    assert {"numalign.runtime.devices", "numalign.runtime.compiled"} <= set(runtime)
+    found = sorted(m for m in reached(graph, runtime) if _within(m, ABOVE_RUNTIME))
+    assert found == []
+
+
+def test_a_module_reached_through_another_is_found(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f():\n    from pkg import b\n")
+    (package / "b.py").write_text("import pkg.c\n")
+    (package / "c.py").write_text("")
+    assert reached(import_graph(package), ("pkg.a",)) == {"pkg.b", "pkg.c"}
+
+
 def test_a_cycle_is_found(tmp_path: Path) -> None:
     package = tmp_path / "pkg"
     package.mkdir()

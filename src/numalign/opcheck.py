@@ -25,7 +25,7 @@ from numalign.truths import active_truth_cache
 if TYPE_CHECKING:
     import torch
 
-    from numalign.replay.compiled import CompileSpec
+    from numalign.runtime.compiled import CompileSpec
 
 
 def _cast(
@@ -301,7 +301,7 @@ def candidate_function(
     its ``stats`` hold the compile time and graph breaks not yet taken by a test)."""
     if compiled is None:
         return candidate.fn
-    from numalign.replay.compiled import compiled_function
+    from numalign.runtime.compiled import compiled_function
 
     what = f"candidate {candidate.name!r} of {op.name} ({candidate.module})"
     return compiled_function(candidate.fn, compiled, what)

@@ -89,7 +89,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     _import_all(settings.device_plugins, "--device-plugin")
     if settings.device not in ("auto", "cpu"):
-        from numalign.replay import DeviceUnavailableError, resolve_device
+        from numalign.runtime import DeviceUnavailableError, resolve_device
 
         try:
             resolve_device(settings.device)
@@ -126,7 +126,7 @@ def _check_compile(settings: Settings) -> None:
     the mode known; a usage error naming the registered backends otherwise."""
     if not settings.compile_backend:
         raise pytest.UsageError("numalign: --compile-mode needs --compile [BACKEND]")
-    from numalign.replay.compiled import validate_spec
+    from numalign.runtime.compiled import validate_spec
 
     try:
         validate_spec(settings.compile_backend, settings.compile_mode)
@@ -233,7 +233,7 @@ def numalign_settings(pytestconfig: pytest.Config) -> Settings:
 @pytest.fixture(scope="session")
 def numalign_device(numalign_settings: Settings) -> torch.device:
     """The device candidates run on; sets up torch for this worker on first use."""
-    from numalign.replay import configure_torch, resolve_device, threads_per_worker
+    from numalign.runtime import configure_torch, resolve_device, threads_per_worker
 
     configure_torch(threads=threads_per_worker(), allow_tf32=numalign_settings.allow_tf32)
     return resolve_device(numalign_settings.device)

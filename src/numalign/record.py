@@ -8,7 +8,7 @@ record with verdict "crashed"; a test that raised gets one with verdict "error".
 the test id tells of the test (suite, operator or point, candidate, dtype, case).
 
 Every reader (tables, baseline diff, merge, history, Allure, drift.html) takes
-:class:`DriftRecord`; :func:`read_records` reads schema versions 1 and 2.
+:class:`DriftRecord`; :func:`read_records` reads schema versions 1, 2 and 3.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ from numalign.testids import parse as parse_test_id
 
 #: Version of the record schema; bump it when a field changes meaning or goes away.
 #: 2: request, output, step and error fields; the key holds request, output and step;
-#: verdict "error".
-SCHEMA_VERSION = 2
+#: verdict "error". 3: the execution variant as structured fields (engine, attention,
+#: experts, swaps, compile_backend, compile_mode, tp, cache, engine_variant), ``swap``
+#: still holding its label; keys unchanged.
+SCHEMA_VERSION = 3
 USER_PROPERTY = "numalign.drift"
 #: Lines of the traceback an error record keeps (where the exception came from).
 TRACEBACK_LINES = 20
@@ -55,7 +57,9 @@ class DriftRecord:
     ``point`` is the operator (or operator output) or the capture point (with its output path);
     ``case`` the operator case or, in the model suites, the golden request; ``swap`` names the
     execution variant (swapped kernels, attention or experts implementation, the compiled
-    backend as ``compile=BACKEND[:MODE]``, decode's cache as ``cache=NAME``). Model suites fill
+    backend as ``compile=BACKEND[:MODE]``, decode's cache as ``cache=NAME``: the label of
+    ``runtime.variant.Variant``), and from schema 3 the variant's fields say it again, one
+    field each (None in older records: read ``swap`` there). Model suites fill
     ``model``, ``mode`` (isolated, accumulated, logits, continuation, output, decode),
     ``request``, ``output`` and ``step`` (decode: 1 for the first step, 0 for the prefill's
     cache).
@@ -101,6 +105,23 @@ class DriftRecord:
     #: Why the test was expected to fail (``pytest.mark.xfail(reason=...)``, ``pytest.xfail``),
     #: where it was.
     xfail_reason: str | None = None
+    # -- the execution variant (schema 3; ``runtime.variant.Variant.record_fields``) -------
+    #: What replayed the model (transformers, vllm); None in the operator suite.
+    engine: str | None = None
+    #: The engine's own account of what it ran (vLLM: version, attention backend, graph).
+    engine_variant: str | None = None
+    #: Attention and experts implementations asked for (None: the model's own).
+    attention: str | None = None
+    experts: str | None = None
+    #: Kernel swaps (``--swap`` specs, ``OPERATOR=CANDIDATE``), in order.
+    swaps: list[str] | None = None
+    #: ``torch.compile`` backend and mode (``--compile``, ``--compile-mode``); None: eager.
+    compile_backend: str | None = None
+    compile_mode: str | None = None
+    #: Tensor-parallel ranks (1: one process).
+    tp: int | None = None
+    #: The decode's KV cache (``--cache-implementation``); None outside decode.
+    cache: str | None = None
     schema: int = SCHEMA_VERSION
 
     # -- construction -------------------------------------------------------------------------
@@ -125,13 +146,16 @@ class DriftRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DriftRecord:
-        """A record read back from JSON, schema 1 or 2. Schema 1 records named the golden
-        request only in ``case``; it becomes ``request`` for model records."""
+        """A record read back from JSON, schema 1, 2 or 3. Schema 1 records named the golden
+        request only in ``case``; it becomes ``request`` for model records. Records before
+        schema 3 keep their variant in ``swap`` alone (its fields stay None); a record keeps
+        the schema it was written in (one without the field is schema 1)."""
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         values["metrics"] = values.get("metrics") or {}
         values["budget"] = values.get("budget") or {}
-        if int(data.get("schema") or 1) < 2 and data.get("suite") == "models":
+        values["schema"] = schema = int(data.get("schema") or 1)
+        if schema < 2 and data.get("suite") == "models":
             values.setdefault("request", data.get("case"))
         values.setdefault("test_id", "")
         return cls(**values)
@@ -296,7 +320,7 @@ def write_records(path: Path, records: Iterable[DriftRecord]) -> Path:
 
 
 def read_records(path: str | Path) -> list[DriftRecord]:
-    """Records of a run folder or a records.jsonl file (schema 1 or 2). A last line cut by a
+    """Records of a run folder or a records.jsonl file (schema 1 to 3). A last line cut by a
     crash is skipped; any other unreadable line is an error naming the file and line."""
     file = Path(path)
     if file.is_dir():

@@ -75,7 +75,6 @@ def outcome_for(exc: BaseException, test_id: str, **context: Any) -> ErrorOutcom
     pytest and the plugin's report hook."""
     from numalign.golden import GoldenSetError
     from numalign.golden.reference import CacheUnsupported
-    from numalign.replay.compiled import CompileError
     from numalign.replay.engines.errors import EngineError, EngineUnsupported
     from numalign.replay.layer import AloneUnsupported
     from numalign.replay.model import ReplayUnsupported
@@ -85,6 +84,7 @@ def outcome_for(exc: BaseException, test_id: str, **context: Any) -> ErrorOutcom
         TensorParallelError,
         TensorParallelUsageError,
     )
+    from numalign.runtime.compiled import CompileError
 
     text = str(exc)
     kind = type(exc).__name__

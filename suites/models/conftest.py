@@ -12,7 +12,8 @@ import pytest
 from numalign.record import NodeRecorder
 from numalign.record_errors import recorded_errors
 from numalign.replay.engines import Engine, open_engine
-from numalign.replay.model import unusable_sets, variant_label
+from numalign.replay.model import unusable_sets
+from numalign.runtime.variant import Variant
 from numalign.testids import Param
 
 #: The parameters of the model suites' tests, each a ``testids.Param`` whose values are a
@@ -60,5 +61,6 @@ def replay_guard(
     policy (``numalign.record_errors``: stale or broken golden data, a compiler's failure, a
     tensor-parallel rank or the serving engine that raised or died, a path the model cannot
     take here); records carry the session's execution variant."""
-    swap = variant_label(numalign_settings)
-    return lambda: recorded_errors(record_drift, swap=swap)
+    # the records' variant fields (the cache is the test's own: not known here)
+    variant = Variant.from_settings(numalign_settings).record_fields()
+    return lambda: recorded_errors(record_drift, **variant)

@@ -18,10 +18,10 @@ from numalign import testids
 from numalign.golden import GoldenSet, GoldenSetError
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
-from numalign.replay.compiled import GraphBreakWarning
 from numalign.replay.engines import Engine
 from numalign.replay.model import suite_sets
 from numalign.replay.verdict import layer_message
+from numalign.runtime.compiled import GraphBreakWarning
 from numalign.testids import ReplayCase, replay_param
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,9 +18,9 @@ import torch
 from numalign import testids
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
-from numalign.replay.compiled import GraphBreakWarning
 from numalign.replay.engines import Engine
 from numalign.replay.model import suite_sets
+from numalign.runtime.compiled import GraphBreakWarning
 from numalign.testids import ReplayCase, replay_param
 
 ROOT = Path(__file__).resolve().parents[2]

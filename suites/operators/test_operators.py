@@ -5,8 +5,9 @@ control. One test function per operator (``test_rms_norm``), with ids such as
     pytest -n auto suites/operators --candidates my_kernels --device cuda -k rms_norm
 
 With ``--compile [BACKEND]`` each candidate runs through ``torch.compile`` (compiled once per
-worker; the reference and the control stay eager); records name the backend in ``swap``
-and carry the compile time (``compile_s``) and graph breaks apart from ``duration_s``.
+worker; the reference and the control stay eager); records name the backend
+(``compile_backend``, ``compile_mode``, and in ``swap``) and carry the compile time
+(``compile_s``) and graph breaks apart from ``duration_s``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from numalign.phases import phase
 from numalign.record import NodeRecorder
 from numalign.record_errors import recorded_errors
 from numalign.registry import OPERATORS, Operator, candidates, load_catalogue
-from numalign.replay import threads_per_worker
-from numalign.replay.compiled import GraphBreakWarning, compile_spec
+from numalign.runtime import threads_per_worker
+from numalign.runtime.compiled import GraphBreakWarning
+from numalign.runtime.variant import Variant
 from numalign.settings import Settings
 
 load_catalogue()
@@ -51,9 +53,10 @@ def _make_test(op: Operator) -> Callable[..., None]:
     ) -> None:
         __tracebackhide__ = True
         cand, dtype_name, case = op_case.values
-        compiled = compile_spec(numalign_settings)
+        variant = Variant.for_operators(numalign_settings, device=numalign_device, dtype=dtype_name)
+        compiled = variant.compile
         context = {"suite": "operators", "candidate": cand.name, "device": str(numalign_device),
-                   "case": case.name, "swap": compiled.label if compiled else None}  # fmt: skip
+                   "case": case.name, **variant.record_fields()}  # fmt: skip
         reason = cand.skip_reason(numalign_device.type, dtype_name, case)
         if reason:
             record_drift.skipped(reason, point=op.name, dtype=dtype_name, **context)

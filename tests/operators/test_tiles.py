@@ -18,7 +18,7 @@ from torch._dynamo.testing import CompileCounter
 
 from numalign.cases import Case
 from numalign.registry import OPERATORS, candidates, load_catalogue
-from numalign.replay.compiled import CompileSpec, compiled_function
+from numalign.runtime.compiled import CompileSpec, compiled_function
 from operators._tiles import split_softmax, tiles, untile
 
 load_catalogue()

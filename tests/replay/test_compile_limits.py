@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from numalign.replay.compiled import (
+from numalign.runtime.compiled import (
     RECOMPILE_LIMIT,
     CompileError,
     CompileSpec,

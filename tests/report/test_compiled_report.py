@@ -8,7 +8,7 @@ import math
 
 from numalign.record import DriftRecord
 from numalign.report.html import render_html
-from numalign.report.variants import compile_label, side_by_side
+from numalign.report.variants import compile_label, compile_label_of_swap, side_by_side
 
 HEADER = {"run_id": "compiled", "device": "cpu", "dtypes": ["bfloat16"], "tier": "pr"}
 
@@ -26,17 +26,39 @@ def _runs() -> tuple[list[DriftRecord], list[DriftRecord]]:
     eager = [_record("tiny-llama-bfloat16", p, u) for p, u in (("a", 0.25), ("b", 0.2))]
     compiled = [
         _record("tiny-llama-bfloat16", p, u, swap="compile=inductor", compile_s=30.0,
-                graph_breaks=0)
+                graph_breaks=0, compile_backend="inductor")
         for p, u in (("a", 0.5), ("b", 0.1))
     ]  # fmt: skip
     return eager, compiled
 
 
-def test_the_compile_label_is_read_from_the_variant() -> None:
-    assert compile_label("rms_norm=fused,compile=inductor:max-autotune") == (
+def test_the_compile_label_is_read_from_the_variant_fields() -> None:
+    """Schema 3 names the compile variant in fields; ``swap`` is not parsed for it."""
+    compiled = _record("t-bfloat16", "a", 0.1, compile_backend="inductor",
+                       compile_mode="max-autotune", swap="rms_norm=fused")  # fmt: skip
+    assert compile_label(compiled) == "compile=inductor:max-autotune"
+    assert compile_label(_record("t-bfloat16", "a", 0.1, swap="compile=inductor")) is None
+
+
+def test_records_before_schema_3_have_the_label_read_from_swap() -> None:
+    assert compile_label_of_swap("rms_norm=fused,compile=inductor:max-autotune") == (
         "compile=inductor:max-autotune"
     )
-    assert compile_label("attention=sdpa") is None and compile_label(None) is None
+    assert compile_label_of_swap("attention=sdpa") is None and compile_label_of_swap(None) is None
+    for schema in (1, 2):
+        old = _record("t-bfloat16", "a", 0.1, swap="attention=sdpa,compile=aot_eager",
+                      schema=schema)  # fmt: skip
+        assert compile_label(old) == "compile=aot_eager"
+
+
+def test_an_old_compiled_run_is_still_put_beside_a_new_eager_one() -> None:
+    """A compiled run recorded in schema 2 (its variant in ``swap`` alone) against an eager
+    run of schema 3: the section is built as before."""
+    eager, compiled = _runs()
+    old = [r.with_fields(schema=2, compile_backend=None) for r in compiled]
+    both = side_by_side(eager, old)
+    assert both is not None and both["labels"] == ["compile=inductor"]
+    assert not both["compiled_is_current"]
 
 
 def test_compiled_and_eager_runs_are_put_side_by_side() -> None:

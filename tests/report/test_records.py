@@ -176,3 +176,56 @@ def test_run_ids_differ_in_one_second_and_one_pid_namespace() -> None:
         ids = {new_run_id(now=1.7e9) for _ in range(50)}
     assert len(ids) == 50
     assert new_run_id(now=1.7e9) < new_run_id(now=1.7e9 + 1)
+
+
+#: One compiled decode record as each schema wrote it: schema 1 named the request in ``case``;
+#: schema 2 in ``request``; schema 3 adds the variant's fields beside ``swap``.
+_TEST = "suites/models/test_decode.py::test_decode[tiny-llama-bfloat16-static]"
+_LABEL = "rms_norm=fused,compile=inductor:max-autotune,cache=static"
+_OLD_RECORDS = (
+    {"schema": 1, "test_id": _TEST, "suite": "models", "point": "model.norm", "case": "text",
+     "swap": _LABEL, "verdict": "passed", "budget_used": 0.25},
+    {"schema": 2, "test_id": _TEST, "suite": "models", "point": "model.norm",
+     "request": "text", "output": "0", "step": 1, "swap": _LABEL, "verdict": "passed"},
+)  # fmt: skip
+_NEW_RECORD = {
+    "schema": 3, "test_id": _TEST, "suite": "models", "point": "model.norm", "request": "text",
+    "output": "0", "step": 1, "swap": _LABEL, "verdict": "passed", "engine": "transformers",
+    "swaps": ["rms_norm=fused"], "compile_backend": "inductor", "compile_mode": "max-autotune",
+    "tp": 1, "cache": "static",
+}  # fmt: skip
+
+
+def test_records_of_schemas_1_2_and_3_are_read_with_their_keys(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Every schema reads; the older ones keep their variant in ``swap`` alone (the fields
+    stay None and say so by their schema), and no key changed: baselines still match."""
+    from numalign.report.variants import compile_label
+
+    lines = [json.dumps(r) for r in (*_OLD_RECORDS, _NEW_RECORD)]
+    (tmp_path / "records.jsonl").write_text("\n".join(lines) + "\n")
+    one, two, three = read_records(tmp_path)
+    assert [r.schema for r in (one, two, three)] == [1, 2, 3]
+    assert one.request == "text" and one.key == f"{_TEST}::model.norm::text::"
+    assert two.key == three.key == f"{_TEST}::model.norm::text::0::step1"
+    for old in (one, two):
+        assert (old.swap, old.compile_backend, old.swaps, old.cache) == (_LABEL, None, None, None)
+    assert (three.engine, three.swaps, three.tp, three.cache) == (
+        "transformers", ["rms_norm=fused"], 1, "static",
+    )  # fmt: skip
+    # the reports read the compile variant either way: from swap before schema 3 only
+    assert {compile_label(r) for r in (one, two, three)} == {"compile=inductor:max-autotune"}
+
+
+def test_a_record_is_written_in_schema_3_and_keeps_its_schema_when_rewritten(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """New records say schema 3; an old record merged into a new file stays what it was (its
+    fields were never filled), and a record without the field is schema 1."""
+    from numalign.record import SCHEMA_VERSION, DriftRecord, write_records
+
+    assert SCHEMA_VERSION == 3 and DriftRecord(test_id="t").to_dict()["schema"] == 3
+    old = DriftRecord.from_dict(_OLD_RECORDS[1])
+    write_records(tmp_path / "records.jsonl", [old, DriftRecord.from_dict(_NEW_RECORD)])
+    assert [r.schema for r in read_records(tmp_path)] == [2, 3]
+    assert DriftRecord.from_dict({"test_id": "t"}).schema == 1
+    (tmp_path / "records.jsonl").write_text(json.dumps({"schema": 4, "test_id": "t"}) + "\n")
+    with pytest.raises(ValueError, match="not a drift record of schema 1 to 3"):
+        read_records(tmp_path)

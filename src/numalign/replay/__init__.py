@@ -1,19 +1,3 @@
-"""Replay on the device: device policy, calibration, layer and full-model replay, kernel swap,
-and the model verdict (``replay.verdict``)."""
-
-from numalign.replay.devices import (
-    DeviceUnavailableError,
-    configure_torch,
-    resolve_device,
-    threads_per_worker,
-)
-from numalign.settings import DEVICE_TYPES, parse_device
-
-__all__ = [
-    "DEVICE_TYPES",
-    "DeviceUnavailableError",
-    "configure_torch",
-    "parse_device",
-    "resolve_device",
-    "threads_per_worker",
-]
+"""Replay on the device: calibration, layer and full-model replay, decode, kernel swap,
+tensor parallel, the engines, and the model verdict (``replay.verdict``). Device policy and
+compilation are ``numalign.runtime``'s."""

@@ -29,8 +29,8 @@ from numalign.golden.reference import (
     reset_decode_state,
 )
 from numalign.golden.requests import unservable
-from numalign.replay.compiled import observe_calls
 from numalign.replay.model import compare_point, control_for, hidden_and_depth, judge_logits
+from numalign.replay.observe import observe_calls
 from numalign.replay.verdict import LogitsResult, PointResult, label, unmapped_records
 
 if TYPE_CHECKING:

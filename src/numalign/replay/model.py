@@ -18,10 +18,10 @@ from numalign.compare.logits import logits_stats
 from numalign.golden.manifest import OUTPUT_POINT, Continuation, GoldenSetError
 from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import DEFAULT_SETS, discover_sets
-from numalign.replay.compiled import CompiledModel, compile_model, compile_spec, observe, take_stats
 from numalign.replay.inputs import MASK_PATH, input_at_fault, judged_masks
 from numalign.replay.layer import AloneUnsupported, kept_positions, replay_call, request_mask
 from numalign.replay.leans import PointLeans
+from numalign.replay.observe import observe
 from numalign.replay.shards import whole
 from numalign.replay.verdict import (
     ContinuationResult,
@@ -32,12 +32,13 @@ from numalign.replay.verdict import (
     first_divergence,
     label,
 )
+from numalign.runtime.compiled import CompiledModel, compile_model, take_stats
+from numalign.runtime.variant import Variant
 
 if TYPE_CHECKING:
     import torch
 
     from numalign.golden.store import GoldenSet, Point
-    from numalign.replay.compiled import CompileSpec
     from numalign.replay.tensor_parallel import RankGroup, ShardedModel
     from numalign.settings import Settings
 
@@ -205,71 +206,63 @@ class Uncalibrated(ReplayUnsupported):
 
 @dataclass
 class ModelCache:
-    """Models loaded once per worker per (set, device, dtype, attention, swaps, compile
-    variant); a compiled model is a ``CompiledModel`` (``numalign.replay.compiled``). Under
-    ``--tp N`` a model is a ``ShardedModel``, held by this worker's tensor-parallel ranks,
-    each of which keeps its own cache with ``sharded`` set (it loads its shard with
-    transformers' ``tp_plan``); replays reach either kind through ``run``."""
+    """Models loaded once per worker per set and :class:`~numalign.runtime.variant.Variant`
+    (device, dtype, attention and experts implementations, swaps, compile variant, tensor
+    parallel; the decode's cache is not part of it: one model serves every cache); a compiled
+    model is a ``CompiledModel`` (``numalign.runtime.compiled``). Under ``--tp N`` a model
+    is a ``ShardedModel``, held by this worker's tensor-parallel ranks, each of which keeps
+    its own cache with ``sharded`` set (it loads its shard with transformers' ``tp_plan``);
+    replays reach either kind through ``run``."""
 
-    models: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    models: dict[tuple[str, Variant], Any] = field(default_factory=dict)
     #: This cache is a tensor-parallel rank's: models load sharded (``tp_plan="auto"``).
     sharded: bool = False
     groups: dict[Settings, RankGroup] = field(default_factory=dict)
 
-    def get(
-        self,
-        golden: GoldenSet,
-        device: torch.device,
-        dtype: str,
-        *,
-        attn_implementation: str | None = None,
-        swaps: Sequence[tuple[str, str]] = (),
-        experts_implementation: str | None = None,
-        compiled: CompileSpec | None = None,
-    ) -> Any:
+    def get(self, golden: GoldenSet, variant: Variant) -> Any:
+        """The set's model in ``variant`` (its device and dtype, its implementations, swaps
+        and compile variant), loaded on first use."""
         # by default, the attention implementation the set was captured with
-        attn_implementation = attn_implementation or golden.reference.attn_implementation
-        key = (
-            str(golden.path),
-            str(device),
-            dtype,
-            attn_implementation,
-            experts_implementation,
-            tuple(swaps),
-            compiled,
-        )
+        attention = variant.attention or golden.reference.attn_implementation
+        key = (str(golden.path), variant.with_changes(attention=attention, cache=None))
         if key not in self.models:
-            from numalign.replay.swap import SwapUnmatched, apply_swaps
-
-            try:
-                model = load_model(golden.model_dir, dtype, attn_implementation=attn_implementation,
-                                   trust_remote_code=False,
-                                   experts_implementation=experts_implementation,
-                                   tp_plan="auto" if self.sharded else None)  # fmt: skip
-                if not self.sharded:  # transformers places a rank's shard itself
-                    model = model.to(device)
-                apply_swaps(model, swaps)
-                if compiled is not None:  # after the swaps: the compiler sees the kernels
-                    model = compile_model(model, compiled, [p.name for p in golden.points])
-            except SwapUnmatched as exc:  # another model of the session has the module
-                raise ReplayUnsupported(str(exc)) from None
-            except ValueError as exc:
-                if "implementation" not in str(exc):
-                    raise
-                raise ReplayUnsupported(str(exc).split(". ")[0]) from None
-            self.models[key] = model
+            self.models[key] = self._load(golden, key[1])
         return self.models[key]
+
+    def _load(self, golden: GoldenSet, variant: Variant) -> Any:
+        from numalign.replay.swap import SwapUnmatched, apply_swaps, parse_swaps
+
+        assert variant.dtype is not None, "a model loads in a dtype"
+        try:
+            model = load_model(
+                golden.model_dir, variant.dtype, attn_implementation=variant.attention,
+                trust_remote_code=False, experts_implementation=variant.experts,
+                tp_plan="auto" if self.sharded else None,
+            )  # fmt: skip
+            if not self.sharded:  # transformers places a rank's shard itself
+                model = model.to(variant.device)
+            apply_swaps(model, parse_swaps(variant.swaps))
+            if variant.compile is not None:  # after the swaps: the compiler sees the kernels
+                model = compile_model(model, variant.compile, [p.name for p in golden.points])
+        except SwapUnmatched as exc:  # another model of the session has the module
+            raise ReplayUnsupported(str(exc)) from None
+        except ValueError as exc:
+            if "implementation" not in str(exc):
+                raise
+            raise ReplayUnsupported(str(exc).split(". ")[0]) from None
+        return model
 
     @staticmethod
     def record_context(
-        golden: GoldenSet, settings: Settings, device: torch.device, model: Any = None
+        golden: GoldenSet, variant: Variant, device: torch.device, model: Any = None
     ) -> dict[str, Any]:
-        """The fields every record of a model-suite test shares; for a compiled ``model``,
-        what compiling cost this test (compile time and graph breaks, apart from run time)."""
+        """The fields every record of a model-suite test shares (the variant's among them);
+        for a compiled ``model``, what compiling cost this test (compile time and graph
+        breaks, apart from run time)."""
         context = {
             "suite": "models", "candidate": "transformers", "device": str(device),
-            "golden_fingerprint": golden.model.fingerprint,
-            "swap": variant_label(settings), "model": golden.name,
+            "golden_fingerprint": golden.model.fingerprint, "model": golden.name,
+            **variant.record_fields(),
         }  # fmt: skip
         spent = take_stats(model) if model is not None else None
         return context | (spent.record_fields() if spent is not None else {})
@@ -292,19 +285,12 @@ class ModelCache:
         dtype: str,
         attn_implementation: str | None = None,
     ) -> Any:
-        """The set's model as the session's settings ask (swaps, attention and experts
-        implementations, compile variant); ``attn_implementation`` overrides the settings'."""
-        from numalign.replay.swap import parse_swaps
-
-        return self.get(
-            golden,
-            device,
-            dtype,
-            attn_implementation=attn_implementation or settings.attn_implementation,
-            swaps=parse_swaps(settings.swaps),
-            experts_implementation=settings.experts_implementation,
-            compiled=compile_spec(settings),
-        )
+        """The set's model as the session's settings ask (their variant); an
+        ``attn_implementation`` overrides the settings' attention implementation."""
+        variant = Variant.from_settings(settings, device=device, dtype=dtype)
+        if attn_implementation:
+            variant = variant.with_changes(attention=attn_implementation)
+        return self.get(golden, variant)
 
     def _sharded(self, golden: GoldenSet, settings: Settings, dtype: str) -> ShardedModel:
         """The handle on the set's model held by this worker's group of ``settings.tp``
@@ -640,21 +626,6 @@ def continuation_agreement(
             # teacher-force the golden token, so later steps compare like with like
             state = append_token(state, tokens[:, step : step + 1].to(state["input_ids"].device))
     return ContinuationResult(request, steps, first, gap, 2.0 * logits_budget)
-
-
-def variant_label(settings: Settings) -> str | None:
-    """What a replay ran instead of the model's defaults, as records name it (``swap``)."""
-    parts = [*settings.swaps]
-    if settings.attn_implementation:
-        parts.append(f"attention={settings.attn_implementation}")
-    if settings.experts_implementation:
-        parts.append(f"experts={settings.experts_implementation}")
-    spec = compile_spec(settings)
-    if spec is not None:
-        parts.append(spec.label)
-    if settings.tp > 1:
-        parts.append(f"tp={settings.tp}")
-    return ",".join(parts) or None
 
 
 def suite_sets(root: Path, extra: Sequence[Path], *, only: bool = False) -> list[Path]:

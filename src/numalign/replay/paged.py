@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from numalign.golden.manifest import OUTPUT_POINT
 from numalign.golden.reference import flatten, hooks, own_cache
 from numalign.golden.requests import REPLAY_PAGE_SIZE, unservable
-from numalign.replay.compiled import CompiledModel
+from numalign.runtime.compiled import CompiledModel
 
 if TYPE_CHECKING:
     import torch

@@ -130,7 +130,7 @@ def rank_device() -> torch.device:
     """This rank's device: the session's device type, indexed by the local rank."""
     import torch
 
-    from numalign.replay.devices import resolve_device
+    from numalign.runtime.devices import resolve_device
 
     if RANK.settings is None:
         raise RuntimeError("rank_device() is for the ranks of a tensor-parallel group")

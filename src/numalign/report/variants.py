@@ -17,13 +17,29 @@ import math
 from typing import Any
 
 from numalign.record import DriftRecord
+from numalign.runtime.compiled import CompileSpec
 
 #: What marks a compiled variant in a record's ``swap`` (``compile=inductor``).
 COMPILE_PREFIX = "compile="
+#: The first record schema whose variant is in structured fields (``compile_backend``).
+STRUCTURED_SCHEMA = 3
 
 
-def compile_label(swap: str | None) -> str | None:
-    """The compile part of a variant label (``compile=inductor:max-autotune``), or None."""
+def compile_label(record: DriftRecord) -> str | None:
+    """The record's compile variant as labels name it (``compile=inductor:max-autotune``),
+    or None where it ran eager: from its ``compile_backend`` and ``compile_mode``; for a
+    record of schema 1 or 2, read from its ``swap`` (:func:`compile_label_of_swap`)."""
+    if record.schema < STRUCTURED_SCHEMA:
+        return compile_label_of_swap(record.swap)
+    if record.compile_backend is None:
+        return None
+    return CompileSpec(record.compile_backend, record.compile_mode).label
+
+
+def compile_label_of_swap(swap: str | None) -> str | None:
+    """The old-schema reader: the compile part of a variant label as records of schema 1
+    and 2 carry it in ``swap`` (``rms_norm=fused,compile=inductor:max-autotune``), or None.
+    Records of schema 3 name their compile variant in fields: read those."""
     return next((p for p in (swap or "").split(",") if p.startswith(COMPILE_PREFIX)), None)
 
 
@@ -63,8 +79,8 @@ def side_by_side(current: list[DriftRecord], other: list[DriftRecord]) -> dict[s
     is compiled. Rows: per (suite, operator or model, dtype, mode), the worst use of budget
     eager and compiled over the records both runs hold, failures on each side, and the point
     whose use grew most."""
-    now = [compile_label(r.swap) for r in current if r.verdict != "skipped"]
-    then = [compile_label(r.swap) for r in other if r.verdict != "skipped"]
+    now = [compile_label(r) for r in current if r.verdict != "skipped"]
+    then = [compile_label(r) for r in other if r.verdict != "skipped"]
     if any(now) == any(then):
         return None
     compiled, eager = (current, other) if any(now) else (other, current)
@@ -107,7 +123,7 @@ def side_by_side(current: list[DriftRecord], other: list[DriftRecord]) -> dict[s
 def compiled_cost(records: list[DriftRecord]) -> dict[str, Any] | None:
     """A compiled run's own cost (labels, compile and run seconds, graph breaks), or None
     for an eager run."""
-    labels = sorted({label for r in records if (label := compile_label(r.swap))})
+    labels = sorted({label for r in records if (label := compile_label(r))})
     if not labels:
         return None
-    return {"labels": labels, **_cost([r for r in records if compile_label(r.swap)])}
+    return {"labels": labels, **_cost([r for r in records if compile_label(r)])}

@@ -81,22 +81,6 @@ def open_engine(settings: Settings) -> Engine:
     return engine
 
 
-def replay_group(set_name: str, dtype: str) -> str:
-    """The group of a model-suite test: its set and dtype. An engine that serves one model at
-    a time (vLLM: each engine holds its share of memory) runs a group's tests one after
-    another (``group_tests``, by the tests' ``replay_group`` mark)."""
-    return f"{set_name}-{dtype}"
-
-
-def replay_case(path: Path, name: str, dtype: str) -> Any:
-    """A model-suite test's parameter: ``"SET_PATH::NAME"``, shown as ``NAME``, marked with
-    its replay group (the set at ``path`` in ``dtype``)."""
-    import pytest
-
-    group = pytest.mark.replay_group(replay_group(str(path), dtype))
-    return pytest.param(f"{path}::{name}", id=name, marks=group)
-
-
 def group_tests(items: list[Any]) -> None:
     """Orders ``items`` so that each replay group's tests run together (stable: the order
     within a group, and of tests without a group, is kept)."""

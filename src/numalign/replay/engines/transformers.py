@@ -11,6 +11,7 @@ from numalign.replay.decode import decode_unavailable
 from numalign.replay.engines import Replayed
 from numalign.replay.model import ModelCache, replay_layer, replay_model
 from numalign.replay.serving import decode_replay, known_divergence
+from numalign.runtime.variant import Variant
 
 if TYPE_CHECKING:
     import torch
@@ -30,8 +31,11 @@ class TransformersEngine:
         """The KV caches asked for (--cache-implementation)."""
         return settings.cache_implementations
 
-    def _context(self, golden: Any, device: torch.device, model: Any) -> dict[str, Any]:
-        return self.cache.record_context(golden, self.settings, device, model)
+    def _context(
+        self, golden: Any, device: torch.device, dtype: str, model: Any, cache: str | None = None
+    ) -> dict[str, Any]:
+        variant = Variant.from_settings(self.settings, device=device, dtype=dtype, cache=cache)
+        return self.cache.record_context(golden, variant, device, model)
 
     def layer(
         self, path: str | Path, point: str, dtype: str, device: torch.device, policy: Any
@@ -40,12 +44,12 @@ class TransformersEngine:
         results = self.cache.run(
             replay_layer, golden, model, golden.point(point), dtype, device, policy
         )
-        return Replayed(golden, results, self._context(golden, device, model))
+        return Replayed(golden, results, self._context(golden, device, dtype, model))
 
     def model(self, path: str | Path, dtype: str, device: torch.device, policy: Any) -> Replayed:
         golden, model = self.cache.load(path, self.settings, device, dtype)
         verdict = self.cache.run(replay_model, golden, model, dtype, device, policy)
-        return Replayed(golden, verdict, self._context(golden, device, model))
+        return Replayed(golden, verdict, self._context(golden, device, dtype, model))
 
     def decode(
         self, path: str | Path, dtype: str, cache: str, device: torch.device, policy: Any
@@ -56,8 +60,7 @@ class TransformersEngine:
         if verdict is None:
             reason = decode_unavailable(golden, dtype) or "no decode steps"
             return Replayed(golden, None, skipped=reason)
-        context = self._context(golden, device, model)
-        context["swap"] = ",".join(filter(None, [context["swap"], f"cache={cache}"]))
+        context = self._context(golden, device, dtype, model, cache)
         known = None
         if not verdict.passed:
             known = known_divergence(golden, model, verdict, dtype, device, cache)

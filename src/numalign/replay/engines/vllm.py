@@ -50,6 +50,7 @@ from numalign.replay.model import (
     open_fresh,
 )
 from numalign.replay.verdict import Divergence, ModelVerdict, PointResult, first_divergence, label
+from numalign.runtime.variant import Variant
 
 if TYPE_CHECKING:
     import torch
@@ -246,8 +247,7 @@ class VllmEngine:
                 judged.step = number
                 verdict.logits.append(judged)
         verdict.unmapped = unmapped
-        context = self._context(golden, running)
-        context["swap"] = ",".join(filter(None, [context["swap"], f"cache={cache}"]))
+        context = self._context(golden, running, cache)
         return Replayed(golden, verdict, context)
 
     def layer(
@@ -364,16 +364,18 @@ class VllmEngine:
             )
         return EngineError(f"vLLM failed to {when} for {golden.name}: {text}")
 
-    def _context(self, golden: GoldenSet, running: _Running) -> dict[str, Any]:
+    def _context(
+        self, golden: GoldenSet, running: _Running, cache: str | None = None
+    ) -> dict[str, Any]:
         from vllm.platforms import current_platform
 
-        from numalign.replay.model import variant_label
-
-        swap = ",".join(filter(None, [running.variant, variant_label(self.settings)]))
         device = str(current_platform.device_type or "cpu")
+        variant = Variant.from_settings(
+            self.settings, device=device, dtype=running.key[1], cache=cache
+        ).with_changes(engine_variant=running.variant)
         return {"suite": "models", "candidate": "vllm", "device": device,
-                "golden_fingerprint": golden.model.fingerprint, "swap": swap,
-                "model": golden.name}  # fmt: skip
+                "golden_fingerprint": golden.model.fingerprint, "model": golden.name,
+                **variant.record_fields()}  # fmt: skip
 
     # -- serving -----------------------------------------------------------------------
 

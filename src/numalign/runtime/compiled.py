@@ -18,8 +18,8 @@ Decisions:
   hooks installed per request would recompile the model every time). A compiled model gets one
   set of *tap* hooks, installed before it is compiled, that only append ``(point, output)`` to
   a list: Dynamo traces them into the graph (the observed tensors become extra graph outputs,
-  their values those of the compiled kernels), and :func:`observe` compares them after the
-  forward, in the order the calls completed, as eager replay does.
+  their values those of the compiled kernels), and replay compares them after the forward
+  (``numalign.replay.observe``), in the order the calls completed, as eager replay does.
 - **Compiled once per worker.** Compiled callables are kept per process by (function or model,
   backend, mode); ``ModelCache`` keys its models by the compile variant too, so a model is
   compiled once per (set, device, dtype, variant). Dynamo then reuses the compiled graph for
@@ -51,18 +51,13 @@ from __future__ import annotations
 import re
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-from numalign.golden.reference import hooks
-from numalign.replay.layer import CallMatcher, golden_outputs
 
 if TYPE_CHECKING:
     import torch
 
-    from numalign.golden.store import GoldenSet
     from numalign.settings import Settings
 
 #: Backend used by ``--compile`` without a value.
@@ -397,8 +392,8 @@ class CompiledModel:
 
     Everything else (``config``, ``forward``'s signature, ``named_modules``) is the eager
     model's. Tap hooks on the capture points, installed before anything is compiled, append
-    ``(point, output)`` to ``taps``; :func:`observe` turns them into the comparisons eager
-    replay makes with its hooks."""
+    ``(point, output)`` to ``taps``; ``numalign.replay.observe`` turns them into the
+    comparisons eager replay makes with its hooks."""
 
     def __init__(self, model: torch.nn.Module, spec: CompileSpec, points: Sequence[str]) -> None:
         import torch
@@ -476,50 +471,6 @@ class _CompiledPoint:
 def compile_model(model: Any, spec: CompileSpec, points: Sequence[str]) -> CompiledModel:
     """``model`` with its compiled forms (nothing compiles until the first call)."""
     return CompiledModel(model, spec, points)
-
-
-@contextmanager
-def observe(
-    model: Any,
-    golden: GoldenSet,
-    request: str,
-    on_output: Callable[[str, str, torch.Tensor, torch.Tensor, int], None],
-) -> Iterator[None]:
-    """``golden_outputs`` for any model: for an eager model its hooks; for a CompiledModel
-    the tensors its taps collected from inside the compiled graph, compared after the
-    forward in the order the calls completed (the n-th call of a point against its n-th
-    recorded call, both restricted to the positions the request's mask keeps)."""
-    if not isinstance(model, CompiledModel):
-        with golden_outputs(model, golden, request, on_output):
-            yield
-        return
-    matcher = CallMatcher(golden, request, on_output)
-    model.taps.clear()
-    yield
-    taps, model.taps[:] = list(model.taps), []
-    for point, output in taps:
-        matcher(point, None, None, output)
-
-
-@contextmanager
-def observe_calls(
-    model: Any, points: Sequence[str], on_call: Callable[[str, Any, Any, Any], None]
-) -> Iterator[None]:
-    """``golden.reference.hooks`` for any model: ``on_call(point, args, kwargs, output)``
-    after each call of each point; for a CompiledModel, after the forward, from the outputs
-    its taps collected inside the compiled graph (in the order the calls completed; args and
-    kwargs are None)."""
-    if not isinstance(model, CompiledModel):
-        with hooks(model, points, on_call):
-            yield
-        return
-    wanted = set(points)
-    model.taps.clear()
-    yield
-    taps, model.taps[:] = list(model.taps), []
-    for point, output in taps:
-        if point in wanted:
-            on_call(point, None, None, output)
 
 
 def take_stats(model: Any) -> CompileStats | None:

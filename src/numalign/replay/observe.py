@@ -1,0 +1,64 @@
+"""What a replay observes of a model as it runs, eager or compiled: for an eager model the
+hooks of ``replay.layer`` and ``golden.reference``; for a ``runtime.compiled.CompiledModel``
+the outputs its tap hooks collected from inside the compiled graph, compared after the
+forward in the order the calls completed (the decision is ``runtime.compiled``'s: taps, not
+hooks that break the graph)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from numalign.golden.reference import hooks
+from numalign.replay.layer import CallMatcher, golden_outputs
+from numalign.runtime.compiled import CompiledModel
+
+if TYPE_CHECKING:
+    import torch
+
+    from numalign.golden.store import GoldenSet
+
+
+@contextmanager
+def observe(
+    model: Any,
+    golden: GoldenSet,
+    request: str,
+    on_output: Callable[[str, str, torch.Tensor, torch.Tensor, int], None],
+) -> Iterator[None]:
+    """``golden_outputs`` for any model: for an eager model its hooks; for a CompiledModel
+    the tensors its taps collected from inside the compiled graph, compared after the
+    forward in the order the calls completed (the n-th call of a point against its n-th
+    recorded call, both restricted to the positions the request's mask keeps)."""
+    if not isinstance(model, CompiledModel):
+        with golden_outputs(model, golden, request, on_output):
+            yield
+        return
+    matcher = CallMatcher(golden, request, on_output)
+    model.taps.clear()
+    yield
+    taps, model.taps[:] = list(model.taps), []
+    for point, output in taps:
+        matcher(point, None, None, output)
+
+
+@contextmanager
+def observe_calls(
+    model: Any, points: Sequence[str], on_call: Callable[[str, Any, Any, Any], None]
+) -> Iterator[None]:
+    """``golden.reference.hooks`` for any model: ``on_call(point, args, kwargs, output)``
+    after each call of each point; for a CompiledModel, after the forward, from the outputs
+    its taps collected inside the compiled graph (in the order the calls completed; args and
+    kwargs are None)."""
+    if not isinstance(model, CompiledModel):
+        with hooks(model, points, on_call):
+            yield
+        return
+    wanted = set(points)
+    model.taps.clear()
+    yield
+    taps, model.taps[:] = list(model.taps), []
+    for point, output in taps:
+        if point in wanted:
+            on_call(point, None, None, output)
