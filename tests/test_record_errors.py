@@ -10,7 +10,7 @@ import pytest
 from numalign.golden import GoldenSetError
 from numalign.record import USER_PROPERTY, DriftRecord, NodeRecorder, records_of
 from numalign.record_errors import error_property_for, outcome_for, recorded_errors
-from numalign.replay.compiled import CompileError, CompileStats
+from numalign.runtime.compiled import CompileError, CompileStats
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
 from numalign.replay.model import ReplayUnsupported
 from numalign.replay.tensor_parallel import RankCrashed, RankFailed, TensorParallelUsageError

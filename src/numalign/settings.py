@@ -9,11 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from numalign.dtypes import RUN_DTYPES
+from numalign.runtime.devices import validate_device
 
-#: Accelerators in the order ``auto`` tries them.
-ACCELERATORS: tuple[str, ...] = ("cuda", "xpu", "npu", "mps")
-DEVICE_TYPES: tuple[str, ...] = ("auto", "cpu", *ACCELERATORS)
-_SPEC = re.compile(r"^(?P<type>[a-z]+)(?::(?P<index>\d+))?$")
 #: transformers' attention implementations a model replay can ask for.
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("eager", "sdpa", "flex_attention")
 
@@ -404,23 +401,3 @@ def in_shard(test_id: str, shard: tuple[int, int] | None) -> bool:
 
     digest = int.from_bytes(hashlib.sha256(test_id.encode()).digest()[:8], "little")
     return digest % shard[1] == shard[0] - 1
-
-
-def validate_device(text: str) -> str:
-    parse_device(text)
-    return text.strip().lower()
-
-
-def parse_device(spec: str) -> tuple[str, int | None]:
-    """Checks the syntax of a device spec (``auto``, ``cpu``, ``cuda``, ``cuda:1``, ...)
-    without importing torch. Raises ValueError naming the allowed values."""
-    match = _SPEC.match(spec.strip().lower())
-    if not match or match["type"] not in DEVICE_TYPES:
-        raise ValueError(
-            f"unknown device {spec!r}; allowed: {', '.join(DEVICE_TYPES)}, "
-            "optionally with an index (cuda:1)"
-        )
-    kind, index = match["type"], match["index"]
-    if index is not None and kind in ("auto", "cpu"):
-        raise ValueError(f"device {spec!r}: {kind} takes no index")
-    return kind, int(index) if index is not None else None

@@ -7,12 +7,38 @@ A vendor's torch extension (``torch_npu``, say) must be imported first: ``--devi
 from __future__ import annotations
 
 import os
+import re
 from typing import TYPE_CHECKING
-
-from numalign.settings import ACCELERATORS, parse_device
 
 if TYPE_CHECKING:
     import torch
+
+
+#: Accelerators in the order ``auto`` tries them.
+ACCELERATORS: tuple[str, ...] = ("cuda", "xpu", "npu", "mps")
+DEVICE_TYPES: tuple[str, ...] = ("auto", "cpu", *ACCELERATORS)
+_SPEC = re.compile(r"^(?P<type>[a-z]+)(?::(?P<index>\d+))?$")
+
+
+def validate_device(text: str) -> str:
+    """``text`` as a device spec (lower case), ValueError where ``parse_device`` says."""
+    parse_device(text)
+    return text.strip().lower()
+
+
+def parse_device(spec: str) -> tuple[str, int | None]:
+    """Checks the syntax of a device spec (``auto``, ``cpu``, ``cuda``, ``cuda:1``, ...)
+    without importing torch. Raises ValueError naming the allowed values."""
+    match = _SPEC.match(spec.strip().lower())
+    if not match or match["type"] not in DEVICE_TYPES:
+        raise ValueError(
+            f"unknown device {spec!r}; allowed: {', '.join(DEVICE_TYPES)}, "
+            "optionally with an index (cuda:1)"
+        )
+    kind, index = match["type"], match["index"]
+    if index is not None and kind in ("auto", "cpu"):
+        raise ValueError(f"device {spec!r}: {kind} takes no index")
+    return kind, int(index) if index is not None else None
 
 
 class DeviceUnavailableError(RuntimeError):
