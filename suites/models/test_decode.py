@@ -22,6 +22,7 @@ from numalign.record import NodeRecorder
 from numalign.replay.compiled import GraphBreakWarning
 from numalign.replay.engines import Engine, decode_caches, replay_case
 from numalign.replay.model import suite_sets
+from numalign.replay.verdict import records
 
 ROOT = Path(__file__).resolve().parents[2]
 # Graph breaks under --compile are reported, not failures (as in test_model).
@@ -66,7 +67,7 @@ def test_decode(
     if replayed.verdict is None:
         pytest.skip(replayed.skipped or "no decode steps")
     verdict = replayed.verdict
-    for record in verdict.records(record_drift.nodeid, **replayed.context):
+    for record in records(verdict, record_drift.nodeid, **replayed.context):
         record_drift.add(record)
     if not verdict.passed:
         message = verdict.message(f"{replayed.golden.name} [{dtype}]")

@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 import torch
 
+from numalign.compare.model_verdict import layer_message
 from numalign.golden import GoldenSet, GoldenSetError
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.compiled import GraphBreakWarning
 from numalign.replay.engines import Engine, replay_case
 from numalign.replay.model import suite_sets
-from numalign.replay.verdict import layer_message
+from numalign.replay.verdict import point_record
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The one case of a set whose manifest cannot be read: its points are unknown.
@@ -75,7 +76,7 @@ def test_layer(
         record_drift.skipped(replayed.skipped, **replayed.context)
         pytest.skip(replayed.skipped)
     for r in replayed.verdict:
-        record_drift.add(r.record(record_drift.nodeid, **replayed.context))
+        record_drift.add(point_record(r, record_drift.nodeid, **replayed.context))
     message = layer_message(f"{replayed.golden.name}/{point_name} [{dtype}]", replayed.verdict)
     if message:
         pytest.fail(message, pytrace=False)

@@ -20,6 +20,7 @@ from numalign.record import NodeRecorder
 from numalign.replay.compiled import GraphBreakWarning
 from numalign.replay.engines import Engine, replay_case
 from numalign.replay.model import suite_sets
+from numalign.replay.verdict import records
 
 ROOT = Path(__file__).resolve().parents[2]
 # Graph breaks under --compile are reported (a warning with Dynamo's reasons, and the
@@ -54,7 +55,7 @@ def test_model(
     with replay_guard():
         replayed = replay_engine.model(path, dtype, numalign_device, tolerance_policy)
     verdict = replayed.verdict
-    for record in verdict.records(record_drift.nodeid, **replayed.context):
+    for record in records(verdict, record_drift.nodeid, **replayed.context):
         record_drift.add(record)
     if not verdict.passed:
         pytest.fail(verdict.message(f"{replayed.golden.name} [{dtype}]"), pytrace=False)

@@ -313,3 +313,27 @@ def load_policy(pyproject: str | Path) -> TolerancePolicy:
         data = tomllib.load(fh)
     entries = data.get("tool", {}).get("numalign", {}).get("override", [])
     return policy_from_entries(entries, str(path))
+
+
+# -- the model verdict (``compare.calibration``, ``compare.model_verdict``) ---------------------
+#: The 16-bit calibrations a finer dtype (float32, float64) borrows, closest first: a float16
+#: kernel (float32 accumulation, one rounding) errs by about one float16 rounding, so the
+#: closest calibrated 16-bit dtype, scaled, bounds what a finer kernel may err.
+BORROWED_CALIBRATIONS: tuple[str, ...] = ("float16", "bfloat16")
+#: The exponent of the reduction length in the borrowing scale s = u_fine / u_16 * K**this: a
+#: kernel of the finer dtype that sums a reduction of length K in another order (a fused norm,
+#: other threads, another device) errs by up to sqrt(K) of its own roundings [walk].
+BORROWED_REDUCTION_WALK = 0.5
+#: Roundings (ulps of the output's largest magnitude) that a rounded sum of addends of that
+#: size may lose to cancellation: where the reference lies within the control's worst error
+#: plus this many, an honest candidate may land exactly on zero (``a + b == 0`` in bfloat16).
+ZERO_REACH_ROUNDINGS = 1.0
+#: Golden logits within this many times the logits' max-abs budget are a near tie: each of two
+#: logits may move by the budget, so their order may swap (top-1, top-5, greedy tokens).
+LOGITS_NEAR_TIE = 2.0
+#: The KL of two roundings of every logit, in ulp**2 of the largest logit: each logit moves by
+#: at most half an ulp, two of them by (2 * ulp / 2), and KL ~ (difference)**2 / 2.
+KL_ROUNDING_FLOOR = 0.5
+#: The KL's own float64 evaluation, a sum over the vocabulary of p * (log p - log q) terms
+#: whose roundings reach about eps64 times the entropy (at most log(vocab)) plus one.
+KL_EVALUATION_ROUNDOFF = 2.0**-52
