@@ -1,5 +1,6 @@
 """Replay on the device: device policy, calibration, layer and full-model replay, kernel swap,
-and the model verdict (``replay.verdict``)."""
+and the model verdict's drift records (``replay.verdict``; the verdict itself is
+``compare.model_verdict``)."""
 
 from numalign.replay.devices import (
     DeviceUnavailableError,

@@ -2,7 +2,8 @@
 against the isolated calibration) and full-model replay (every point as the whole model runs,
 against the accumulated calibration), the model's own outputs (logits, or an encoder's hidden
 states), the greedy continuation, and the first divergence, located. Results are the objects
-of ``numalign.replay.verdict``."""
+of ``numalign.compare.model_verdict``, judged there against controls from
+``compare.calibration``."""
 
 from __future__ import annotations
 
