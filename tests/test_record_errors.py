@@ -10,10 +10,10 @@ import pytest
 from numalign.golden import GoldenSetError
 from numalign.record import USER_PROPERTY, DriftRecord, NodeRecorder, records_of
 from numalign.record_errors import error_property_for, outcome_for, recorded_errors
-from numalign.runtime.compiled import CompileError, CompileStats
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
 from numalign.replay.model import ReplayUnsupported
 from numalign.replay.tensor_parallel import RankCrashed, RankFailed, TensorParallelUsageError
+from numalign.runtime.compiled import CompileError, CompileStats
 
 TEST = "suites/models/test_model.py::test_model[tiny-llama-bfloat16]"
 OP = "suites/operators/test_operators.py::test_rms_norm[fused-float16-aligned-4x8]"

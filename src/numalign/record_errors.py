@@ -73,11 +73,11 @@ def outcome_for(exc: BaseException, test_id: str, **context: Any) -> ErrorOutcom
     ``context``: the fields its record carries besides what the test id tells (the
     candidate, device, case, execution variant). None: an exception the policy leaves to
     pytest and the plugin's report hook."""
+    from numalign.compare.model_verdict import ReplayUnsupported
     from numalign.golden import GoldenSetError
     from numalign.golden.reference import CacheUnsupported
     from numalign.replay.engines.errors import EngineError, EngineUnsupported
     from numalign.replay.layer import AloneUnsupported
-    from numalign.replay.model import ReplayUnsupported
     from numalign.replay.paged import PagedUnsupported
     from numalign.replay.tensor_parallel import (
         NoTensorParallelPlan,

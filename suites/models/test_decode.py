@@ -22,6 +22,7 @@ from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.engines import Engine, decode_caches
 from numalign.replay.model import suite_sets
+from numalign.replay.verdict import records
 from numalign.runtime.compiled import GraphBreakWarning
 from numalign.testids import ReplayCase, replay_param
 
@@ -67,7 +68,7 @@ def test_decode(
     if replayed.verdict is None:
         pytest.skip(replayed.skipped or "no decode steps")
     verdict = replayed.verdict
-    for record in verdict.records(record_drift.nodeid, **replayed.context):
+    for record in records(verdict, record_drift.nodeid, **replayed.context):
         record_drift.add(record)
     if not verdict.passed:
         message = verdict.message(f"{replayed.golden.name} [{dtype}]")

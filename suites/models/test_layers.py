@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from numalign import testids
+from numalign.compare.model_verdict import layer_message
 from numalign.golden import GoldenSet, GoldenSetError
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.engines import Engine
 from numalign.replay.model import suite_sets
-from numalign.replay.verdict import layer_message
+from numalign.replay.verdict import point_record
 from numalign.runtime.compiled import GraphBreakWarning
 from numalign.testids import ReplayCase, replay_param
 
@@ -75,7 +76,7 @@ def test_layer(
         record_drift.skipped(replayed.skipped, **replayed.context)
         pytest.skip(replayed.skipped)
     for r in replayed.verdict:
-        record_drift.add(r.record(record_drift.nodeid, **replayed.context))
+        record_drift.add(point_record(r, record_drift.nodeid, **replayed.context))
     message = layer_message(f"{replayed.golden.name}/{point_name} [{dtype}]", replayed.verdict)
     if message:
         pytest.fail(message, pytrace=False)

@@ -20,6 +20,7 @@ from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.engines import Engine
 from numalign.replay.model import suite_sets
+from numalign.replay.verdict import records
 from numalign.runtime.compiled import GraphBreakWarning
 from numalign.testids import ReplayCase, replay_param
 
@@ -60,7 +61,7 @@ def test_model(
     with replay_guard():
         replayed = replay_engine.model(path, dtype, numalign_device, tolerance_policy)
     verdict = replayed.verdict
-    for record in verdict.records(record_drift.nodeid, **replayed.context):
+    for record in records(verdict, record_drift.nodeid, **replayed.context):
         record_drift.add(record)
     if not verdict.passed:
         pytest.fail(verdict.message(f"{replayed.golden.name} [{dtype}]"), pytrace=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from numalign.compare.calibration import ControlStats
 from numalign.compare.lean import LeanSums, judge_lean, lean, lean_uses
 
 #: bfloat16's unit roundoff (2**-8, half its eps): the planted leans below are a quarter of
@@ -48,11 +49,13 @@ def test_a_scale_below_one_rounding_fails_and_honest_rounding_passes(
     assert calibration is not None
     honest = _bf16(reference + 1e-9)  # another draw of the same rounding, as another member
     measured = lean(honest, reference)
-    assert measured is not None and judge_lean(measured, calibration.stats()) is None
+    assert (
+        measured is not None and judge_lean(measured, ControlStats.of(calibration.stats())) is None
+    )
     scaled = 1.0 + BF16_ROUNDOFF / 4  # a quarter rounding: 0.098%
     planted = lean(_bf16(reference * scaled), reference)
     assert planted is not None
-    finding = judge_lean(planted, calibration.stats())
+    finding = judge_lean(planted, ControlStats.of(calibration.stats()))
     assert finding is not None and finding.name == "scale"
     assert "systematic scale of +0.100%" in finding.reason(planted)
 
@@ -63,7 +66,7 @@ def test_an_offset_is_told_from_a_scale(reference: torch.Tensor) -> None:
     rms = float(reference.pow(2).mean().sqrt())
     planted = lean(_bf16(reference + rms * BF16_ROUNDOFF / 4), reference)
     assert planted is not None
-    finding = judge_lean(planted, calibration.stats())
+    finding = judge_lean(planted, ControlStats.of(calibration.stats()))
     assert finding is not None and finding.name == "offset"
 
 
@@ -74,7 +77,7 @@ def test_a_lean_in_one_channel_of_64_is_found(reference: torch.Tensor) -> None:
     skewed[:, 5] *= 1.01  # one channel 1% off: 1/64 of the elements, global scale 0.016%
     planted = lean(_bf16(skewed), reference)
     assert planted is not None
-    finding = judge_lean(planted, calibration.stats())
+    finding = judge_lean(planted, ControlStats.of(calibration.stats()))
     assert finding is not None and finding.name == "channel_scale"
     assert "in one of 64 channels" in finding.reason(planted)
 
@@ -83,7 +86,7 @@ def test_within_the_range_and_too_few_elements_decide_nothing(reference: torch.T
     assert lean(reference[:2, :8], reference[:2, :8]) is None  # 16 elements resolve nothing
     measured = lean(_bf16(reference), reference)
     assert measured is not None
-    wide = {"scale_low": -1.0, "scale_high": 1.0, "offset_low": -1.0, "offset_high": 1.0}
+    wide = ControlStats(scale_low=-1.0, scale_high=1.0, offset_low=-1.0, offset_high=1.0)
     assert judge_lean(measured, wide) is None
     # how far each lean went towards its limit: far from it in a range of +-100%
     assert max(lean_uses(measured, wide)) < 0.01

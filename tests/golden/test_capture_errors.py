@@ -233,7 +233,8 @@ def test_capture_then_reload_every_zoo_family(tmp_path: Path, name: str) -> None
     # the same model, inputs and code: the same golden values as the committed set
     same = committed.tensor(next(iter(committed.point(point.name).calls.values()))[0].outputs["0"])
     torch.testing.assert_close(reopened.tensor(call.outputs["0"]), same, rtol=1e-5, atol=1e-5)
-    assert golden.calibration("bfloat16")[point.name]["0"]["isolated"]["max_abs"] is not None
+    isolated = golden.calibration("bfloat16").stats(point.name, "0", "isolated")
+    assert isolated is not None and isolated.max_abs is not None
 
 
 def test_an_output_without_logits_or_hidden_states_is_an_error_naming_its_type() -> None:

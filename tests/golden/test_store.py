@@ -51,21 +51,21 @@ def test_reload_points_inputs_outputs_logits_and_continuation(golden: GoldenSet)
         assert set(finals) == {"last_hidden_state", "pooler_output"}
         assert golden.continuation(first_request) is None
     for dtype in ("bfloat16", "float16"):
-        calibration = golden.calibration(dtype)
+        calibration = golden.calibration(dtype).points
         decoded = {CACHE_POINT} if golden.decode_requests else set()  # the KV cache's states
         assert set(calibration) == {p.name for p in points} | {OUTPUT_POINT} | decoded
         assert set(calibration[OUTPUT_POINT]) == set(finals)
         if decoded:  # decode steps: each step's logits and the cache, calibrated
-            assert calibration[OUTPUT_POINT]["logits"]["decode"]["kl_max"] >= 0
-            assert all(s["decode"]["max_abs"] is not None
+            assert calibration[OUTPUT_POINT]["logits"]["decode"].kl_max >= 0
+            assert all(s["decode"].max_abs is not None
                        for s in calibration[CACHE_POINT].values())  # fmt: skip
         for stats in calibration[OUTPUT_POINT].values():  # the model's outputs, calibrated
-            assert stats["accumulated"]["norm_ratio"] is not None
+            assert stats["accumulated"].norm_ratio is not None
         if "logits" in finals:
-            assert calibration[OUTPUT_POINT]["logits"]["accumulated"]["kl_max"] >= 0
+            assert calibration[OUTPUT_POINT]["logits"]["accumulated"].kl_max >= 0
         stats = calibration[points[1].name]["0"]
-        assert stats["isolated"]["max_abs"] is not None
-        assert stats["accumulated"]["rel_l2"] >= 0
+        assert stats["isolated"].max_abs is not None
+        assert stats["accumulated"].rel_l2 >= 0
 
 
 def test_realistic_magnitudes(golden: GoldenSet) -> None:
@@ -151,7 +151,7 @@ def test_a_set_calibrated_before_the_distribution_was_stored_still_loads(tmp_pat
     import json
     import shutil
 
-    from numalign.replay.model import control_for
+    from numalign.compare.calibration import control_for
 
     folder = tmp_path / "old-llama"
     shutil.copytree(SETS / "tiny-llama", folder)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from numalign.compare import ControlErrors
-from numalign.replay.model import Control, chance_zero_reach, compare_point
+from numalign.compare.calibration import Control
+from numalign.compare.model_verdict import chance_zero_reach, compare_point
 
 #: 128 values at the scale of a hidden state: largest 3.0, so one bfloat16 ulp there is
 #: 2**(1 - 7) = 0.0156; positions 10 and 20 hold values below it, 30 to 33 values above it.

@@ -50,6 +50,8 @@ from numalign.compare.tolerances import (
 if TYPE_CHECKING:
     import torch
 
+    from numalign.compare.calibration import ControlStats
+
 #: The global leans, in the order they are judged.
 LEANS = ("scale", "offset")
 
@@ -200,7 +202,7 @@ class LeanFinding:
 
 
 def judge_lean(
-    measured: Lean, calibration: dict[str, Any], dtype: str = "bfloat16", reduction: int = 1
+    measured: Lean, calibration: ControlStats, dtype: str = "bfloat16", reduction: int = 1
 ) -> LeanFinding | None:
     """The lean of ``measured`` farthest beyond what the calibration's honest members reach
     (see the module's docstring); None when every lean is within, or the calibration has
@@ -210,7 +212,7 @@ def judge_lean(
 
 
 def lean_uses(
-    measured: Lean, calibration: dict[str, Any], dtype: str = "bfloat16", reduction: int = 1
+    measured: Lean, calibration: ControlStats, dtype: str = "bfloat16", reduction: int = 1
 ) -> list[float]:
     """How far each lean goes towards its limit (1: at it)."""
     return [f.used for f in _findings(measured, calibration, dtype, reduction)]
@@ -226,14 +228,15 @@ def _floor(dtype: str, reduction: int) -> float:
 
 
 def _findings(
-    measured: Lean, calibration: dict[str, Any], dtype: str, reduction: int = 1
+    measured: Lean, calibration: ControlStats, dtype: str, reduction: int = 1
 ) -> list[LeanFinding]:
     floor = _floor(dtype, reduction)
     findings = []
     for name in LEANS:
-        low, high = calibration.get(f"{name}_low"), calibration.get(f"{name}_high")
-        if low is None or high is None:
+        honest_range = calibration.lean_range(name)
+        if honest_range is None:
             continue
+        low, high = honest_range
         # the members run the same code and share its roundings (a table rounded to the
         # dtype, say); an honest implementation that rounds elsewhere leans anywhere between
         # none (exact) and as much the other way: the range spans the largest lean both ways
@@ -241,7 +244,7 @@ def _findings(
         value, se = getattr(measured, name), getattr(measured, f"{name}_se")
         findings.append(_beyond(name, value, se, -reach, reach, floor))
     for name in ("channel_scale", "channel_offset"):
-        honest = calibration.get(name)
+        honest = getattr(calibration, name)
         se = getattr(measured, f"{name}_se")
         if honest is None or measured.channels < 2 or not se:
             continue

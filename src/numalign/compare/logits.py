@@ -1,6 +1,6 @@
 """How two sets of logits agree: top-1 and top-5 agreement with near-tie allowances, KL
 divergence and max abs error, over the positions kept. Plain statistics; the model verdict
-(``numalign.replay.verdict``) judges them against the calibration."""
+(``numalign.compare.model_verdict``) judges them against the calibration."""
 
 from __future__ import annotations
 

@@ -445,3 +445,18 @@ def load_policy(pyproject: str | Path) -> TolerancePolicy:
         data = tomllib.load(fh)
     table = data.get("tool", {}).get("numalign", {})
     return policy_from_entries(table.get("override", []), str(path), table.get("thresholds"))
+
+
+# -- the model verdict (``compare.calibration``, ``compare.model_verdict``) ---------------------
+#: The 16-bit calibrations a finer dtype (float32, float64) borrows, closest first: a float16
+#: kernel (float32 accumulation, one rounding) errs by about one float16 rounding, so the
+#: closest calibrated 16-bit dtype, scaled, bounds what a finer kernel may err.
+BORROWED_CALIBRATIONS: tuple[str, ...] = ("float16", "bfloat16")
+#: The exponent of the reduction length in the borrowing scale s = u_fine / u_16 * K**this: a
+#: kernel of the finer dtype that sums a reduction of length K in another order (a fused norm,
+#: other threads, another device) errs by up to sqrt(K) of its own roundings [walk].
+BORROWED_REDUCTION_WALK = 0.5
+#: Roundings (ulps of the output's largest magnitude) that a rounded sum of addends of that
+#: size may lose to cancellation: where the reference lies within the control's worst error
+#: plus this many, an honest candidate may land exactly on zero (``a + b == 0`` in bfloat16).
+ZERO_REACH_ROUNDINGS = 1.0

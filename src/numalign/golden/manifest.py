@@ -15,15 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# the calibration's types and point names are the verdict's (``compare.calibration``)
+from numalign.compare.calibration import CACHE_POINT as CACHE_POINT
+from numalign.compare.calibration import OUTPUT_POINT as OUTPUT_POINT
+from numalign.compare.calibration import Calibration as Calibration
+from numalign.compare.calibration import ControlStats as ControlStats
+
 FORMAT = "numalign.golden/3"
 #: Formats this numalign reads: format 1 sets have no decode steps, format 1 and 2 sets a
 #: calibration of one member.
 READ_FORMATS = ("numalign.golden/1", "numalign.golden/2", FORMAT)
 MANIFEST = "manifest.json"
-#: The calibration's name for the model's own outputs (logits, an encoder's hidden states).
-OUTPUT_POINT = "(output)"
-#: The calibration's name for the KV cache's contents (per layer: keys, values, states).
-CACHE_POINT = "(cache)"
 
 
 class GoldenSetError(RuntimeError):
@@ -174,8 +176,39 @@ class ShardInfo:
     bytes: int
 
 
-#: Calibration of one dtype: {point: {output path: {mode: {statistic: value}}}}.
-Calibration = dict[str, dict[str, dict[str, dict[str, float | None]]]]
+#: Calibration of one dtype as JSON holds it (and calibration members measure it):
+#: {point: {output path: {mode: {statistic: value}}}}; typed, it is a ``Calibration``.
+CalibrationJson = dict[str, dict[str, dict[str, dict[str, float | None]]]]
+
+
+def calibration_from_json(data: Any) -> Calibration:
+    """One dtype's calibration from its JSON form (every statistic's order kept, so that it
+    is written back as read); TypeError where a level is not an object."""
+    if not isinstance(data, dict):
+        raise TypeError(f"a calibration is an object, not {type(data).__name__}")
+    points: dict[str, dict[str, dict[str, ControlStats]]] = {}
+    for point, outputs in data.items():
+        points[point] = {}
+        for path, modes in _object(outputs).items():
+            points[point][path] = {
+                mode: ControlStats.of(_object(stats)) for mode, stats in _object(modes).items()
+            }
+    return Calibration(points)
+
+
+def calibration_to_json(calibration: Calibration) -> CalibrationJson:
+    """One dtype's calibration as JSON holds it (the inverse of ``calibration_from_json``)."""
+    return {
+        point: {path: {mode: stats.values() for mode, stats in modes.items()}
+                for path, modes in outputs.items()}
+        for point, outputs in calibration.points.items()
+    }  # fmt: skip
+
+
+def _object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"a calibration entry is an object, not {type(value).__name__}")
+    return value
 
 
 @dataclass
@@ -223,7 +256,7 @@ class Manifest:
             "continuation": {k: vars(v) for k, v in self.continuation.items()},
             "tensors": {k: vars(v) for k, v in self.tensors.items()},
             "shards": {k: vars(v) for k, v in self.shards.items()},
-            "calibration": self.calibration,
+            "calibration": {k: calibration_to_json(v) for k, v in self.calibration.items()},
         }
         if self.outputs:
             data["outputs"] = self.outputs
@@ -271,7 +304,9 @@ class Manifest:
                     k: Continuation(**v) for k, v in data.get("continuation", {}).items()
                 },
                 decode={k: Decode.from_json(v) for k, v in data.get("decode", {}).items()},
-                calibration=dict(data.get("calibration", {})),
+                calibration={
+                    k: calibration_from_json(v) for k, v in data.get("calibration", {}).items()
+                },
                 ensemble={k: list(v) for k, v in data.get("ensemble", {}).items()},
                 created=str(data.get("created", "")),
                 format=found,

@@ -27,6 +27,7 @@ from numalign.golden.manifest import (
     Calibration,
     Call,
     Continuation,
+    ControlStats,
     Decode,
     DecodeStep,
     GoldenSetError,
@@ -277,13 +278,15 @@ class GoldenSet:
         return [r.name for r in self.manifest.requests if r.name in self.manifest.decode]
 
     def calibration(self, dtype: str) -> Calibration:
-        return dict(self.manifest.calibration.get(dtype, {}))
+        """The calibration of ``dtype`` (empty where the set has none)."""
+        return self.manifest.calibration.get(dtype) or Calibration()
 
-    def calibrated(self, dtype: str, point: str, path: str, mode: str) -> dict[str, Any] | None:
+    def calibrated(self, dtype: str, point: str, path: str, mode: str) -> ControlStats | None:
         """The calibration's statistics of one point output and mode in ``dtype`` (None where
-        the set has none)."""
-        stats = self.manifest.calibration.get(dtype, {}).get(point, {}).get(path, {}).get(mode)
-        return stats if stats and stats.get("max_abs") is not None else None
+        the set has none, or its max abs is not finite)."""
+        calibration = self.manifest.calibration.get(dtype)
+        stats = calibration.stats(point, path, mode) if calibration is not None else None
+        return stats if stats is not None and stats.max_abs is not None else None
 
     def write_calibration(
         self, dtype: str, calibration: Calibration, *, members: list[str] | None = None

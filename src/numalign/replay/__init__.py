@@ -1,3 +1,4 @@
 """Replay on the device: calibration, layer and full-model replay, decode, kernel swap,
-tensor parallel, the engines, and the model verdict (``replay.verdict``). Device policy and
-compilation are ``numalign.runtime``'s."""
+tensor parallel, the engines, and the model verdict's drift records (``replay.verdict``; the
+verdict itself is ``compare.model_verdict``). Device policy and compilation are
+``numalign.runtime``'s."""

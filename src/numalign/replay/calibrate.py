@@ -28,7 +28,7 @@ from numalign.compare import compute_metrics
 from numalign.compare.lean import LeanSums
 from numalign.compare.logits import logits_stats
 from numalign.golden.decode import REFERENCE_CACHE
-from numalign.golden.manifest import OUTPUT_POINT, Calibration
+from numalign.golden.manifest import OUTPUT_POINT, CalibrationJson
 from numalign.golden.reference import Placement, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import GoldenSet
 from numalign.replay.decode import run_decode
@@ -42,6 +42,11 @@ from numalign.replay.layer import (
 
 if TYPE_CHECKING:
     import torch
+
+#: Statistics per (point, output path), the worst so far.
+_Worst = dict[tuple[str, str], dict[str, float]]
+#: Pooled leans per (point, output path, mode).
+_Leans = dict[tuple[str, str, str], LeanSums]
 
 #: The error statistics kept per point and output: the worst (largest) over requests and calls.
 STATS = ("max_abs", "rel_l2", "mean_abs", "ulp_p99", "max_expected")
@@ -83,9 +88,9 @@ def calibrate(
     trust_remote_code: bool = False,
     device: str = "cpu",
     placement: Placement | None = None,
-) -> Calibration:
+) -> CalibrationJson:
     """One member's calibration of ``dtype`` (this process's kernels and threads, with
-    ``attn_implementation``):
+    ``attn_implementation``), as JSON holds it:
     {point: {output path: {"isolated": stats, "accumulated": stats, "decode": stats}}} for
     ``dtype``; {OUTPUT_POINT: {output name: {"accumulated": stats, "decode": stats}}} for the
     model's own outputs; {CACHE_POINT: {state: {"decode": stats}}} for the KV cache."""
@@ -96,17 +101,31 @@ def calibrate(
                        trust_remote_code=trust_remote_code, placement=placement)  # fmt: skip
     if placement is None:  # else accelerate placed it
         model = model.to(device)
-    points = {p.name: p for p in golden.points}
-    accumulated: dict[tuple[str, str], dict[str, float]] = {}
-    isolated: dict[tuple[str, str], dict[str, float]] = {}
     masks = {r.name: request_mask(golden, r.name) for r in golden.requests}
-    leans: dict[tuple[str, str, str], LeanSums] = {}
+    leans: _Leans = {}
+    accumulated = _accumulated(golden, model, masks, device, torch_dtype)
+    isolated = _isolated(golden, model, masks, device, torch_dtype, leans)
+    decoded = _decoded(golden, model, device, torch_dtype)
+    modes = (("isolated", isolated), ("accumulated", accumulated), ("decode", decoded))
+    result: CalibrationJson = {}
+    for mode, table in modes:
+        for (point_name, path), stats in table.items():
+            pooled = leans.get((point_name, path, mode))
+            measured = pooled.finish() if pooled is not None else None
+            if measured is not None:
+                stats = stats | measured.stats()
+            result.setdefault(point_name, {}).setdefault(path, {})[mode] = _json_safe(stats)
+    return result
 
-    def pool(point: str, path: str, mode: str, actual: Any, expected: Any) -> None:
-        # the isolated outputs' leans (``replay.leans``: judged alone only)
-        if actual.is_floating_point() and expected.is_floating_point():
-            leans.setdefault((point, path, mode), LeanSums()).add(actual, expected)
 
+def _accumulated(
+    golden: GoldenSet, model: Any, masks: dict[str, Any], device: str, torch_dtype: torch.dtype
+) -> _Worst:
+    """The whole model in the dtype: each point's outputs against the golden ones, and the
+    model's own outputs (logits with the control's agreement) under ``OUTPUT_POINT``."""
+    import torch
+
+    accumulated: _Worst = {}
     for request in golden.requests:
         name = request.name
         inputs = {
@@ -132,8 +151,21 @@ def calibrate(
                 stats |= {k: float(getattr(agreement, k)) for k in LOGITS_STATS}
             slot = (OUTPUT_POINT, output)
             accumulated[slot] = _worst(accumulated.get(slot), stats)
+    return accumulated
 
-    for point in points.values():
+
+def _isolated(
+    golden: GoldenSet,
+    model: Any,
+    masks: dict[str, Any],
+    device: str,
+    torch_dtype: torch.dtype,
+    leans: _Leans,
+) -> _Worst:
+    """Each point's module alone in the dtype, fed the golden inputs; its outputs' leans
+    pooled into ``leans`` (``replay.leans``: judged alone only)."""
+    isolated: _Worst = {}
+    for point in {p.name: p for p in golden.points}.values():
         module = model.get_submodule(point.name)
         for request_name, calls in point.calls.items():
             mask = masks.get(request_name)
@@ -150,9 +182,16 @@ def calibrate(
                         isolated[(point.name, path)] = _worst(
                             isolated.get((point.name, path)), stats
                         )
-                        pool(point.name, path, "isolated", actual, expected)
+                        if actual.is_floating_point() and expected.is_floating_point():
+                            slot = (point.name, path, "isolated")
+                            leans.setdefault(slot, LeanSums()).add(actual, expected)
+    return isolated
 
-    decoded: dict[tuple[str, str], dict[str, float]] = {}
+
+def _decoded(golden: GoldenSet, model: Any, device: str, torch_dtype: torch.dtype) -> _Worst:
+    """The cached decode in the dtype (the reference's dynamic cache): every step's
+    new-token outputs, logits (with their agreement) and cache states, the worst over steps."""
+    decoded: _Worst = {}
 
     def on_pair(
         request: str, step: int, point: str, path: str, actual: Any, expected: Any, call: int = 0
@@ -165,14 +204,4 @@ def calibrate(
 
     for request_name in golden.decode_requests:
         run_decode(golden, model, request_name, REFERENCE_CACHE, torch_dtype, device, on_pair)
-
-    result: Calibration = {}
-    modes = (("isolated", isolated), ("accumulated", accumulated), ("decode", decoded))
-    for mode, table in modes:
-        for (point_name, path), stats in table.items():
-            pooled = leans.get((point_name, path, mode))
-            measured = pooled.finish() if pooled is not None else None
-            if measured is not None:
-                stats = stats | measured.stats()
-            result.setdefault(point_name, {}).setdefault(path, {})[mode] = _json_safe(stats)
-    return result
+    return decoded

@@ -13,11 +13,12 @@ and the paged serving engine (``replay.paged``) hands on the same pairs
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from numalign.compare.calibration import control_for
+from numalign.compare.decode_verdict import DecodeVerdict
+from numalign.compare.model_verdict import PointResult, compare_point, judge_logits, label
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.golden.reference import (
     cache_state,
@@ -29,9 +30,9 @@ from numalign.golden.reference import (
     reset_decode_state,
 )
 from numalign.golden.requests import unservable
-from numalign.replay.model import compare_point, control_for, hidden_and_depth, judge_logits
+from numalign.replay.model import hidden_and_depth
 from numalign.replay.observe import observe_calls
-from numalign.replay.verdict import LogitsResult, PointResult, label, unmapped_records
+from numalign.replay.shards import whole
 
 if TYPE_CHECKING:
     import torch
@@ -153,108 +154,6 @@ def _compare_cache(
         on_pair(request, number, CACHE_POINT, name, actual.detach(), expected)
 
 
-@dataclass(frozen=True)
-class DecodeDivergence:
-    """The first decode step, and in it the first point in forward order, whose error leaves
-    its budget (the cache's states count after the step that wrote them)."""
-
-    #: None for a lean pooled over every step
-    step: int | None
-    point: str
-    request: str
-    result: Any
-    #: where it lives (``replay.decode_locate``): None where it was not located
-    location: Any = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {"point": self.point, "step": self.step, "request": self.request,
-               "kind": "decode"}  # fmt: skip
-        if self.location is not None:
-            out["located"] = self.location.kind
-            if self.location.named:
-                out["named"] = self.location.named
-        return out
-
-    def describe(self) -> str:
-        where = {0: "the prefill's cache", None: "every decode step pooled"}.get(
-            self.step, f"decode step {self.step}"
-        )
-        located = "" if self.location is None else (
-            f" ({self.location.kind}: {self.location.why})")  # fmt: skip
-        return (
-            f"first divergence at {where}, {self.point}, request {self.request}{located}:\n"
-            f"{self.result.message()}"
-        )
-
-
-@dataclass
-class DecodeVerdict:
-    """Everything a decode replay judged: the points and cache states of every step, the
-    logits of every step, and the first divergence."""
-
-    implementation: str
-    points: list[PointResult] = field(default_factory=list)
-    logits: list[LogitsResult] = field(default_factory=list)
-    #: points an engine has no counterpart for, with the reason (skipped records)
-    unmapped: dict[str, str] = field(default_factory=dict)
-    #: where the first divergence lives (``replay.decode_locate.locate_decode``)
-    location: Any = None
-
-    @property
-    def first_failing(self) -> PointResult | None:
-        """The first failing point result (in step and forward order), not the logits."""
-        failing = [r for r in self.points if not r.result.passed]
-        return min(failing, key=_decode_order) if failing else None
-
-    @property
-    def divergence(self) -> DecodeDivergence | None:
-        failing = [r for r in self.points if not r.result.passed]
-        failing += [  # a step whose logits fail with every point within budget
-            PointResult(OUTPUT_POINT, 1 << 30, lg.request, "logits", lg.values, "decode",
-                        finished=1 << 30, step=lg.step)
-            for lg in self.logits
-            if not lg.passed and lg.values is not None
-        ]  # fmt: skip
-        if not failing:
-            return None
-        first = min(failing, key=_decode_order)
-        location = self.location if first is self.first_failing else None
-        return DecodeDivergence(first.step, first.label, first.request, first.result, location)
-
-    @property
-    def passed(self) -> bool:
-        return self.divergence is None and all(lg.passed for lg in self.logits)
-
-    def records(self, test_id: str, **context: Any) -> list[Any]:
-        divergence = self.divergence
-        out = []
-        for r in self.points:
-            record = r.record(test_id, **context)
-            if divergence is not None and (r.step, r.label, r.request) == (
-                divergence.step, divergence.point, divergence.request,
-            ):  # fmt: skip
-                record.first_divergence = divergence.to_dict()
-            out.append(record)
-        out += [lg.record(test_id, **context) for lg in self.logits]
-        return out + unmapped_records(self.unmapped, test_id, "decode", **context)
-
-    def message(self, title: str) -> str:
-        problems = [self.divergence.describe()] if self.divergence is not None else []
-        problems += [
-            f"logits of {lg.request} at decode step {lg.step}: " + "; ".join(lg.problems)
-            for lg in self.logits
-            if not lg.passed
-        ]
-        return f"{title} [{self.implementation} cache]: " + "\n\n".join(problems)
-
-
-def _decode_order(r: PointResult) -> tuple[float, int]:
-    """Step, then completion order; a pooled lean (no step) only after every step's own
-    results, in forward order (the cache's states, written by the attention, after every
-    point)."""
-    return (math.inf, r.order) if r.step is None else (r.step, r.finished)
-
-
 def replay_decode(
     golden: GoldenSet,
     model: Any,
@@ -302,7 +201,7 @@ def _judge(
     def on_pair(request: str, step: int, point: str, path: str, actual: Any,
                 expected: Any, call: int = 0) -> None:  # fmt: skip
         control = control_for(golden, dtype, point, path, "decode", hidden, depth)
-        actual = actual.float().cpu().to(torch_dtype)
+        actual = whole(actual.float().cpu().to(torch_dtype), tuple(expected.shape))
         if point == OUTPUT_POINT:
             judged = judge_logits(request, actual, expected, control, policy)
             judged.step = step

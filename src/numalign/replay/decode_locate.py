@@ -22,31 +22,23 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from numalign.compare.calibration import control_for
+from numalign.compare.model_verdict import DecodeLocation, compare_point, label
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.golden.reference import flatten
 from numalign.replay.decode import run_decode
 from numalign.replay.inputs import detached
-from numalign.replay.model import compare_point, control_for, hidden_and_depth
-from numalign.replay.verdict import label
+from numalign.replay.model import hidden_and_depth
+from numalign.replay.shards import whole
 
 if TYPE_CHECKING:
     import torch
 
+    from numalign.compare.model_verdict import PointResult
     from numalign.golden.store import GoldenSet
-    from numalign.replay.verdict import PointResult
 
 #: Keyword inputs that mark a module whose call writes a KV cache.
 _CACHE_KWARGS = ("past_key_values", "cache", "past_key_value", "layer_past")
-
-
-@dataclass(frozen=True)
-class DecodeLocation:
-    """Where a decode divergence lives: ``kind`` local, accumulated or unlocated; ``named``:
-    a point before it that fails its own check (accumulated), or None; ``why``: the reason."""
-
-    kind: str
-    named: str | None
-    why: str
 
 
 @dataclass
@@ -150,7 +142,8 @@ def _own_error(
     hidden, depth = hidden_and_depth(model)
     control = control_for(golden, dtype, call.point, path, "isolated", hidden, depth)
     expected = reference.detach().double().cpu()
-    return compare_point(actual.detach().cpu(), expected, label(call.point, path), control, policy)
+    actual = whole(actual.detach().cpu(), tuple(expected.shape))  # a tensor-parallel shard
+    return compare_point(actual, expected, label(call.point, path), control, policy)
 
 
 def _up(value: Any) -> Any:

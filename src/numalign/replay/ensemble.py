@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.golden.capture import capture
-from numalign.golden.manifest import Calibration
+from numalign.golden.manifest import CalibrationJson, calibration_from_json
 from numalign.settings import parse_dtypes
 
 if TYPE_CHECKING:
@@ -232,13 +232,13 @@ def _merge_stats(samples: Sequence[dict[str, float | None]]) -> dict[str, float 
     return merged
 
 
-def merge(tables: Sequence[Calibration]) -> Calibration:
+def merge(tables: Sequence[CalibrationJson]) -> CalibrationJson:
     """The ensemble's calibration of one dtype from its members' (every point, output and
     mode any member has; the worst and spread over those that have it)."""
     keys = {
         (p, o, m) for t in tables for p, outs in t.items() for o, ms in outs.items() for m in ms
     }
-    result: Calibration = {}
+    result: CalibrationJson = {}
     for point, output, mode in sorted(keys):
         samples = [s for t in tables if (s := t.get(point, {}).get(output, {}).get(mode))]
         result.setdefault(point, {}).setdefault(output, {})[mode] = _merge_stats(samples)
@@ -248,7 +248,7 @@ def merge(tables: Sequence[Calibration]) -> Calibration:
 # -- running a member --------------------------------------------------------------------------
 def _run_in_subprocess(
     member: Member, golden_path: Path, dtypes: Sequence[str], trust_remote_code: bool
-) -> dict[str, Calibration]:
+) -> dict[str, CalibrationJson]:
     """The member's calibrations from ``python -m numalign.replay.ensemble_member`` in a
     subprocess whose environment carries its settings (``subprocess.run`` ends it if this
     process is interrupted, so no member outlives a capture)."""
@@ -275,7 +275,7 @@ def _run_in_subprocess(
                 f"{tail}\nname other members with --calibrate-with, or --calibrate-with none "
                 "for the reference alone"
             )
-        data: dict[str, Calibration] = json.loads(out.read_text(encoding="utf-8"))
+        data: dict[str, CalibrationJson] = json.loads(out.read_text(encoding="utf-8"))
         return data
 
 
@@ -286,14 +286,14 @@ def run_members(
     trust_remote_code: bool = False,
     placement: Placement | None = None,
     step: Callable[[str], None] | None = None,
-) -> list[tuple[Member, dict[str, Calibration]]]:
+) -> list[tuple[Member, dict[str, CalibrationJson]]]:
     """Each (member, dtypes)'s calibrations, in order, one member at a time: members use
     every core they are given (torch's threads), and members run side by side oversubscribe
     them (measured on 2 cores: 3.7x slower than one after another). A member that fails
     raises EnsembleError."""
     from numalign.replay.ensemble_member import calibrate_member
 
-    results: list[tuple[Member, dict[str, Calibration]]] = []
+    results: list[tuple[Member, dict[str, CalibrationJson]]] = []
     for member, dtypes in members:
         if step is not None:
             step(f"calibrating {', '.join(dtypes)}: {describe(member)}")
@@ -337,7 +337,7 @@ def calibrate_set(
         for m in members
         if placement is None or m.in_process
     ]
-    tables: dict[str, list[Calibration]] = {d: [] for d in dtypes}
+    tables: dict[str, list[CalibrationJson]] = {d: [] for d in dtypes}
     ran: dict[str, list[str]] = {d: [] for d in dtypes}
     for member, result in run_members(
         [(m, d) for m, d in planned if d], golden.path, trust_remote_code=trust_remote_code,
@@ -351,10 +351,10 @@ def calibrate_set(
             merged = merge(tables[dtype])
             if dtype == golden.reference.dtype:
                 with_exact_reference(merged)
-            golden.write_calibration(dtype, merged, members=ran[dtype])
+            golden.write_calibration(dtype, calibration_from_json(merged), members=ran[dtype])
 
 
-def with_exact_reference(calibration: Calibration) -> None:
+def with_exact_reference(calibration: CalibrationJson) -> None:
     """The reference's own dtype, where the reference member does not run (its error is zero
     by construction): the leans' ranges take in its lean, zero, since replaying the reference
     exactly is honest (members that reorder float32 sums lean by 1e-8, and an exact replay

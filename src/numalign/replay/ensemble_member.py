@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from numalign.golden.manifest import Calibration
+from numalign.golden.manifest import CalibrationJson
 from numalign.golden.store import GoldenSet
 from numalign.replay.calibrate import calibrate
 
@@ -29,7 +29,7 @@ def calibrate_member(
     trust_remote_code: bool,
     *,
     placement: Placement | None = None,
-) -> dict[str, Calibration]:
+) -> dict[str, CalibrationJson]:
     """{dtype: calibration} of the set at ``golden_path`` with ``threads`` (None: as set) and
     ``attn_implementation`` (None: the set's own)."""
     import torch
@@ -40,7 +40,7 @@ def calibrate_member(
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
-    tables: dict[str, Calibration] = {}
+    tables: dict[str, CalibrationJson] = {}
     try:
         for dtype in dtypes:
             try:

@@ -13,11 +13,12 @@ upstream noise leans the outputs there).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from numalign.compare import CompareResult, Metrics
+from numalign.compare.calibration import ControlStats
 from numalign.compare.lean import Lean, LeanSums, judge_lean, lean_uses
-from numalign.replay.verdict import PointResult, label
+from numalign.compare.model_verdict import PointResult, label
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +55,7 @@ class PointLeans:
         for (point, path), sums in self.sums.items():
             calibration = self.golden.calibrated(self.dtype, point, path, "isolated")
             measured = sums.finish()
-            if not calibration or measured is None or calibration.get("scale_low") is None:
+            if calibration is None or measured is None or calibration.scale_low is None:
                 continue
             order, finished = self.first[(point, path)]
             result = lean_result(label(point, path), self.dtype, measured, calibration,
@@ -70,14 +71,14 @@ _RANGE = ("scale_low", "scale_high", "offset_low", "offset_high", "channel_scale
 
 
 def lean_result(
-    name: str, dtype: str, measured: Lean, calibration: dict[str, Any], reduction: int = 1
+    name: str, dtype: str, measured: Lean, calibration: ControlStats, reduction: int = 1
 ) -> CompareResult:
     """The lean rule's verdict on one pooled output, as a comparison's result (rule
     ``distribution``): the honest range and the measured leans in ``budget``, the most
     significant lean beyond the range as the reason."""
     finding = judge_lean(measured, calibration, dtype, reduction)
     used = max(lean_uses(measured, calibration, dtype, reduction), default=0.0)
-    budget = {k: float(v) for k in _RANGE if (v := calibration.get(k)) is not None}
+    budget = {k: float(v) for k in _RANGE if (v := getattr(calibration, k)) is not None}
     budget |= {
         "lean_scale": measured.scale, "lean_scale_se": measured.scale_se,
         "lean_offset": measured.offset, "lean_offset_se": measured.offset_se,

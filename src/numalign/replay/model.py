@@ -2,19 +2,32 @@
 against the isolated calibration) and full-model replay (every point as the whole model runs,
 against the accumulated calibration), the model's own outputs (logits, or an encoder's hidden
 states), the greedy continuation, and the first divergence, located. Results are the objects
-of ``numalign.replay.verdict``."""
+of ``numalign.compare.model_verdict``, judged there against controls from
+``compare.calibration``."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from numalign.compare import CompareResult, ControlErrors, compare
-from numalign.compare.logits import logits_stats
+from numalign.compare import CompareResult, compare
+from numalign.compare.calibration import control_for
+from numalign.compare.logits import near_tie
+from numalign.compare.model_verdict import (
+    ContinuationResult,
+    Divergence,
+    ModelVerdict,
+    PointResult,
+    ReplayUnsupported,
+    compare_point,
+    first_divergence,
+    judge_logits,
+    label,
+    logit_transform,
+)
 from numalign.golden.manifest import OUTPUT_POINT, Continuation, GoldenSetError
 from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import DEFAULT_SETS, discover_sets
@@ -23,15 +36,6 @@ from numalign.replay.layer import AloneUnsupported, kept_positions, replay_call,
 from numalign.replay.leans import PointLeans
 from numalign.replay.observe import observe
 from numalign.replay.shards import whole
-from numalign.replay.verdict import (
-    ContinuationResult,
-    Divergence,
-    LogitsResult,
-    ModelVerdict,
-    PointResult,
-    first_divergence,
-    label,
-)
 from numalign.runtime.compiled import CompiledModel, compile_model, take_stats
 from numalign.runtime.variant import Variant
 
@@ -45,102 +49,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Control:
-    """A point's control in one dtype, from the set's calibration: its errors (budget and
-    distribution), the reduction length behind the point, and for logits the control's KL."""
-
-    errors: ControlErrors
-    reduction: int
-    kl_max: float | None = None
-    calibrated: bool = True
-    #: the point runs inside the whole model (accumulated, decode, the model's outputs):
-    #: honest differences upstream reach it
-    propagated: bool = False
-
-
-def control_for(
-    golden: GoldenSet, dtype: str, point: str, path: str, mode: str, hidden: int, depth: int
-) -> Control:
-    """The control of a point's output in ``dtype`` (the set's calibration), and the
-    reduction length behind it (the hidden size; times the depth for accumulated points).
-
-    A dtype finer than the calibrated 16-bit ones (float32, float64) is also judged by the
-    closest of those (float16, else bfloat16), scaled, and the control is the worse of that
-    and its own ensemble calibration (where the set has one). The reference model amplifies
-    an error the same way in every dtype (linear error propagation), so what matters is the
-    error each operation makes. A float16 kernel (float32 accumulation, one rounding) errs by
-    about one float16 rounding; a float32 kernel that sums a reduction of length K in another
-    order (a fused norm, other threads, another device) errs by up to sqrt(K) float32
-    roundings. The borrowed errors therefore scale by s = 2**-13 * sqrt(hidden) (the ratio of
-    unit roundoffs times the reduction's walk); errors and the norm ratio's deviation from 1
-    by s, 1 - cosine and KL, quadratic in the error, by s**2. The ensemble samples the
-    kernels it can select (instruction sets, threads, attention); the scaled bound covers an
-    implementation that reorders every reduction, which no member does (an honest fused
-    RMSNorm swapped into tiny-qwen3-next in float32 erred 8.7x the ensemble's worst)."""
-    propagated = mode in ("accumulated", "output", "decode")
-    reduction = hidden * (depth if propagated else 1)
-    own = _calibration(golden, dtype, point, path, mode)
-    candidates = [_scaled(own, 1.0)] if own is not None else []
-    borrowed = _borrowed(golden, dtype, point, path, mode, hidden)
-    if borrowed is not None:
-        candidates.append(borrowed)
-    if not candidates:
-        return Control(ControlErrors(max_abs=0.0, rel_l2=0.0), reduction, calibrated=False)
-    errors = [c for c, _ in candidates]
-    kls = [kl for _, kl in candidates if kl is not None]
-    norms = [e.norm_ratio for e in errors if e.norm_ratio is not None]
-    zeros = [e.zero_fraction for e in errors if e.zero_fraction is not None]
-    return Control(
-        ControlErrors(
-            max_abs=max(e.max_abs for e in errors),
-            rel_l2=max(e.rel_l2 for e in errors),
-            cosine=min(e.cosine for e in errors),
-            norm_ratio=max(norms, key=lambda v: abs(v - 1.0)) if norms else None,
-            zero_fraction=max(zeros) if zeros else None,
-        ),
-        reduction,
-        kl_max=max(kls) if kls else None,
-        propagated=propagated,
-    )
-
-
-def _borrowed(
-    golden: GoldenSet, dtype: str, point: str, path: str, mode: str, hidden: int
-) -> tuple[ControlErrors, float | None] | None:
-    """The closest 16-bit calibration scaled to ``dtype`` (see ``control_for``), for dtypes
-    finer than it; None for the 16-bit dtypes themselves or where neither is calibrated."""
-    from numalign.compare.tolerances import FLOAT_FORMATS
-
-    if dtype not in FLOAT_FORMATS or dtype in ("float16", "bfloat16"):
-        return None
-    for source in ("float16", "bfloat16"):
-        stats = _calibration(golden, source, point, path, mode)
-        if stats is not None:
-            roundoff = 2.0 ** (FLOAT_FORMATS[source][0] - FLOAT_FORMATS[dtype][0])
-            return _scaled(stats, roundoff * math.sqrt(hidden) if roundoff < 1 else roundoff)
-    return None
-
-
-def _scaled(stats: Any, scale: float) -> tuple[ControlErrors, float | None]:
-    """A calibration's statistics as the control's errors (scaled by ``scale``) and KL."""
-    norm_ratio = stats.get("norm_ratio")
-    kl = stats.get("kl_max")
-    errors = ControlErrors(
-        max_abs=float(stats["max_abs"]) * scale,
-        rel_l2=float(stats["rel_l2"] or 0.0) * scale,
-        cosine=1.0 - (1.0 - float(stats.get("cosine") or 1.0)) * scale**2,
-        norm_ratio=None if norm_ratio is None else 1.0 + (float(norm_ratio) - 1.0) * scale,
-        zero_fraction=stats.get("zero_fraction"),
-    )
-    return errors, None if kl is None else float(kl) * scale**2
-
-
-def _calibration(golden: GoldenSet, dtype: str, point: str, path: str, mode: str) -> Any:
-    # the model's own outputs are calibrated as the whole model runs
-    return golden.calibrated(dtype, point, path, "accumulated" if mode == "output" else mode)
-
-
 def hidden_and_depth(model: Any) -> tuple[int, int]:
     config = (
         model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -148,60 +56,6 @@ def hidden_and_depth(model: Any) -> tuple[int, int]:
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 1
     depth = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 1
     return int(hidden), int(depth)
-
-
-def compare_point(
-    actual: torch.Tensor, expected: torch.Tensor, name: str, control: Control, policy: Any
-) -> CompareResult:
-    actual = whole(actual, tuple(expected.shape))  # a tensor-parallel rank's shard
-    if not expected.is_floating_point():
-        return compare(actual, expected, name=name)
-    if not control.calibrated:  # a budget without a control would be one ulp
-        dtype = str(actual.dtype).removeprefix("torch.")
-        raise Uncalibrated(
-            f"{name}: the golden set has no calibration of it in {dtype} (captured with "
-            f"--calibrate '' or without {dtype}): not judged, since a budget without a control "
-            "would be one ulp and the tolerance table is not made for whole modules; capture "
-            f"it again with --calibrate {dtype}"
-        )
-    reach = chance_zero_reach(control.errors, expected, str(actual.dtype).removeprefix("torch."))
-    return compare(actual, expected, control_errors=control.errors,
-                   reduction_length=control.reduction, op_class="matmul", name=name,
-                   policy=policy, zero_reach=reach, propagated=control.propagated)  # fmt: skip
-
-
-def chance_zero_reach(errors: ControlErrors, expected: torch.Tensor, dtype: str) -> float | None:
-    """How far from zero the reference may lie where an honest candidate lands exactly on
-    zero: the control's worst error plus one rounding (ulp in ``dtype``) of the output's
-    largest magnitude (None where the dtype or the output gives no scale).
-
-    A model's outputs are sums rounded to the dtype (a residual add, a row-parallel
-    all-reduce of partial sums, a fused kernel's accumulation). An honest candidate's value
-    before that last rounding is the reference plus its honest error (at most the ensemble's
-    worst, ``errors.max_abs``); where that sum is smaller than one rounding of the addends, the
-    rounded sum lands exactly on zero (``a + b == 0`` in bfloat16). The reference in float32
-    almost never does, each honest implementation at other places. Those zeros are chance;
-    the output's largest magnitude stands for the addends' scale. Zeros where the reference
-    lies beyond the reach (a zeroed tile or row) still fail, counted position by position."""
-    from numalign.compare.tolerances import FLOAT_FORMATS
-
-    if dtype not in FLOAT_FORMATS or not expected.numel():
-        return None
-    largest = float(expected.abs().max())
-    if largest == 0 or not math.isfinite(largest):
-        return None
-    ulp = 2.0 ** (math.floor(math.log2(largest)) - FLOAT_FORMATS[dtype][0])
-    return ulp + (errors.max_abs if math.isfinite(errors.max_abs) else 0.0)
-
-
-class ReplayUnsupported(RuntimeError):
-    """transformers cannot load this model with the asked-for implementation (Gemma 2 has
-    no SDPA path, say): the replay is skipped with transformers' reason."""
-
-
-class Uncalibrated(ReplayUnsupported):
-    """The set has no calibration of a point in the replay's dtype (``--calibrate ''``): the
-    replay is skipped with that reason, never judged against a budget of one ulp."""
 
 
 @dataclass
@@ -367,7 +221,9 @@ def replay_layer(
                 expected = kept_positions(golden.tensor(key), mask)
                 control = control_for(golden, dtype, point.name, path, "isolated", hidden, depth)
                 actual = kept_positions(actual.detach(), mask)
-                result = compare_point(actual, expected, label(point.name, path), control, policy)
+                gathered = whole(actual, tuple(expected.shape))  # a tensor-parallel shard
+                result = compare_point(gathered, expected, label(point.name, path), control,
+                                       policy)  # fmt: skip
                 results.append(PointResult(point.name, point.order, request, path, result,
                                            mode="isolated", call=index))  # fmt: skip
                 leans.add(point.name, path, actual, expected, point.order, len(results))
@@ -396,6 +252,7 @@ def replay_model(
             point: str, path: str, actual: Any, expected: Any, call: int, name: str = name
         ) -> None:
             control = control_for(golden, dtype, point, path, "accumulated", hidden, depth)
+            actual = whole(actual, tuple(expected.shape))  # a tensor-parallel rank's shard
             result = compare_point(actual, expected, label(point, path), control, policy)
             verdict.points.append(
                 PointResult(point, points[point].order, name, path, result,
@@ -424,11 +281,13 @@ def replay_model(
             expected = kept_positions(golden.tensor(key), mask)
             control = control_for(golden, dtype, OUTPUT_POINT, output, "output", hidden, depth)
             if output == "logits":
-                judged = judge_logits(name, actual.to(torch_dtype), expected, control, policy)
+                logits = whole(actual.to(torch_dtype), tuple(expected.shape))
+                judged = judge_logits(name, logits, expected, control, policy)
                 verdict.logits.append(judged)
                 logits_budget = judged.values.budget.get("max_abs", 0.0) if judged.values else 0.0
                 continue
-            result = compare_point(actual.to(torch_dtype), expected, output, control, policy)
+            final = whole(actual.to(torch_dtype), tuple(expected.shape))
+            result = compare_point(final, expected, output, control, policy)
             verdict.outputs.append(PointResult(output, len(points), name, "0", result, "output"))
         continuation = golden.continuation(name)
         if continuation is not None and logits_budget > 0:
@@ -480,6 +339,7 @@ def locate(
 
     def judge(path: str, actual: Any, expected: Any) -> CompareResult:
         control = control_for(golden, dtype, failing.point, path, "isolated", hidden, depth)
+        actual = whole(actual, tuple(expected.shape))  # a tensor-parallel rank's shard
         return compare_point(actual, expected, label(failing.point, path), control, policy)
 
     faulty = input_at_fault(golden, model, failing.point, failing.request, failing.call,
@@ -528,10 +388,6 @@ def _failing_upstream(
     return None
 
 
-#: Config attributes of a transform models apply to their logits after the LM head.
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
 @contextmanager
 def _no_masks(*args: Any) -> Iterator[None]:
     """A compiled model's masks are inside its graph: not judged."""
@@ -542,58 +398,6 @@ def _torch_dtype(dtype: str) -> torch.dtype:
     import torch
 
     return getattr(torch, dtype)  # type: ignore[no-any-return]
-
-
-def logit_transform(config: Any) -> str:
-    """What the model does to its logits after the LM head, from its config (soft-capping,
-    scaling), for a divergence that only the logits show."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    found = [
-        f"{name} {value}"
-        for name in LOGIT_TRANSFORMS
-        if (value := getattr(text, name, None)) not in (None, 1, 1.0)
-    ]
-    where = f" ({', '.join(found)})" if found else " (the config names none)"
-    return (
-        "every capture point is within budget and the logits are not: the fault is after the "
-        f"LM head, in the model's final logit transform{where}"
-    )
-
-
-def judge_logits(
-    request: str,
-    actual: torch.Tensor,
-    expected: torch.Tensor,
-    control: Control,
-    policy: Any = None,
-) -> LogitsResult:
-    """One request's logits ([kept positions, vocab]) against the golden ones: values within
-    the calibrated budget, top-1 and top-5 differences only among near ties (golden logits
-    within twice the max-abs budget: each of two logits may move by the budget), and KL at
-    most the squared spread of the budget times the control's KL plus a rounding floor."""
-    from numalign.compare.tolerances import DEFAULT_POLICY, FLOAT_FORMATS
-
-    if not control.calibrated or control.kl_max is None:
-        return LogitsResult(
-            request, None, None,
-            skipped="the golden set has no logits calibration in this dtype (captured with "
-            "--calibrate '' or without it, or by an older numalign): capture it again with "
-            "--calibrate DTYPE to judge the logits",
-        )  # fmt: skip
-    values = compare_point(actual, expected, "logits", control, policy)
-    near_tie = 2.0 * float(values.budget.get("max_abs", 0.0))
-    stats = logits_stats(actual.flatten(0, -2), expected.flatten(0, -2), near_tie)
-    dtype = str(actual.dtype).removeprefix("torch.")
-    spread = (policy or DEFAULT_POLICY).budget("logits", dtype, None).rel_l2_multiplier
-    largest = float(expected.abs().max()) if expected.numel() else 0.0
-    ulp = 2.0 ** (math.floor(math.log2(largest)) - FLOAT_FORMATS[dtype][0]) if largest > 0 else 0.0
-    # KL of two roundings of every logit: at most (2 * ulp / 2)**2 / 2; and the KL's own
-    # float64 evaluation, a sum over the vocabulary of p * (log p - log q) terms whose
-    # roundings reach about eps64 times the entropy (at most log(vocab)) plus one
-    vocab = int(expected.shape[-1]) if expected.dim() else 1
-    evaluation = 2.0**-52 * (math.log(max(vocab, 1)) + 1.0)
-    kl_budget = spread**2 * control.kl_max + ulp**2 / 2 + evaluation
-    return LogitsResult(request, values, stats, kl_budget)
 
 
 def continuation_agreement(
@@ -625,7 +429,7 @@ def continuation_agreement(
                 gap = float(gaps.max())
             # teacher-force the golden token, so later steps compare like with like
             state = append_token(state, tokens[:, step : step + 1].to(state["input_ids"].device))
-    return ContinuationResult(request, steps, first, gap, 2.0 * logits_budget)
+    return ContinuationResult(request, steps, first, gap, near_tie(logits_budget))
 
 
 def suite_sets(root: Path, extra: Sequence[Path], *, only: bool = False) -> list[Path]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign.replay.decode import DecodeVerdict, decode_unavailable, replay_decode
+from numalign.compare.decode_verdict import DecodeVerdict
+from numalign.replay.decode import decode_unavailable, replay_decode
 from numalign.replay.decode_locate import locate_decode
 from numalign.replay.model import ModelCache, open_fresh
 from numalign.replay.paged import PAGED_ATTENTION, PagedUnsupported, paged_divergence
@@ -59,7 +60,7 @@ def _paged_model(
     """The model the paged engine serves: with the session's attention implementation, else
     SDPA (``paged|sdpa``), else, for models without an SDPA path, the set's own (eager, which
     the engine runs as ``paged|eager``)."""
-    from numalign.replay.model import ReplayUnsupported
+    from numalign.compare.model_verdict import ReplayUnsupported
 
     if settings.attn_implementation:
         return cache.model_for(golden, settings, device, dtype)

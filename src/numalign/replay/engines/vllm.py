@@ -27,9 +27,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from numalign.compare.calibration import control_for
+from numalign.compare.decode_verdict import DecodeVerdict
+from numalign.compare.model_verdict import (
+    Divergence,
+    ModelVerdict,
+    PointResult,
+    compare_point,
+    first_divergence,
+    judge_logits,
+    label,
+)
 from numalign.golden.manifest import OUTPUT_POINT
 from numalign.golden.requests import unservable
-from numalign.replay.decode import DecodeVerdict, decode_unavailable
+from numalign.replay.decode import decode_unavailable
 from numalign.replay.engines import Replayed
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
 from numalign.replay.engines.vllm_points import (
@@ -42,14 +53,7 @@ from numalign.replay.engines.vllm_points import (
 )
 from numalign.replay.layer import kept_positions, request_mask
 from numalign.replay.leans import PointLeans
-from numalign.replay.model import (
-    compare_point,
-    control_for,
-    hidden_and_depth,
-    judge_logits,
-    open_fresh,
-)
-from numalign.replay.verdict import Divergence, ModelVerdict, PointResult, first_divergence, label
+from numalign.replay.model import hidden_and_depth, open_fresh
 from numalign.runtime.variant import Variant
 
 if TYPE_CHECKING:

@@ -1,0 +1,220 @@
+"""A golden set's calibration as typed objects, and the control a model verdict takes from it.
+
+The calibration (DESIGN.md, rule 3) is the honest ensemble's error in one dtype, per capture
+point (or ``(output)``, ``(cache)``), per output path, per mode (``isolated``, ``accumulated``,
+``decode``): ``ControlStats``. ``golden.manifest`` reads and writes it (the JSON's key order
+kept, so a manifest read and written again is the same bytes); the types live here, so that
+the verdict needs nothing above ``compare`` and ``golden`` imports them.
+
+``control_for`` turns a point's statistics into the ``Control`` its comparison is judged
+against: its own ensemble's, and for a dtype finer than the calibrated 16-bit ones the
+closest of those, scaled (``BORROWED_CALIBRATIONS``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Protocol
+
+from numalign.compare.metrics import ControlErrors
+from numalign.compare.tolerances import (
+    BORROWED_CALIBRATIONS,
+    BORROWED_REDUCTION_WALK,
+    FLOAT_FORMATS,
+)
+
+#: The modes a point is calibrated in.
+MODES = ("isolated", "accumulated", "decode")
+#: The calibration's name for the model's own outputs (logits, an encoder's hidden states).
+OUTPUT_POINT = "(output)"
+#: The calibration's name for the KV cache's contents (per layer: keys, values, states).
+CACHE_POINT = "(cache)"
+
+
+@dataclass(frozen=True)
+class ControlStats:
+    """The calibration of one point output in one mode and dtype: the worst over requests,
+    calls (and decode steps) and the ensemble's members. None: not measured (older sets), or
+    not finite. ``keys`` is the order the statistics were stored in (written back as read);
+    ``extra`` holds statistics this numalign does not know (kept, never judged)."""
+
+    #: errors against the golden values (the largest)
+    max_abs: float | None = None
+    rel_l2: float | None = None
+    mean_abs: float | None = None
+    ulp_p99: float | None = None
+    max_expected: float | None = None
+    #: the control's distribution: the lowest cosine, the norm ratio farthest from 1, the
+    #: largest fraction of exact zeros, non-finite values beyond the golden ones
+    cosine: float | None = None
+    norm_ratio: float | None = None
+    zero_fraction: float | None = None
+    nonfinite: float | None = None
+    #: the logits' agreement (``(output)``, ``logits``): KL and unexplained top-1/top-5
+    kl_max: float | None = None
+    top1_unexplained: float | None = None
+    top5_unexplained: float | None = None
+    #: the range of the isolated errors' leans (``compare.lean``)
+    scale_low: float | None = None
+    scale_high: float | None = None
+    offset_low: float | None = None
+    offset_high: float | None = None
+    channel_scale: float | None = None
+    channel_offset: float | None = None
+    #: the ensemble: the worst over the smallest member's, and the members' count
+    max_abs_spread: float | None = None
+    rel_l2_spread: float | None = None
+    members: float | None = None
+    extra: Mapping[str, float | None] = field(default_factory=dict)
+    keys: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, values: Mapping[str, float | None]) -> ControlStats:
+        """The statistics of ``values`` (as the calibration measured or stored them)."""
+        known = {f.name for f in fields(cls)} - {"extra", "keys"}
+        return cls(
+            **{k: v for k, v in values.items() if k in known},
+            extra={k: v for k, v in values.items() if k not in known},
+            keys=tuple(values),
+        )
+
+    def values(self) -> dict[str, float | None]:
+        """Every statistic by name, in the order stored."""
+        order = self.keys or tuple(
+            f.name
+            for f in fields(self)
+            if f.name not in ("extra", "keys") and getattr(self, f.name) is not None
+        )
+        return {k: self.extra[k] if k in self.extra else getattr(self, k) for k in order}
+
+    def lean_range(self, lean: str) -> tuple[float, float] | None:
+        """The honest range of ``lean`` (``scale``, ``offset``); None where not measured."""
+        low, high = getattr(self, f"{lean}_low"), getattr(self, f"{lean}_high")
+        return None if low is None or high is None else (float(low), float(high))
+
+
+@dataclass
+class Calibration:
+    """One dtype's calibration: ``points[point][output path][mode]``, in the order stored."""
+
+    points: dict[str, dict[str, dict[str, ControlStats]]] = field(default_factory=dict)
+
+    def stats(self, point: str, path: str, mode: str) -> ControlStats | None:
+        """The statistics of one point output and mode (None where the set has none)."""
+        return self.points.get(point, {}).get(path, {}).get(mode)
+
+    def entries(self) -> Iterator[tuple[str, str, str, ControlStats]]:
+        """(point, output path, mode, statistics) of every entry, in the order stored."""
+        for point, outputs in self.points.items():
+            for path, modes in outputs.items():
+                for mode, stats in modes.items():
+                    yield point, path, mode, stats
+
+
+class Calibrated(Protocol):
+    """What holds a calibration (a ``GoldenSet``): one point output's statistics by dtype
+    and mode, None where it has none (or its max abs is not finite)."""
+
+    def calibrated(self, dtype: str, point: str, path: str, mode: str) -> ControlStats | None:
+        """The statistics, or None."""
+        ...
+
+
+@dataclass(frozen=True)
+class Control:
+    """A point's control in one dtype, from the set's calibration: its errors (budget and
+    distribution), the reduction length behind the point, and for logits the control's KL."""
+
+    errors: ControlErrors
+    reduction: int
+    kl_max: float | None = None
+    calibrated: bool = True
+    #: the point runs inside the whole model (accumulated, decode, the model's outputs):
+    #: honest differences upstream reach it
+    propagated: bool = False
+
+
+def control_for(
+    golden: Calibrated, dtype: str, point: str, path: str, mode: str, hidden: int, depth: int
+) -> Control:
+    """The control of a point's output in ``dtype`` (the set's calibration), and the
+    reduction length behind it (the hidden size; times the depth for accumulated points).
+
+    A dtype finer than the calibrated 16-bit ones (float32, float64) is also judged by the
+    closest of those (``BORROWED_CALIBRATIONS``), scaled, and the control is the worse of
+    that and its own ensemble calibration (where the set has one). The reference model
+    amplifies an error the same way in every dtype (linear error propagation), so what
+    matters is the error each operation makes. A float16 kernel (float32 accumulation, one
+    rounding) errs by about one float16 rounding; a float32 kernel that sums a reduction of
+    length K in another order (a fused norm, other threads, another device) errs by up to
+    sqrt(K) float32 roundings. The borrowed errors therefore scale by s = 2**-13 *
+    sqrt(hidden) (the ratio of unit roundoffs times the reduction's walk); errors and the
+    norm ratio's deviation from 1 by s, 1 - cosine and KL, quadratic in the error, by s**2.
+    The ensemble samples the kernels it can select (instruction sets, threads, attention);
+    the scaled bound covers an implementation that reorders every reduction, which no member
+    does (an honest fused RMSNorm swapped into tiny-qwen3-next in float32 erred 8.7x the
+    ensemble's worst)."""
+    propagated = mode in ("accumulated", "output", "decode")
+    reduction = hidden * (depth if propagated else 1)
+    own = _calibration(golden, dtype, point, path, mode)
+    candidates = [_scaled(own, 1.0)] if own is not None else []
+    borrowed = _borrowed(golden, dtype, point, path, mode, hidden)
+    if borrowed is not None:
+        candidates.append(borrowed)
+    if not candidates:
+        return Control(ControlErrors(max_abs=0.0, rel_l2=0.0), reduction, calibrated=False)
+    errors = [c for c, _ in candidates]
+    kls = [kl for _, kl in candidates if kl is not None]
+    norms = [e.norm_ratio for e in errors if e.norm_ratio is not None]
+    zeros = [e.zero_fraction for e in errors if e.zero_fraction is not None]
+    return Control(
+        ControlErrors(
+            max_abs=max(e.max_abs for e in errors),
+            rel_l2=max(e.rel_l2 for e in errors),
+            cosine=min(e.cosine for e in errors),
+            norm_ratio=max(norms, key=lambda v: abs(v - 1.0)) if norms else None,
+            zero_fraction=max(zeros) if zeros else None,
+        ),
+        reduction,
+        kl_max=max(kls) if kls else None,
+        propagated=propagated,
+    )
+
+
+def _borrowed(
+    golden: Calibrated, dtype: str, point: str, path: str, mode: str, hidden: int
+) -> tuple[ControlErrors, float | None] | None:
+    """The closest 16-bit calibration scaled to ``dtype`` (see ``control_for``), for dtypes
+    finer than it; None for the 16-bit dtypes themselves or where neither is calibrated."""
+    if dtype not in FLOAT_FORMATS or dtype in BORROWED_CALIBRATIONS:
+        return None
+    for source in BORROWED_CALIBRATIONS:
+        stats = _calibration(golden, source, point, path, mode)
+        if stats is not None:
+            roundoff = 2.0 ** (FLOAT_FORMATS[source][0] - FLOAT_FORMATS[dtype][0])
+            # sqrt(hidden) ** 1.0 is sqrt(hidden) exactly: the default walk rounds as before
+            walk = math.sqrt(hidden) ** (2 * BORROWED_REDUCTION_WALK)
+            return _scaled(stats, roundoff * walk if roundoff < 1 else roundoff)
+    return None
+
+
+def _scaled(stats: ControlStats, scale: float) -> tuple[ControlErrors, float | None]:
+    """A calibration's statistics as the control's errors (scaled by ``scale``) and KL."""
+    norm_ratio, kl = stats.norm_ratio, stats.kl_max
+    errors = ControlErrors(
+        max_abs=float(stats.max_abs) * scale,  # type: ignore[arg-type]
+        rel_l2=float(stats.rel_l2 or 0.0) * scale,
+        cosine=1.0 - (1.0 - float(stats.cosine or 1.0)) * scale**2,
+        norm_ratio=None if norm_ratio is None else 1.0 + (float(norm_ratio) - 1.0) * scale,
+        zero_fraction=stats.zero_fraction,
+    )
+    return errors, None if kl is None else float(kl) * scale**2
+
+
+def _calibration(
+    golden: Calibrated, dtype: str, point: str, path: str, mode: str
+) -> ControlStats | None:
+    # the model's own outputs are calibrated as the whole model runs
+    return golden.calibrated(dtype, point, path, "accumulated" if mode == "output" else mode)
