@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from numalign import dtypes
 from numalign.compare.tolerances import (
     FLOAT_FORMATS,
     TAIL_EXCEEDANCE,
@@ -131,14 +132,12 @@ class ControlErrors:
         )  # fmt: skip
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
+dtype_name = dtypes.dtype_name
 
 
 def float_format(dtype: torch.dtype) -> tuple[int, int] | None:
     """(mantissa bits, log2 of the smallest subnormal) of a floating dtype; None otherwise."""
-    return FLOAT_FORMATS.get(str(dtype).removeprefix("torch."))
+    return FLOAT_FORMATS.get(dtypes.dtype_name(dtype))
 
 
 def unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:

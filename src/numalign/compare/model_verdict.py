@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from numalign import dtypes
 from numalign.compare.calibration import Control
 from numalign.compare.core import compare
 from numalign.compare.logits import LogitsStats, kl_budget, logits_stats, near_tie
@@ -50,14 +51,14 @@ def compare_point(
     if not expected.is_floating_point():
         return compare(actual, expected, name=name)
     if not control.calibrated:  # a budget without a control would be one ulp
-        dtype = str(actual.dtype).removeprefix("torch.")
+        dtype = dtypes.dtype_name(actual.dtype)
         raise Uncalibrated(
             f"{name}: the golden set has no calibration of it in {dtype} (captured with "
             f"--calibrate '' or without {dtype}): not judged, since a budget without a control "
             "would be one ulp and the tolerance table is not made for whole modules; capture "
             f"it again with --calibrate {dtype}"
         )
-    reach = chance_zero_reach(control.errors, expected, str(actual.dtype).removeprefix("torch."))
+    reach = chance_zero_reach(control.errors, expected, dtypes.dtype_name(actual.dtype))
     return compare(actual, expected, control_errors=control.errors,
                    reduction_length=control.reduction, op_class="matmul", name=name,
                    policy=policy, zero_reach=reach, propagated=control.propagated)  # fmt: skip
@@ -110,7 +111,7 @@ def judge_logits(
     thresholds = (policy or DEFAULT_POLICY).thresholds
     tie = near_tie(float(values.budget.get("max_abs", 0.0)), thresholds)
     stats = logits_stats(actual.flatten(0, -2), expected.flatten(0, -2), tie)
-    dtype = str(actual.dtype).removeprefix("torch.")
+    dtype = dtypes.dtype_name(actual.dtype)
     spread = (policy or DEFAULT_POLICY).budget("logits", dtype, None).rel_l2_multiplier
     largest = float(expected.abs().max()) if expected.numel() else 0.0
     ulp = 2.0 ** (math.floor(math.log2(largest)) - FLOAT_FORMATS[dtype][0]) if largest > 0 else 0.0

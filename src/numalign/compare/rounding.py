@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from numalign import dtypes
 from numalign.compare.budgets import Decision, RoundingBudget
 from numalign.compare.metrics import Metrics, compute_metrics, dtype_name
 from numalign.compare.result import CompareResult
@@ -323,7 +324,7 @@ def _decode_codes(q: torch.Tensor, codes: str | None) -> tuple[torch.Tensor, str
     if fmt == own:
         decoded = q
     elif fmt in FLOAT_FORMATS and q.dtype == torch.uint8:
-        decoded = q.view(getattr(torch, fmt))
+        decoded = q.view(dtypes.torch_dtype(fmt))
     else:
         bits = " (or its bit patterns as uint8)" if fmt in FLOAT_FORMATS else ""
         raise ValueError(f"the codes are {own}, not the declared {fmt}{bits}")
@@ -349,7 +350,7 @@ def _nearest(fmt: str | None, v: torch.Tensor) -> torch.Tensor:
 
     if fmt is None:
         return torch.round(v)
-    dtype = getattr(torch, fmt)
+    dtype = dtypes.torch_dtype(fmt)
     top = float(torch.finfo(dtype).max)
     return v.clamp(-top, top).to(dtype).to(torch.float64)
 

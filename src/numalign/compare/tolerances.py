@@ -269,16 +269,16 @@ SWAP_PROBE_EPS = 4.0
 class Thresholds:
     """The thresholds that do not depend on an operator or point name, each overridable in
     ``[tool.numalign.thresholds]`` of pyproject.toml (the constants above give the defaults
-    and their reasons): the logits' near tie and KL budget, the baseline diff's noise floor
-    (read by the session's report and ``numalign report``) and the swap adapter's probe
-    tolerance (read where a model's modules are swapped)."""
+    and their reasons): the logits' near tie and KL budget, and the baseline diff's noise
+    floor (read by the session's report and ``numalign report``). SWAP_PROBE_EPS is not
+    among them: it checks numalign's own adapter against the module it stands for, not a
+    candidate, and loosening it would only hide an adapter that tests the wrong thing."""
 
     near_tie_multiplier: float = NEAR_TIE_MULTIPLIER
     kl_spread_power: float = KL_SPREAD_POWER
     kl_rounding_floor: float = KL_ROUNDING_FLOOR
     kl_evaluation_roundoff: float = KL_EVALUATION_ROUNDOFF
     noise_floor: float = NOISE_FLOOR
-    swap_probe_eps: float = SWAP_PROBE_EPS
 
 
 def _threshold(value: Any, where: str) -> float:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from numalign import dtypes
 from numalign.golden.fingerprint import changed_files, fingerprint, settled_stat
 from numalign.golden.folders import MARKER, mark, marked, remove_abandoned, remove_written
 from numalign.golden.manifest import (
@@ -410,7 +411,7 @@ class ShardWriter:
         self._buffer_bytes += nbytes
         self.tensors[key] = TensorInfo(
             shard=self._shard_name(len(self.shards) + 1),
-            dtype=str(cpu.dtype).removeprefix("torch."),
+            dtype=dtypes.dtype_name(cpu.dtype),
             shape=list(cpu.shape),
             bytes=nbytes,
         )

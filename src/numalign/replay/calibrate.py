@@ -24,6 +24,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from numalign import dtypes
 from numalign.compare import compute_metrics
 from numalign.compare.lean import LeanSums
 from numalign.compare.logits import logits_stats
@@ -94,9 +95,8 @@ def calibrate(
     {point: {output path: {"isolated": stats, "accumulated": stats, "decode": stats}}} for
     ``dtype``; {OUTPUT_POINT: {output name: {"accumulated": stats, "decode": stats}}} for the
     model's own outputs; {CACHE_POINT: {state: {"decode": stats}}} for the KV cache."""
-    import torch
 
-    torch_dtype = getattr(torch, dtype)
+    torch_dtype = dtypes.torch_dtype(dtype)
     model = load_model(model_dir, dtype, attn_implementation=attn_implementation,
                        trust_remote_code=trust_remote_code, placement=placement)  # fmt: skip
     if placement is None:  # else accelerate placed it

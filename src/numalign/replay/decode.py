@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from numalign import dtypes
 from numalign.compare.calibration import control_for
 from numalign.compare.decode_verdict import DecodeVerdict
 from numalign.compare.model_verdict import PointResult, compare_point, judge_logits, label
@@ -165,7 +166,6 @@ def replay_decode(
     """Every request's cached decode with ``implementation`` (a KV cache, or ``paged``: the
     paged serving engine), each step's points, cache states and logits against the golden
     ones within the decode calibration."""
-    import torch
 
     from numalign.replay.paged import replay_paged_requests
 
@@ -179,7 +179,7 @@ def replay_decode(
                 verdict.unmapped[f"request {request}"] = reason
     else:
         for request in golden.decode_requests:
-            run_decode(golden, model, request, implementation, getattr(torch, dtype), device,
+            run_decode(golden, model, request, implementation, dtypes.torch_dtype(dtype), device,
                        on_pair)  # fmt: skip
     return verdict
 
@@ -192,11 +192,10 @@ def _judge(
     policy: Any,
 ) -> OnPair:
     """An ``OnPair`` that judges each pair within its decode calibration into ``verdict``."""
-    import torch
 
     hidden, depth = hidden_and_depth(model)
     order = {p.name: p.order for p in golden.points}
-    torch_dtype = getattr(torch, dtype)
+    torch_dtype = dtypes.torch_dtype(dtype)
 
     def on_pair(request: str, step: int, point: str, path: str, actual: Any,
                 expected: Any, call: int = 0) -> None:  # fmt: skip

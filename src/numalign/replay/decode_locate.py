@@ -22,6 +22,7 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from numalign import dtypes
 from numalign.compare.calibration import control_for
 from numalign.compare.model_verdict import DecodeLocation, compare_point, label
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
@@ -107,7 +108,6 @@ def _step_calls(
     """Every capture point's call at ``step`` of the request's decode, in completion order,
     with the inputs the replay fed it (a fresh decode with the same cache implementation;
     the paged engine's steps are revisited with the dynamic cache, its modules the same)."""
-    import torch
 
     found: list[_StepCall] = []
 
@@ -116,7 +116,7 @@ def _step_calls(
             found.append(_StepCall(point, index, detached(args), detached(kwargs), output))
 
     cache = "dynamic" if implementation == "paged" else implementation
-    run_decode(golden, model, request, cache, getattr(torch, dtype), device,
+    run_decode(golden, model, request, cache, dtypes.torch_dtype(dtype), device,
                lambda *a, **k: None, on_call=on_call)  # fmt: skip
     return found
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from numalign import dtypes
 from numalign.compare import CompareResult, compare
 from numalign.compare.calibration import control_for
 from numalign.compare.logits import near_tie
@@ -204,7 +205,6 @@ def replay_layer(
 ) -> list[PointResult]:
     """Every recorded call of ``point`` replayed alone; each output against the golden one
     within the isolated calibration's budget."""
-    import torch
 
     hidden, depth = hidden_and_depth(model)
     module = model.get_submodule(point.name)
@@ -213,7 +213,9 @@ def replay_layer(
     for request, calls in point.calls.items():
         mask = request_mask(golden, request)
         for index, call in enumerate(calls):
-            outputs = replay_call(module, golden, call, device=device, dtype=getattr(torch, dtype))
+            outputs = replay_call(
+                module, golden, call, device=device, dtype=dtypes.torch_dtype(dtype)
+            )
             for path, key in call.outputs.items():
                 actual = outputs.get(path)
                 if actual is None:  # e.g. attention weights, which only eager returns
@@ -238,7 +240,7 @@ def replay_model(
     greedy continuation, and the first divergence located (local or accumulated)."""
     import torch
 
-    torch_dtype = getattr(torch, dtype)
+    torch_dtype = dtypes.torch_dtype(dtype)
     hidden, depth = hidden_and_depth(model)
     points = {p.name: p for p in golden.points}
     verdict = ModelVerdict(points=[])
@@ -343,7 +345,7 @@ def locate(
         return compare_point(actual, expected, label(failing.point, path), control, policy)
 
     faulty = input_at_fault(golden, model, failing.point, failing.request, failing.call,
-                            judge, device, _torch_dtype(dtype))  # fmt: skip
+                            judge, device, dtypes.torch_dtype(dtype))  # fmt: skip
     keywords = [f for f in faulty or () if not f.name.startswith("args[")]
     if keywords:
         return Divergence(failing.point, "input", failing.request, failing.result,
@@ -392,12 +394,6 @@ def _failing_upstream(
 def _no_masks(*args: Any) -> Iterator[None]:
     """A compiled model's masks are inside its graph: not judged."""
     yield
-
-
-def _torch_dtype(dtype: str) -> torch.dtype:
-    import torch
-
-    return getattr(torch, dtype)  # type: ignore[no-any-return]
 
 
 def continuation_agreement(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from numalign import dtypes
 from numalign.compare.decode_verdict import DecodeVerdict
 from numalign.replay.decode import decode_unavailable, replay_decode
 from numalign.replay.decode_locate import locate_decode
@@ -111,7 +112,7 @@ def _unexplained(
     from numalign.replay.decode import run_decode
     from numalign.replay.paged import signature_model
 
-    torch_dtype = getattr(torch, dtype)
+    torch_dtype = dtypes.torch_dtype(dtype)
     model = signature_model(golden, dtype, device)
     errors: dict[tuple[str, int, str, str, int], tuple[float, float, float]] = {}
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from numalign import dtypes
 from numalign.compare.calibration import control_for
 from numalign.compare.decode_verdict import DecodeVerdict
 from numalign.compare.model_verdict import (
@@ -153,7 +154,7 @@ class VllmEngine:
         verdict = ModelVerdict(points=[])
         unmapped = _unmapped(running.mapping)
         hidden, depth = hidden_and_depth_of(running)
-        torch_dtype = _torch_dtype(dtype)
+        torch_dtype = dtypes.torch_dtype(dtype)
         for request in golden.requests:
             rows = _rows(golden, request.name)
             if rows is None:
@@ -216,7 +217,7 @@ class VllmEngine:
         verdict = DecodeVerdict(cache)
         unmapped = _unmapped(running.mapping)
         hidden, depth = hidden_and_depth_of(running)
-        torch_dtype = _torch_dtype(dtype)
+        torch_dtype = dtypes.torch_dtype(dtype)
         modules = {pm.point: pm.module for pm in running.mapping if pm.module is not None}
         order = {p.name: p.order for p in golden.points}
         for request in golden.decode_requests:
@@ -448,12 +449,6 @@ def hidden_and_depth_of(running: _Running) -> tuple[int, int]:
     return hidden, depth
 
 
-def _torch_dtype(dtype: str) -> Any:
-    import torch
-
-    return getattr(torch, dtype)
-
-
 def _rows(golden: GoldenSet, request: str) -> list[tuple[str, int]] | None:
     """The engine rows of a golden request: (row id, prompt length) per batch row; None for
     an image request (vLLM is served token ids only here)."""
@@ -476,8 +471,6 @@ def _kv_cache_bytes(golden: GoldenSet, dtype: str) -> int:
     KV_FLOOR_BYTES."""
     import json
 
-    import torch
-
     config = json.loads((golden.model_dir / "config.json").read_text(encoding="utf-8"))
     config = config.get("text_config", config)
     heads = int(config.get("num_attention_heads") or 1)
@@ -486,7 +479,7 @@ def _kv_cache_bytes(golden: GoldenSet, dtype: str) -> int:
     layers = int(config.get("num_hidden_layers") or 1)
     steps = _decode_steps(golden) + 1
     tokens = sum(-(-(n + steps) // 16) * 16 + 16 for n in _row_lengths(golden))
-    per_token = 2 * layers * kv_heads * head_dim * int(getattr(torch, dtype).itemsize)
+    per_token = 2 * layers * kv_heads * head_dim * int(dtypes.torch_dtype(dtype).itemsize)
     return max(KV_FLOOR_BYTES, KV_MARGIN * tokens * per_token)
 
 
@@ -668,7 +661,7 @@ def _isolated(
             "(attention metadata and KV cache): replayed in the full model only"
         )
     hidden, depth = hidden_and_depth_of(running)
-    torch_dtype = getattr(torch, dtype)
+    torch_dtype = dtypes.torch_dtype(dtype)
     results = []
     leans = PointLeans(golden, dtype, hidden)
     for request, calls in point.calls.items():
@@ -766,7 +759,7 @@ def _residuals(
         if not isinstance(key, str):
             continue
         expected = kept_positions(golden.tensor(key), request_mask(golden, request))
-        actual = _prompt_rows(served, rows, name).to(_torch_dtype(dtype))
+        actual = _prompt_rows(served, rows, name).to(dtypes.torch_dtype(dtype))
         control = control_for(golden, dtype, parent, "0", "accumulated", hidden, depth)
         result = compare_point(actual, expected, label(pm.point, RESIDUAL), control, policy)
         out.append(PointResult(pm.point, point.order, request, RESIDUAL, result,
