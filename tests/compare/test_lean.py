@@ -4,6 +4,8 @@ channel is found among many, and an honest rounding's lean stays within the rang
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -90,3 +92,22 @@ def test_within_the_range_and_too_few_elements_decide_nothing(reference: torch.T
     assert judge_lean(measured, wide) is None
     # how far each lean went towards its limit: far from it in a range of +-100%
     assert max(lean_uses(measured, wide)) < 0.01
+
+
+def test_the_lean_rule_takes_the_projects_thresholds(
+    reference: torch.Tensor, tmp_path: Path
+) -> None:
+    """``[tool.numalign.thresholds]`` reaches the lean rule: the quarter-rounding scale that
+    fails at the defaults passes once the floor is raised to a whole rounding (4x the lean)."""
+    from numalign.compare import load_policy
+
+    calibration = ControlStats.of(lean(_bf16(reference), reference).stats())  # type: ignore[union-attr]
+    planted = lean(_bf16(reference * (1.0 + BF16_ROUNDOFF / 4)), reference)
+    assert planted is not None
+    assert judge_lean(planted, calibration) is not None
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text("[tool.numalign.thresholds]\nlean_floor_roundoffs = 1.0\n")
+    thresholds = load_policy(pyproject).thresholds
+    assert thresholds.lean_floor_roundoffs == 1.0
+    assert judge_lean(planted, calibration, thresholds=thresholds) is None
+    assert max(lean_uses(planted, calibration, thresholds=thresholds)) < 1.0

@@ -21,8 +21,8 @@ from typing import Protocol
 from numalign.compare.metrics import ControlErrors
 from numalign.compare.tolerances import (
     BORROWED_CALIBRATIONS,
-    BORROWED_REDUCTION_WALK,
     FLOAT_FORMATS,
+    Thresholds,
 )
 
 #: The modes a point is calibrated in.
@@ -137,7 +137,14 @@ class Control:
 
 
 def control_for(
-    golden: Calibrated, dtype: str, point: str, path: str, mode: str, hidden: int, depth: int
+    golden: Calibrated,
+    dtype: str,
+    point: str,
+    path: str,
+    mode: str,
+    hidden: int,
+    depth: int,
+    thresholds: Thresholds | None = None,
 ) -> Control:
     """The control of a point's output in ``dtype`` (the set's calibration), and the
     reduction length behind it (the hidden size; times the depth for accumulated points).
@@ -150,7 +157,8 @@ def control_for(
     rounding) errs by about one float16 rounding; a float32 kernel that sums a reduction of
     length K in another order (a fused norm, other threads, another device) errs by up to
     sqrt(K) float32 roundings. The borrowed errors therefore scale by s = 2**-13 *
-    sqrt(hidden) (the ratio of unit roundoffs times the reduction's walk); errors and the
+    sqrt(hidden) (the ratio of unit roundoffs times the reduction's walk,
+    ``thresholds.borrowed_reduction_walk``); errors and the
     norm ratio's deviation from 1 by s, 1 - cosine and KL, quadratic in the error, by s**2.
     The ensemble samples the kernels it can select (instruction sets, threads, attention);
     the scaled bound covers an implementation that reorders every reduction, which no member
@@ -160,7 +168,8 @@ def control_for(
     reduction = hidden * (depth if propagated else 1)
     own = _calibration(golden, dtype, point, path, mode)
     candidates = [_scaled(own, 1.0)] if own is not None else []
-    borrowed = _borrowed(golden, dtype, point, path, mode, hidden)
+    walk = (thresholds or Thresholds()).borrowed_reduction_walk
+    borrowed = _borrowed(golden, dtype, point, path, mode, hidden, walk)
     if borrowed is not None:
         candidates.append(borrowed)
     if not candidates:
@@ -184,7 +193,7 @@ def control_for(
 
 
 def _borrowed(
-    golden: Calibrated, dtype: str, point: str, path: str, mode: str, hidden: int
+    golden: Calibrated, dtype: str, point: str, path: str, mode: str, hidden: int, power: float
 ) -> tuple[ControlErrors, float | None] | None:
     """The closest 16-bit calibration scaled to ``dtype`` (see ``control_for``), for dtypes
     finer than it; None for the 16-bit dtypes themselves or where neither is calibrated."""
@@ -195,7 +204,7 @@ def _borrowed(
         if stats is not None:
             roundoff = 2.0 ** (FLOAT_FORMATS[source][0] - FLOAT_FORMATS[dtype][0])
             # sqrt(hidden) ** 1.0 is sqrt(hidden) exactly: the default walk rounds as before
-            walk = math.sqrt(hidden) ** (2 * BORROWED_REDUCTION_WALK)
+            walk = math.sqrt(hidden) ** (2 * power)
             return _scaled(stats, roundoff * walk if roundoff < 1 else roundoff)
     return None
 

@@ -23,7 +23,8 @@ both ways (the members run the same code and share its roundings; an implementat
 rounds elsewhere leans anywhere between none and as much the other way), with the sample
 size in the decision: it fails when its lean lies beyond that range by more than ``LEAN_Z``
 of its own standard errors plus ``LEAN_SPREAD`` times the range's width plus a floor of
-the dtype's unit roundoff (``LEAN_FLOOR_ROUNDOFFS``; for a reduction, the accumulator's walk).
+the dtype's unit roundoff (``LEAN_FLOOR_ROUNDOFFS``; for a reduction, the accumulator's walk);
+the three are the policy's (``Thresholds.lean_z``, ``lean_spread``, ``lean_floor_roundoffs``).
 
 Leans are judged for a module alone on the golden inputs (layer replay), where every honest
 implementation is fed the same values. Inside the whole model they are not: there an honest
@@ -41,10 +42,8 @@ from typing import TYPE_CHECKING, Any
 from numalign.compare.tolerances import (
     FLOAT_FORMATS,
     LEAN_CHANNEL_ROWS,
-    LEAN_FLOOR_ROUNDOFFS,
     LEAN_MIN_ELEMENTS,
-    LEAN_SPREAD,
-    LEAN_Z,
+    Thresholds,
 )
 
 if TYPE_CHECKING:
@@ -202,35 +201,46 @@ class LeanFinding:
 
 
 def judge_lean(
-    measured: Lean, calibration: ControlStats, dtype: str = "bfloat16", reduction: int = 1
+    measured: Lean,
+    calibration: ControlStats,
+    dtype: str = "bfloat16",
+    reduction: int = 1,
+    thresholds: Thresholds | None = None,
 ) -> LeanFinding | None:
     """The lean of ``measured`` farthest beyond what the calibration's honest members reach
     (see the module's docstring); None when every lean is within, or the calibration has
     none."""
-    failing = [f for f in _findings(measured, calibration, dtype, reduction) if f.used > 1.0]
+    findings = _findings(measured, calibration, dtype, reduction, thresholds or Thresholds())
+    failing = [f for f in findings if f.used > 1.0]
     return max(failing, key=lambda f: f.used) if failing else None
 
 
 def lean_uses(
-    measured: Lean, calibration: ControlStats, dtype: str = "bfloat16", reduction: int = 1
+    measured: Lean,
+    calibration: ControlStats,
+    dtype: str = "bfloat16",
+    reduction: int = 1,
+    thresholds: Thresholds | None = None,
 ) -> list[float]:
     """How far each lean goes towards its limit (1: at it)."""
-    return [f.used for f in _findings(measured, calibration, dtype, reduction)]
+    t = thresholds or Thresholds()
+    return [f.used for f in _findings(measured, calibration, dtype, reduction, t)]
 
 
-def _floor(dtype: str, reduction: int) -> float:
-    """The least lean judged: ``LEAN_FLOOR_ROUNDOFFS`` of the dtype's unit roundoff, or, for
+def _floor(dtype: str, reduction: int, roundoffs: float) -> float:
+    """The least lean judged: ``roundoffs`` (``LEAN_FLOOR_ROUNDOFFS``) of the dtype's unit
+    roundoff, or, for
     a reduction of length K, sqrt(K) unit roundoffs of the float32 accumulator (float64 for
     float64): an honest kernel summing in another order shares that error over a row."""
     acc = FLOAT_FORMATS["float64" if dtype == "float64" else "float32"][0]
     walk = math.sqrt(reduction) * 2.0 ** -(acc + 1) if reduction > 1 else 0.0
-    return max(LEAN_FLOOR_ROUNDOFFS * 2.0 ** -(FLOAT_FORMATS[dtype][0] + 1), walk)
+    return max(roundoffs * 2.0 ** -(FLOAT_FORMATS[dtype][0] + 1), walk)
 
 
 def _findings(
-    measured: Lean, calibration: ControlStats, dtype: str, reduction: int = 1
+    measured: Lean, calibration: ControlStats, dtype: str, reduction: int, t: Thresholds
 ) -> list[LeanFinding]:
-    floor = _floor(dtype, reduction)
+    floor = _floor(dtype, reduction, t.lean_floor_roundoffs)
     findings = []
     for name in LEANS:
         honest_range = calibration.lean_range(name)
@@ -242,23 +252,24 @@ def _findings(
         # none (exact) and as much the other way: the range spans the largest lean both ways
         reach = max(abs(float(low)), abs(float(high)))
         value, se = getattr(measured, name), getattr(measured, f"{name}_se")
-        findings.append(_beyond(name, value, se, -reach, reach, floor))
+        findings.append(_beyond(name, value, se, -reach, reach, floor, t))
     for name in ("channel_scale", "channel_offset"):
         honest = getattr(calibration, name)
         se = getattr(measured, f"{name}_se")
         if honest is None or measured.channels < 2 or not se:
             continue
-        findings.append(_beyond(name, abs(getattr(measured, name)), se, 0.0, float(honest), floor))
+        value = abs(getattr(measured, name))
+        findings.append(_beyond(name, value, se, 0.0, float(honest), floor, t))
     return [f for f in findings if f is not None]
 
 
 def _beyond(
-    name: str, value: float, se: float, low: float, high: float, floor: float
+    name: str, value: float, se: float, low: float, high: float, floor: float, t: Thresholds
 ) -> LeanFinding | None:
     if not (math.isfinite(value) and math.isfinite(se)):
         return None
     width = high - low
-    margin = LEAN_Z * se + LEAN_SPREAD * width + floor
+    margin = t.lean_z * se + t.lean_spread * width + floor
     outside = value - high if value > high else low - value if value < low else 0.0
     used = outside / margin if margin > 0 else (math.inf if outside > 0 else 0.0)
     z = outside / se if se > 0 else math.inf

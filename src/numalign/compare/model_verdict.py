@@ -23,7 +23,8 @@ from numalign.compare.result import CompareResult
 from numalign.compare.tolerances import (
     DEFAULT_POLICY,
     FLOAT_FORMATS,
-    ZERO_REACH_ROUNDINGS,
+    Thresholds,
+    thresholds_of,
 )
 
 if TYPE_CHECKING:
@@ -58,15 +59,18 @@ def compare_point(
             "would be one ulp and the tolerance table is not made for whole modules; capture "
             f"it again with --calibrate {dtype}"
         )
-    reach = chance_zero_reach(control.errors, expected, dtypes.dtype_name(actual.dtype))
+    reach = chance_zero_reach(control.errors, expected, dtypes.dtype_name(actual.dtype),
+                              thresholds_of(policy))  # fmt: skip
     return compare(actual, expected, control_errors=control.errors,
                    reduction_length=control.reduction, op_class="matmul", name=name,
                    policy=policy, zero_reach=reach, propagated=control.propagated)  # fmt: skip
 
 
-def chance_zero_reach(errors: ControlErrors, expected: torch.Tensor, dtype: str) -> float | None:
+def chance_zero_reach(
+    errors: ControlErrors, expected: torch.Tensor, dtype: str, thresholds: Thresholds | None = None
+) -> float | None:
     """How far from zero the reference may lie where an honest candidate lands exactly on
-    zero: the control's worst error plus ``ZERO_REACH_ROUNDINGS`` roundings (ulps in
+    zero: the control's worst error plus ``zero_reach_roundings`` roundings (ulps in
     ``dtype``) of the output's largest magnitude (None where the dtype or the output gives no
     scale).
 
@@ -84,7 +88,7 @@ def chance_zero_reach(errors: ControlErrors, expected: torch.Tensor, dtype: str)
     if largest == 0 or not math.isfinite(largest):
         return None
     ulp = 2.0 ** (math.floor(math.log2(largest)) - FLOAT_FORMATS[dtype][0])
-    roundings = ZERO_REACH_ROUNDINGS * ulp
+    roundings = (thresholds or Thresholds()).zero_reach_roundings * ulp
     return roundings + (errors.max_abs if math.isfinite(errors.max_abs) else 0.0)
 
 

@@ -265,13 +265,30 @@ NOISE_FLOOR = 0.05
 SWAP_PROBE_EPS = 4.0
 
 
+# -- the model verdict (``compare.calibration``, ``compare.model_verdict``) ---------------------
+#: The 16-bit calibrations a finer dtype (float32, float64) borrows, closest first: a float16
+#: kernel (float32 accumulation, one rounding) errs by about one float16 rounding, so the
+#: closest calibrated 16-bit dtype, scaled, bounds what a finer kernel may err.
+BORROWED_CALIBRATIONS: tuple[str, ...] = ("float16", "bfloat16")
+#: The exponent of the reduction length in the borrowing scale s = u_fine / u_16 * K**this: a
+#: kernel of the finer dtype that sums a reduction of length K in another order (a fused norm,
+#: other threads, another device) errs by up to sqrt(K) of its own roundings [walk].
+BORROWED_REDUCTION_WALK = 0.5
+#: Roundings (ulps of the output's largest magnitude) that a rounded sum of addends of that
+#: size may lose to cancellation: where the reference lies within the control's worst error
+#: plus this many, an honest candidate may land exactly on zero (``a + b == 0`` in bfloat16).
+ZERO_REACH_ROUNDINGS = 1.0
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """The thresholds that do not depend on an operator or point name, each overridable in
     ``[tool.numalign.thresholds]`` of pyproject.toml (the constants above give the defaults
-    and their reasons): the logits' near tie and KL budget, and the baseline diff's noise
-    floor (read by the session's report and ``numalign report``). SWAP_PROBE_EPS is not
-    among them: it checks numalign's own adapter against the module it stands for, not a
+    and their reasons): the logits' near tie and KL budget, the baseline diff's noise floor
+    (read by the session's report and ``numalign report``), the model verdict's zero reach
+    and borrowing walk, and the lean rule's z-score, spread and floor. A policy carries them
+    (``TolerancePolicy.thresholds``) to every verdict it reaches. SWAP_PROBE_EPS is not among
+    them: it checks numalign's own adapter against the module it stands for, not a
     candidate, and loosening it would only hide an adapter that tests the wrong thing."""
 
     near_tie_multiplier: float = NEAR_TIE_MULTIPLIER
@@ -279,6 +296,11 @@ class Thresholds:
     kl_rounding_floor: float = KL_ROUNDING_FLOOR
     kl_evaluation_roundoff: float = KL_EVALUATION_ROUNDOFF
     noise_floor: float = NOISE_FLOOR
+    zero_reach_roundings: float = ZERO_REACH_ROUNDINGS
+    borrowed_reduction_walk: float = BORROWED_REDUCTION_WALK
+    lean_z: float = LEAN_Z
+    lean_spread: float = LEAN_SPREAD
+    lean_floor_roundoffs: float = LEAN_FLOOR_ROUNDOFFS
 
 
 def _threshold(value: Any, where: str) -> float:
@@ -374,6 +396,11 @@ class TolerancePolicy:
 DEFAULT_POLICY = TolerancePolicy()
 
 
+def thresholds_of(policy: TolerancePolicy | None) -> Thresholds:
+    """The thresholds of ``policy`` (the defaults without one)."""
+    return (policy or DEFAULT_POLICY).thresholds
+
+
 def _override_from_table(entry: Mapping[str, Any], where: str) -> Override:
     known = {"match", "dtype", "rtol", "atol", "max_abs_multiplier", "rel_l2_multiplier"}
     known |= set(ROUNDING_KEYS)
@@ -445,18 +472,3 @@ def load_policy(pyproject: str | Path) -> TolerancePolicy:
         data = tomllib.load(fh)
     table = data.get("tool", {}).get("numalign", {})
     return policy_from_entries(table.get("override", []), str(path), table.get("thresholds"))
-
-
-# -- the model verdict (``compare.calibration``, ``compare.model_verdict``) ---------------------
-#: The 16-bit calibrations a finer dtype (float32, float64) borrows, closest first: a float16
-#: kernel (float32 accumulation, one rounding) errs by about one float16 rounding, so the
-#: closest calibrated 16-bit dtype, scaled, bounds what a finer kernel may err.
-BORROWED_CALIBRATIONS: tuple[str, ...] = ("float16", "bfloat16")
-#: The exponent of the reduction length in the borrowing scale s = u_fine / u_16 * K**this: a
-#: kernel of the finer dtype that sums a reduction of length K in another order (a fused norm,
-#: other threads, another device) errs by up to sqrt(K) of its own roundings [walk].
-BORROWED_REDUCTION_WALK = 0.5
-#: Roundings (ulps of the output's largest magnitude) that a rounded sum of addends of that
-#: size may lose to cancellation: where the reference lies within the control's worst error
-#: plus this many, an honest candidate may land exactly on zero (``a + b == 0`` in bfloat16).
-ZERO_REACH_ROUNDINGS = 1.0

@@ -20,6 +20,7 @@ from numalign import dtypes
 from numalign.compare.calibration import control_for
 from numalign.compare.decode_verdict import DecodeVerdict
 from numalign.compare.model_verdict import PointResult, compare_point, judge_logits, label
+from numalign.compare.tolerances import thresholds_of
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.golden.reference import (
     cache_state,
@@ -199,7 +200,9 @@ def _judge(
 
     def on_pair(request: str, step: int, point: str, path: str, actual: Any,
                 expected: Any, call: int = 0) -> None:  # fmt: skip
-        control = control_for(golden, dtype, point, path, "decode", hidden, depth)
+        control = control_for(
+            golden, dtype, point, path, "decode", hidden, depth, thresholds_of(policy)
+        )
         actual = whole(actual.float().cpu().to(torch_dtype), tuple(expected.shape))
         if point == OUTPUT_POINT:
             judged = judge_logits(request, actual, expected, control, policy)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from numalign import dtypes
 from numalign.compare.calibration import control_for
 from numalign.compare.model_verdict import DecodeLocation, compare_point, label
+from numalign.compare.tolerances import thresholds_of
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.golden.reference import flatten
 from numalign.replay.decode import run_decode
@@ -140,7 +141,9 @@ def _own_error(
     if not isinstance(reference, torch.Tensor):
         return f"{call.point}'s float32 copy gives no output {path}"
     hidden, depth = hidden_and_depth(model)
-    control = control_for(golden, dtype, call.point, path, "isolated", hidden, depth)
+    control = control_for(
+        golden, dtype, call.point, path, "isolated", hidden, depth, thresholds_of(policy)
+    )
     expected = reference.detach().double().cpu()
     actual = whole(actual.detach().cpu(), tuple(expected.shape))  # a tensor-parallel shard
     return compare_point(actual, expected, label(call.point, path), control, policy)

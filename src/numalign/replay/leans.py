@@ -19,6 +19,7 @@ from numalign.compare import CompareResult, Metrics
 from numalign.compare.calibration import ControlStats
 from numalign.compare.lean import Lean, LeanSums, judge_lean, lean_uses
 from numalign.compare.model_verdict import PointResult, label
+from numalign.compare.tolerances import Thresholds
 
 if TYPE_CHECKING:
     import torch
@@ -33,11 +34,12 @@ POOLED = "all requests"
 class PointLeans:
     """Pools outputs per (point, path) as a layer replay hands them on; ``results`` judges
     them against the isolated calibration (``reduction``: the length of the reduction behind
-    each output, the hidden size)."""
+    each output, the hidden size; ``thresholds``: the policy's, for the lean rule)."""
 
     golden: GoldenSet
     dtype: str
     reduction: int = 1
+    thresholds: Thresholds | None = None
     sums: dict[tuple[str, str], LeanSums] = field(default_factory=dict)
     #: when each output was first handed on (the order of the first divergence)
     first: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
@@ -59,7 +61,7 @@ class PointLeans:
                 continue
             order, finished = self.first[(point, path)]
             result = lean_result(label(point, path), self.dtype, measured, calibration,
-                                 self.reduction)  # fmt: skip
+                                 self.reduction, self.thresholds)  # fmt: skip
             out.append(PointResult(point, order, POOLED, path, result, "isolated",
                                    finished=finished))  # fmt: skip
         return out
@@ -71,13 +73,18 @@ _RANGE = ("scale_low", "scale_high", "offset_low", "offset_high", "channel_scale
 
 
 def lean_result(
-    name: str, dtype: str, measured: Lean, calibration: ControlStats, reduction: int = 1
+    name: str,
+    dtype: str,
+    measured: Lean,
+    calibration: ControlStats,
+    reduction: int = 1,
+    thresholds: Thresholds | None = None,
 ) -> CompareResult:
     """The lean rule's verdict on one pooled output, as a comparison's result (rule
     ``distribution``): the honest range and the measured leans in ``budget``, the most
     significant lean beyond the range as the reason."""
-    finding = judge_lean(measured, calibration, dtype, reduction)
-    used = max(lean_uses(measured, calibration, dtype, reduction), default=0.0)
+    finding = judge_lean(measured, calibration, dtype, reduction, thresholds)
+    used = max(lean_uses(measured, calibration, dtype, reduction, thresholds), default=0.0)
     budget = {k: float(v) for k in _RANGE if (v := getattr(calibration, k)) is not None}
     budget |= {
         "lean_scale": measured.scale, "lean_scale_se": measured.scale_se,

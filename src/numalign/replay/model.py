@@ -29,6 +29,7 @@ from numalign.compare.model_verdict import (
     label,
     logit_transform,
 )
+from numalign.compare.tolerances import thresholds_of
 from numalign.golden.manifest import OUTPUT_POINT, Continuation, GoldenSetError
 from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import DEFAULT_SETS, discover_sets
@@ -209,7 +210,7 @@ def replay_layer(
     hidden, depth = hidden_and_depth(model)
     module = model.get_submodule(point.name)
     results = []
-    leans = PointLeans(golden, dtype, hidden)
+    leans = PointLeans(golden, dtype, hidden, thresholds_of(policy))
     for request, calls in point.calls.items():
         mask = request_mask(golden, request)
         for index, call in enumerate(calls):
@@ -221,7 +222,16 @@ def replay_layer(
                 if actual is None:  # e.g. attention weights, which only eager returns
                     continue
                 expected = kept_positions(golden.tensor(key), mask)
-                control = control_for(golden, dtype, point.name, path, "isolated", hidden, depth)
+                control = control_for(
+                    golden,
+                    dtype,
+                    point.name,
+                    path,
+                    "isolated",
+                    hidden,
+                    depth,
+                    thresholds_of(policy),
+                )
                 actual = kept_positions(actual.detach(), mask)
                 gathered = whole(actual, tuple(expected.shape))  # a tensor-parallel shard
                 result = compare_point(gathered, expected, label(point.name, path), control,
@@ -253,7 +263,9 @@ def replay_model(
         def on_output(
             point: str, path: str, actual: Any, expected: Any, call: int, name: str = name
         ) -> None:
-            control = control_for(golden, dtype, point, path, "accumulated", hidden, depth)
+            control = control_for(
+                golden, dtype, point, path, "accumulated", hidden, depth, thresholds_of(policy)
+            )
             actual = whole(actual, tuple(expected.shape))  # a tensor-parallel rank's shard
             result = compare_point(actual, expected, label(point, path), control, policy)
             verdict.points.append(
@@ -281,7 +293,9 @@ def replay_model(
         for output, key in golden.final_outputs(name).items():
             actual = kept_positions(finals[output].detach().float().cpu(), mask)
             expected = kept_positions(golden.tensor(key), mask)
-            control = control_for(golden, dtype, OUTPUT_POINT, output, "output", hidden, depth)
+            control = control_for(
+                golden, dtype, OUTPUT_POINT, output, "output", hidden, depth, thresholds_of(policy)
+            )
             if output == "logits":
                 logits = whole(actual.to(torch_dtype), tuple(expected.shape))
                 judged = judge_logits(name, logits, expected, control, policy)
@@ -340,7 +354,9 @@ def locate(
     hidden, depth = hidden_and_depth(model)
 
     def judge(path: str, actual: Any, expected: Any) -> CompareResult:
-        control = control_for(golden, dtype, failing.point, path, "isolated", hidden, depth)
+        control = control_for(
+            golden, dtype, failing.point, path, "isolated", hidden, depth, thresholds_of(policy)
+        )
         actual = whole(actual, tuple(expected.shape))  # a tensor-parallel rank's shard
         return compare_point(actual, expected, label(failing.point, path), control, policy)
 

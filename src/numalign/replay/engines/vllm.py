@@ -39,6 +39,7 @@ from numalign.compare.model_verdict import (
     judge_logits,
     label,
 )
+from numalign.compare.tolerances import thresholds_of
 from numalign.golden.manifest import OUTPUT_POINT
 from numalign.golden.requests import unservable
 from numalign.replay.decode import decode_unavailable
@@ -183,7 +184,14 @@ class VllmEngine:
                         )
                         continue
                     control = control_for(
-                        golden, dtype, pm.point, path, "accumulated", hidden, depth
+                        golden,
+                        dtype,
+                        pm.point,
+                        path,
+                        "accumulated",
+                        hidden,
+                        depth,
+                        thresholds_of(policy),
                     )
                     result = compare_point(actual.to(torch_dtype), expected, label(pm.point, path),
                                            control, policy)  # fmt: skip
@@ -198,7 +206,14 @@ class VllmEngine:
                 expected = kept_positions(golden.tensor(finals["logits"]), mask)
                 actual = _prompt_rows(served, rows, OUTPUT_POINT).to(torch_dtype)
                 control = control_for(
-                    golden, dtype, OUTPUT_POINT, "logits", "output", hidden, depth
+                    golden,
+                    dtype,
+                    OUTPUT_POINT,
+                    "logits",
+                    "output",
+                    hidden,
+                    depth,
+                    thresholds_of(policy),
                 )
                 verdict.logits.append(judge_logits(request.name, actual, expected, control, policy))
         verdict.divergence = self._locate(golden, dtype, verdict.points, policy)
@@ -235,7 +250,16 @@ class VllmEngine:
                         if path != "0":
                             continue
                         actual = _step_rows(served, rows, modules[point], number)
-                        control = control_for(golden, dtype, point, path, "decode", hidden, depth)
+                        control = control_for(
+                            golden,
+                            dtype,
+                            point,
+                            path,
+                            "decode",
+                            hidden,
+                            depth,
+                            thresholds_of(policy),
+                        )
                         expected = golden.tensor(key)
                         result = compare_point(actual.to(torch_dtype), expected,
                                                label(point, path), control, policy)  # fmt: skip
@@ -245,7 +269,14 @@ class VllmEngine:
                         ))  # fmt: skip
                 logits = _step_rows(served, rows, OUTPUT_POINT, number)[:, 0]
                 control = control_for(
-                    golden, dtype, OUTPUT_POINT, "logits", "decode", hidden, depth
+                    golden,
+                    dtype,
+                    OUTPUT_POINT,
+                    "logits",
+                    "decode",
+                    hidden,
+                    depth,
+                    thresholds_of(policy),
                 )
                 judged = judge_logits(request, logits.to(torch_dtype), golden.tensor(step.logits),
                                       control, policy)  # fmt: skip
@@ -663,7 +694,7 @@ def _isolated(
     hidden, depth = hidden_and_depth_of(running)
     torch_dtype = dtypes.torch_dtype(dtype)
     results = []
-    leans = PointLeans(golden, dtype, hidden)
+    leans = PointLeans(golden, dtype, hidden, thresholds_of(policy))
     for request, calls in point.calls.items():
         if "pixel_values" in golden.request(request).inputs:
             continue
@@ -696,7 +727,9 @@ def _isolated(
                     f"({type(exc).__name__}: {exc})"
                 )
             expected = kept_positions(golden.tensor(call.outputs["0"]), mask)
-            control = control_for(golden, dtype, point.name, "0", "isolated", hidden, depth)
+            control = control_for(
+                golden, dtype, point.name, "0", "isolated", hidden, depth, thresholds_of(policy)
+            )
             result = compare_point(out.detach().float().to(torch_dtype), expected, point.name,
                                    control, policy)  # fmt: skip
             results.append(PointResult(point.name, point.order, request, "0", result, "isolated"))
@@ -760,7 +793,9 @@ def _residuals(
             continue
         expected = kept_positions(golden.tensor(key), request_mask(golden, request))
         actual = _prompt_rows(served, rows, name).to(dtypes.torch_dtype(dtype))
-        control = control_for(golden, dtype, parent, "0", "accumulated", hidden, depth)
+        control = control_for(
+            golden, dtype, parent, "0", "accumulated", hidden, depth, thresholds_of(policy)
+        )
         result = compare_point(actual, expected, label(pm.point, RESIDUAL), control, policy)
         out.append(PointResult(pm.point, point.order, request, RESIDUAL, result,
                                finished=served.order.get(name, 0)))  # fmt: skip
