@@ -1,6 +1,6 @@
 """The honest-variation matrix: numalign's suites replayed under every honest kernel variant
-this CPU offers, each of which must give zero failures (DESIGN.md, "Honest variation is
-tested, not assumed").
+this CPU offers, each of which must give zero failures: honest variation is tested, not
+assumed (docs/ci.md, "The honest-variation matrix").
 
 Each variant changes what another machine would change, in combinations that are not members
 of the zoo's calibration ensemble (``numalign.replay.ensemble.default_members``: "low" is

@@ -1,5 +1,5 @@
 """The engine's data flow runs one way: no module of src/numalign imports a module that
-imports it back, function-level imports included (DESIGN.md, "Layout")."""
+imports it back, function-level imports included (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def test_a_cycle_is_found(tmp_path: Path) -> None:
 
 
 #: What compare sits below: the engine's upper rooms, which may import compare, never the
-#: reverse (DESIGN.md, "Layout"): the verdict rules are plain functions of tensors and data.
+#: reverse (docs/design.md): the verdict rules are plain functions of tensors and data.
 ABOVE_COMPARE = (
     "numalign.replay", "numalign.golden", "numalign.record", "numalign.report",
     "numalign.plugin", "numalign.settings", "numalign.cli", "numalign.opcheck",

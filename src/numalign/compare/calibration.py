@@ -1,6 +1,6 @@
 """A golden set's calibration as typed objects, and the control a model verdict takes from it.
 
-The calibration (DESIGN.md, rule 3) is the honest ensemble's error in one dtype, per capture
+The calibration (docs/comparison.md) is the honest ensemble's error in one dtype, per capture
 point (or ``(output)``, ``(cache)``), per output path, per mode (``isolated``, ``accumulated``,
 ``decode``): ``ControlStats``. ``golden.manifest`` reads and writes it (the JSON's key order
 kept, so a manifest read and written again is the same bytes); the types live here, so that

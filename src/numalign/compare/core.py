@@ -1,4 +1,4 @@
-"""compare() and assert_aligned(): the verdict rules of DESIGN.md ("Tolerance model").
+"""compare() and assert_aligned(): the verdict rules (docs/comparison.md).
 
 Rules, in order, one function each: shape (``_shape``); non-finite positions
 (``_non_finite``); exact (integers, booleans, indices) or tie-aware selection

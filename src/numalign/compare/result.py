@@ -9,7 +9,7 @@ from typing import Any
 
 from numalign.compare.metrics import Metrics
 
-#: The verdict rules of DESIGN.md, in the order they apply.
+#: The verdict rules (docs/comparison.md), in the order they apply.
 RULES: tuple[str, ...] = (
     "shape",
     "non-finite",

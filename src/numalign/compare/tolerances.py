@@ -103,7 +103,7 @@ OP_CLASS_FACTORS: Mapping[str, float] = {
 
 @dataclass(frozen=True)
 class Budget:
-    """Multipliers of the error budget against an honest control (DESIGN.md, rule 3).
+    """Multipliers of the error budget against an honest control (docs/comparison.md).
 
     A candidate passes when ``max_abs <= max_abs_multiplier * control.max_abs + floor`` and
     ``rel_l2 <= rel_l2_multiplier * control.rel_l2 + eps(dtype)``: the floors are one ulp at

@@ -213,7 +213,7 @@ def _object(value: Any) -> dict[str, Any]:
 
 @dataclass
 class Manifest:
-    """Everything ``manifest.json`` holds (DESIGN.md, "Golden set, format 1"; format 2 adds
+    """Everything ``manifest.json`` holds (docs/reference/golden-format.md; format 2 adds
     ``decode``)."""
 
     model: ModelInfo

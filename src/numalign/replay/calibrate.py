@@ -1,5 +1,5 @@
 """Calibration: the reference model's own error in a lower dtype, per capture point, stored in
-the manifest as the control for model verdicts (DESIGN.md, rule 3). It replays the model, so
+the manifest as the control for model verdicts (docs/comparison.md). It replays the model, so
 it lives in ``replay``; ``capture_calibrated`` composes a capture (which only records) with it.
 
 - accumulated: the whole model in the dtype, each point's outputs against the golden ones;

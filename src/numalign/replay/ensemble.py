@@ -1,5 +1,5 @@
 """The calibration ensemble: the honest members a golden set is calibrated over, and how
-their calibrations merge (DESIGN.md, rule 3).
+their calibrations merge (docs/comparison.md).
 
 One control (the reference in the target dtype on the capture machine) is one sample of
 honest error; another machine, another kernel library or another attention implementation
