@@ -1,7 +1,8 @@
 """Paths a model cannot take are detected from the model and skipped with the reason, never a
 crash: layer types transformers' paged cache does not hold, a config that holds head_dim per
 layer, a model with a cache class of its own (capture and decode use it; other caches skip),
-and a module that needs state the model shares between layers (its layer replay skips)."""
+a model whose code asks the paged cache for what it lacks (BART's decoder), and a module
+that needs state the model shares between layers (its layer replay skips)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ from numalign.golden.reference import CacheUnsupported, load_model, new_cache
 from numalign.golden.store import GoldenSet
 from numalign.replay.decode import run_decode
 from numalign.replay.layer import AloneUnsupported, replay_call, shared_inputs, within_range
-from numalign.replay.paged import paged_layer_types, paged_unsupported
+from numalign.replay.paged import (
+    PAGED_ATTENTION,
+    PagedUnsupported,
+    paged_layer_types,
+    paged_unsupported,
+    replay_paged_requests,
+)
 from numalign.sweep.build import build_tiny, tiny_config
 
 
@@ -76,6 +83,31 @@ def test_a_model_with_its_own_cache_captures_and_decodes_with_it(tmp_path: Path)
     # (1e-4 absolute on values of order ten; a cache that was dropped or rebuilt differs by
     # the values themselves)
     assert worst and max(worst.values()) < 1e-4
+
+
+def test_a_model_calling_what_the_paged_cache_lacks_skips_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    """BART's decoder (``BartForCausalLM``) in transformers 5.24 asks
+    ``past_key_values.get_seq_length()``, which transformers' paged cache has not: the paged
+    replay skips, naming the call, instead of failing as if the engine had erred (the day-0
+    sweep met it as two crashes). Older transformers (5.19, vLLM's pin) do not ask, and the
+    paged engine serves BART there."""
+    import transformers
+    from packaging.version import Version
+
+    golden = _captured("bart", tmp_path)
+    model = load_model(golden.model_dir, "float32", attn_implementation=PAGED_ATTENTION,
+                       trust_remote_code=False)  # fmt: skip
+    assert paged_unsupported(model) is None  # its layer types are ones the cache holds
+    asks = Version(transformers.__version__) >= Version("5.24")
+    try:
+        served = replay_paged_requests(golden, model, "cpu", lambda *args, **kwargs: None)
+    except PagedUnsupported as exc:
+        assert "calls get_seq_length on transformers' paged cache" in str(exc)
+    else:
+        assert not asks, "transformers 5.24's BART asks the paged cache for get_seq_length"
+        assert served  # every golden request it could serve
 
 
 def test_a_module_that_needs_shared_state_skips_alone(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ the points and the logits of every step, not the cache's contents.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -280,9 +281,16 @@ def _serve(
     return served
 
 
+#: The engine's error where a model's code uses an API transformers' paged cache lacks (BART's
+#: decoder asks ``past_key_values.get_seq_length()``): a path the model cannot take, not a
+#: failure of the device.
+_MISSING_CACHE_API = re.compile(r"'PagedAttentionCache' object has no attribute '(?P<api>\w+)'")
+
+
 def _run(manager: Any, prompts: dict[str, list[int]], new_tokens: int) -> None:
     """Serves ``prompts`` and waits for all of them (PagedServingError on an engine error or
-    after ENGINE_TIMEOUT_S); the engine's thread is always stopped."""
+    after ENGINE_TIMEOUT_S; PagedUnsupported where the model's code calls what the paged
+    cache lacks); the engine's thread is always stopped."""
     manager.start()
     done: set[str] = set()
     try:
@@ -302,6 +310,13 @@ def _run(manager: Any, prompts: dict[str, list[int]], new_tokens: int) -> None:
                     raise PagedServingError("the paged engine's generation loop stopped early")
                 continue
             if result.error:
+                missing = _MISSING_CACHE_API.search(str(result.error))
+                if missing:  # the model's code asks the paged cache for what it lacks
+                    raise PagedUnsupported(
+                        f"the model's code calls {missing['api']} on transformers' paged "
+                        f"cache, which has none ({result.error}): the paged engine cannot "
+                        "serve this model"
+                    )
                 raise PagedServingError(
                     f"the paged engine failed request {result.request_id}: {result.error}"
                 )
