@@ -22,7 +22,6 @@ from numalign.compare.metrics import (
     ControlErrors,
     Metrics,
     compute_metrics,
-    dtype_name,
     error_tail,
 )
 from numalign.compare.result import CompareResult
@@ -34,6 +33,7 @@ from numalign.compare.tolerances import (
     Tolerance,
     TolerancePolicy,
 )
+from numalign.dtypes import dtype_name
 from numalign.names import did_you_mean
 
 if TYPE_CHECKING:

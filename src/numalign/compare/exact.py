@@ -8,8 +8,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from numalign.compare.budgets import Decision, ExactBudget, ToleranceBudget
-from numalign.compare.metrics import Metrics, compute_metrics, dtype_name
+from numalign.compare.metrics import Metrics, compute_metrics
 from numalign.compare.tolerances import DTYPE_TOLERANCES, Tolerance
+from numalign.dtypes import dtype_name
 
 if TYPE_CHECKING:
     import torch

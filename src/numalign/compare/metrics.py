@@ -132,9 +132,6 @@ class ControlErrors:
         )  # fmt: skip
 
 
-dtype_name = dtypes.dtype_name
-
-
 def float_format(dtype: torch.dtype) -> tuple[int, int] | None:
     """(mantissa bits, log2 of the smallest subnormal) of a floating dtype; None otherwise."""
     return FLOAT_FORMATS.get(dtypes.dtype_name(dtype))

@@ -112,7 +112,7 @@ def judge_logits(
             "--calibrate DTYPE to judge the logits",
         )  # fmt: skip
     values = compare_point(actual, expected, "logits", control, policy)
-    thresholds = (policy or DEFAULT_POLICY).thresholds
+    thresholds = thresholds_of(policy)
     tie = near_tie(float(values.budget.get("max_abs", 0.0)), thresholds)
     stats = logits_stats(actual.flatten(0, -2), expected.flatten(0, -2), tie)
     dtype = dtypes.dtype_name(actual.dtype)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from numalign import dtypes
 from numalign.compare.budgets import Decision, RoundingBudget
-from numalign.compare.metrics import Metrics, compute_metrics, dtype_name
+from numalign.compare.metrics import Metrics, compute_metrics
 from numalign.compare.result import CompareResult
 from numalign.compare.tolerances import (
     DEFAULT_POLICY,
@@ -21,6 +21,7 @@ from numalign.compare.tolerances import (
     ROUNDING_TIE_BAND,
     TolerancePolicy,
 )
+from numalign.dtypes import dtype_name
 
 if TYPE_CHECKING:
     import torch
