@@ -1,8 +1,9 @@
 """Paths a model cannot take are detected from the model and skipped with the reason, never a
 crash: layer types transformers' paged cache does not hold, a config that holds head_dim per
 layer, a model with a cache class of its own (capture and decode use it; other caches skip),
-a model whose code asks the paged cache for what it lacks (BART's decoder), and a module
-that needs state the model shares between layers (its layer replay skips)."""
+a model whose code asks the paged cache for what it lacks (BART's decoder), a model whose code
+cannot decode with a static cache (BLOOM: the reference's limit found at capture), and a
+module that needs state the model shares between layers (its layer replay skips)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,52 @@ def test_a_model_calling_what_the_paged_cache_lacks_skips_with_the_reason(
     else:
         assert not asks, "transformers 5.24's BART asks the paged cache for get_seq_length"
         assert served  # every golden request it could serve
+
+
+def test_a_static_cache_the_reference_cannot_decode_with_skips_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    """BLOOM builds its ALiBi bias from the 2D mask it is given, as long as the input, not as
+    the static cache: its own forward fails on a padded request with a static cache (the
+    day-0 sweep met it as two crashes). Capture tries it on the reference and writes the
+    limit into the set; the decode replay with a static cache then skips that request with
+    the reference's message, while the dynamic cache still replays."""
+    golden = _captured("bloom", tmp_path)
+    limited = {name: d.cache_limits for name, d in golden.manifest.decode.items()
+               if d.cache_limits}  # fmt: skip
+    assert limited, "the reference's static decode of a padded BLOOM request fails"
+    assert all(set(v) == {"static"} and "RuntimeError" in v["static"] for v in limited.values())
+    model = load_model(golden.model_dir, "float32", attn_implementation=None,
+                       trust_remote_code=False)  # fmt: skip
+    request = next(iter(limited))
+    for implementation in ("static", "offloaded_static"):  # both share the static limits
+        with pytest.raises(CacheUnsupported, match="reference itself could not decode"):
+            run_decode(golden, model, request, implementation, torch.float32, "cpu",
+                       lambda *args, **kwargs: None)  # fmt: skip
+    pairs: list[str] = []
+    run_decode(golden, model, request, "dynamic", torch.float32, "cpu",
+               lambda request, step, point, *rest, **kwargs: pairs.append(point))  # fmt: skip
+    assert CACHE_POINT in pairs  # the dynamic decode replays the same request to its end
+
+
+def test_a_model_without_limits_records_none_and_round_trips(tmp_path: Path) -> None:
+    """A model that decodes with every cache (llama) records no limits, and its manifest
+    writes no ``cache_limits`` field: older sets and new ones read the same."""
+    golden = _captured("llama", tmp_path)
+    decodes = golden.manifest.decode.values()
+    assert decodes and not any(d.cache_limits for d in decodes)
+    assert all("cache_limits" not in d for d in golden.manifest.to_json()["decode"].values())
+
+
+def test_an_encoder_built_as_a_causal_lm_is_a_decoder() -> None:
+    """BERT-style configs (``is_decoder`` False) built as causal LMs get ``is_decoder=True``,
+    as their causal-LM class asks: otherwise the tiny model attends bidirectionally and its
+    static-cache decode crashed in the sweep (a mask built for the input). Configs without
+    the flag, and encoder-decoders whose causal-LM class sets it itself, are left alone."""
+    assert tiny_config("bert").is_decoder is True
+    assert tiny_config("roberta").is_decoder is True
+    assert not tiny_config("bart").is_decoder  # BartForCausalLM makes its own copy a decoder
+    assert "is_decoder" not in tiny_config("llama").to_diff_dict()
 
 
 def test_a_module_that_needs_shared_state_skips_alone(tmp_path: Path) -> None:

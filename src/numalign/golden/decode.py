@@ -31,6 +31,15 @@ from numalign.golden.store import ShardWriter
 DEFAULT_DECODE_STEPS = 4
 #: The cache implementation the reference decodes with.
 REFERENCE_CACHE = "dynamic"
+#: The other cache the reference tries at capture, one step per request: a model whose code
+#: cannot decode with it (BLOOM builds its ALiBi bias from the input's mask, not from the
+#: static cache's length) has the limit written into its set, and replay skips that cache
+#: with the reason instead of crashing. The offloaded static cache shares the static one's
+#: limits; the offloaded dynamic one is the dynamic cache moved, and the paged engine
+#: detects its own (``replay.paged``).
+PROBED_CACHES = ("static",)
+#: Characters of the reference's error kept as a limit's reason.
+LIMIT_CHARS = 300
 
 
 def record_decode(
@@ -83,7 +92,42 @@ def record_decode(
             k: writer.put(f"{name}/decode/final/{k}", t) for k, t in cache_state(cache).items()
         }
     reset_decode_state(model)
-    return Decode(REFERENCE_CACHE, recorded, prefill, final)
+    return Decode(REFERENCE_CACHE, recorded, prefill, final, cache_limits(model, request))
+
+
+def cache_family(implementation: str) -> str:
+    """The cache whose limits ``implementation`` shares: ``static`` for the static caches,
+    ``dynamic`` for the others."""
+    return "static" if implementation.endswith("static") else "dynamic"
+
+
+def cache_limits(model: Any, request: CaptureRequest) -> dict[str, str]:
+    """For each of ``PROBED_CACHES`` the reference cannot decode ``request`` with, the error
+    its forward raised (a prefill and one step, as the decode replay runs them). A model that
+    builds its own cache (``CacheUnsupported``) is left out: replay says so itself."""
+    import torch
+
+    from numalign.golden.reference import CacheUnsupported
+
+    limits: dict[str, str] = {}
+    length = request.inputs["input_ids"].shape[1]
+    for implementation in PROBED_CACHES:
+        try:
+            cache = new_cache(model, implementation, length + 1)
+        except CacheUnsupported:
+            continue
+        reset_decode_state(model)
+        try:
+            with torch.no_grad():
+                output = model(**request.inputs, **prefill_kwargs(model, request.inputs, cache))
+                token = output.logits[:, -1].argmax(-1, keepdim=True)
+                _, forward = decode_inputs(model, dict(request.inputs), token, cache)
+                model(**forward)
+        except Exception as exc:  # the reference's own limit, kept with its message
+            limits[implementation] = " ".join(f"{type(exc).__name__}: {exc}".split())[:LIMIT_CHARS]
+        finally:
+            reset_decode_state(model)
+    return limits
 
 
 def new_token_output(tensor: Any, batch: int) -> bool:

@@ -101,16 +101,23 @@ class Decode:
     """A request's cached decode: its prefill with a ``cache`` (the implementation the
     reference used) and then ``steps``, each feeding the reference's own greedy token; the
     cache's contents (state name, such as ``layers.0.keys``, -> tensor key) after the
-    prefill and after the last step, each a window of the most recent positions in order."""
+    prefill and after the last step, each a window of the most recent positions in order;
+    ``cache_limits``: cache implementation -> why the reference itself could not decode this
+    request with it at capture (its modelling code's limit, such as BLOOM's ALiBi built from
+    the input's mask, not the static cache's length; empty where it could or in older sets)."""
 
     cache: str
     steps: list[DecodeStep]
     prefill_cache: dict[str, str]
     final_cache: dict[str, str]
+    cache_limits: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"cache": self.cache, "steps": [s.to_json() for s in self.steps],
+        data = {"cache": self.cache, "steps": [s.to_json() for s in self.steps],
                 "prefill_cache": self.prefill_cache, "final_cache": self.final_cache}  # fmt: skip
+        if self.cache_limits:
+            data["cache_limits"] = self.cache_limits
+        return data
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Decode:
@@ -119,6 +126,7 @@ class Decode:
             [DecodeStep.from_json(s) for s in d["steps"]],
             dict(d["prefill_cache"]),
             dict(d["final_cache"]),
+            {str(k): str(v) for k, v in d.get("cache_limits", {}).items()},
         )
 
 

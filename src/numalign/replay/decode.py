@@ -21,8 +21,10 @@ from numalign.compare.calibration import control_for
 from numalign.compare.decode_verdict import DecodeVerdict
 from numalign.compare.model_verdict import PointResult, compare_point, judge_logits, label
 from numalign.compare.tolerances import thresholds_of
+from numalign.golden.decode import cache_family
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.golden.reference import (
+    CacheUnsupported,
     cache_state,
     decode_inputs,
     filled_cache,
@@ -67,6 +69,13 @@ def run_decode(
     decode = golden.decode(request)
     if decode is None:
         raise ValueError(f"{golden.path}: request {request!r} has no decode steps")
+    limit = decode.cache_limits.get(cache_family(implementation))
+    if limit is not None:
+        raise CacheUnsupported(
+            f"the reference itself could not decode request {request!r} with a "
+            f"{cache_family(implementation)} cache at capture, a limit of the model's code, "
+            f"not of this device: {limit}"
+        )
     inputs = {
         k: golden.tensor(v, device=device, dtype=dtype)
         for k, v in golden.request(request).inputs.items()

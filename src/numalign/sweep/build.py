@@ -43,14 +43,29 @@ def _auto_class(model_type: str) -> Any:
 
 
 def tiny_config(model_type: str) -> Any:
-    """The type's config with its sizes shrunk (``sweep.shrink``)."""
+    """The type's config with its sizes shrunk (``sweep.shrink``); an encoder's config taken
+    as a causal LM is made a decoder (``as_decoder``)."""
     from transformers import AutoConfig
 
     try:
         defaults = AutoConfig.for_model(model_type).to_dict()
-        return AutoConfig.for_model(model_type, **shrink(defaults, model_type))
+        kwargs = shrink(defaults, model_type)
+        if _auto_class(model_type).__name__ == "AutoModelForCausalLM":
+            kwargs.update(as_decoder(defaults))
+        return AutoConfig.for_model(model_type, **kwargs)
     except Exception as exc:
         raise BuildError(f"config: {type(exc).__name__}: {exc}") from exc
+
+
+def as_decoder(defaults: dict[str, Any]) -> dict[str, Any]:
+    """``is_decoder=True`` for an encoder's config (BERT, RoBERTa, BigBird: ``is_decoder``
+    False, not an encoder-decoder) built as a causal LM, as its causal-LM class asks ("add
+    `is_decoder=True`") and a checkpoint meant for generation has it: otherwise its attention
+    is bidirectional, its mask built for the input rather than the cache, and its cache
+    unused. Nothing for the other configs."""
+    if defaults.get("is_decoder") is False and not defaults.get("is_encoder_decoder"):
+        return {"is_decoder": True}
+    return {}
 
 
 def build_tiny(model_type: str, out_dir: Path) -> Path:
