@@ -1,7 +1,10 @@
-"""Normalization: RMSNorm (with Gemma's 1 + weight), LayerNorm, fused residual add + RMSNorm."""
+"""Normalization: RMSNorm (with Gemma's 1 + weight), LayerNorm (with or without a bias),
+fused residual add + RMSNorm."""
 
 from __future__ import annotations
 
+import inspect
+import re
 import weakref
 from typing import Any
 
@@ -146,12 +149,57 @@ def layer_norm_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
 
 
 def layer_norm_reference(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) * weight (+ bias: Cohere's LayerNorm has none)."""
     xf = up(x)
     mean = xf.mean(-1, keepdim=True)
     var = (xf - mean).pow(2).mean(-1, keepdim=True)
-    return ((xf - mean) * torch.rsqrt(var + eps) * up(weight) + up(bias)).to(x.dtype)
+    out = (xf - mean) * torch.rsqrt(var + eps) * up(weight)
+    return (out if bias is None else out + up(bias)).to(x.dtype)
+
+
+#: A module's forward that subtracts a mean: the test of a LayerNorm form on meta weights
+#: (the inventory's), where no probe can run.
+_SUBTRACTS_MEAN = re.compile(r"-\s*mean\b")
+#: Tolerance of the probe that tells a LayerNorm form from other "*LayerNorm" modules (T5's
+#: is an RMSNorm), in eps of the module's dtype: as the swap's adapter check allows.
+_FORM_PROBE_EPS = 4.0
+
+
+def _is_layer_norm(module: Any) -> bool:
+    """Whether ``module`` is a LayerNorm, by what it computes rather than its name: torch's
+    ``nn.LayerNorm`` (and its subclasses), or a module named ``*LayerNorm`` with a 1-D weight
+    that reproduces ``layer_norm_reference`` on a probe input (Cohere's, without a bias; not
+    T5's, an RMSNorm; not Hubert's ``...StableLayerNorm`` encoder layers). On meta weights
+    (the inventory's) the forward's source is read instead: it must subtract a mean."""
+    if isinstance(module, torch.nn.LayerNorm):
+        return True
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return False
+    if weight.is_meta:
+        return bool(_SUBTRACTS_MEAN.search(inspect.getsource(type(module).forward)))
+    probe = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0))
+    probe = probe.to(weight.device, weight.dtype)
+    try:
+        with torch.no_grad():
+            theirs = up(module(probe))
+            mine = up(layer_norm_reference(probe, weight, getattr(module, "bias", None),
+                                           _layer_norm_eps(module)))  # fmt: skip
+    except Exception:  # a module of another signature is no LayerNorm form
+        return False
+    tol = _FORM_PROBE_EPS * torch.finfo(weight.dtype).eps
+    return bool(torch.allclose(mine, theirs, rtol=tol, atol=tol))
+
+
+def _layer_norm_eps(module: Any) -> float:
+    return float(getattr(module, "eps", getattr(module, "variance_epsilon", EPS)))
+
+
+def _layer_norm_adapter(module: Any) -> dict[str, Any]:
+    return {"weight": module.weight, "bias": getattr(module, "bias", None),
+            "eps": _layer_norm_eps(module)}  # fmt: skip
 
 
 register_operator(
@@ -164,30 +212,34 @@ register_operator(
         make_inputs=layer_norm_inputs,
         cases=NORM_CASES,
         reduction_length=lambda case: case["hidden"],
-        hf_modules=("LayerNorm",),
-        adapter=lambda m: {"weight": m.weight, "bias": m.bias, "eps": float(m.eps)},
-        description="LayerNorm with float32 statistics (two-pass variance)",
+        hf_modules=("LayerNorm", "*LayerNorm"),
+        hf_module_check=_is_layer_norm,
+        adapter=_layer_norm_adapter,
+        description="LayerNorm with float32 statistics (two-pass variance), bias optional",
     )
 )
 
 
 @candidate("layer_norm", name="torch")
 def layer_norm_torch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
-    return F.layer_norm(up(x), (x.shape[-1],), up(weight), up(bias), eps).to(x.dtype)
+    return F.layer_norm(
+        up(x), (x.shape[-1],), up(weight), None if bias is None else up(bias), eps
+    ).to(x.dtype)
 
 
 @candidate("layer_norm", name="var_mean")
 def layer_norm_var_mean(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
     """torch.var_mean statistics (Welford on the CPU), then one fused multiply-add."""
     xf = up(x)
     if xf.numel() == 0:  # var_mean warns on empty reductions
         return x.clone()
     var, mean = torch.var_mean(xf, dim=-1, keepdim=True, correction=0)
-    return torch.addcmul(up(bias), xf - mean, torch.rsqrt(var + eps) * up(weight)).to(x.dtype)
+    shift = torch.zeros_like(xf) if bias is None else up(bias)
+    return torch.addcmul(shift, xf - mean, torch.rsqrt(var + eps) * up(weight)).to(x.dtype)
 
 
 def add_rms_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:

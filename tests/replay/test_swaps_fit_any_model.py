@@ -1,6 +1,7 @@
 """Swaps that fit any model: a swapped module keeps the original's parameters and attributes
 visible (Mamba-2 reads ``self.norm.weight.dtype``); the RMSNorm adapter finds a (1 + weight)
-norm by what it computes (Qwen3.5's, named like no known zero-centered family); a gated norm
+norm by what it computes (Qwen3.5's, named like no known zero-centered family), and the
+LayerNorm operator a LayerNorm without a bias (Cohere's), not T5's RMSNorm; a gated norm
 is named as the form the operator lacks; a swap that matches no module of any replayed model
 is a usage error before any test runs, and a model without it among others skips."""
 
@@ -70,6 +71,37 @@ def test_the_rms_adapter_finds_each_norm_form_by_what_it_computes(model_type: st
     assert bool(scaleless) == (model_type == "gemma4_text")  # Gemma 4's v_norm has none
     # as above: float32 reordering only (a wrong form multiplies by about 0, or by 2)
     assert float((_logits(model) - before).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["cohere", "cohere2"])
+def test_a_layer_norm_without_a_bias_is_one_layer_norm_stands_for(model_type: str) -> None:
+    """Cohere's LayerNorm (``CohereLayerNorm``: weight, no bias, ``variance_epsilon``) is a
+    LayerNorm by what it computes, so ``layer_norm`` swaps it (the day-0 sweep could plant no
+    norm in the Cohere family before)."""
+    model = _tiny(model_type)
+    before = _logits(model)
+    swapped = apply_swaps(model, [("layer_norm", "var_mean")])  # the adapter's probe passes
+    assert any(name.endswith("input_layernorm") for name in swapped)
+    assert all(isinstance(model.get_submodule(n), SwappedModule) for n in swapped)
+    # float32 reordering only: Welford statistics against the two-pass ones (1e-4 on logits
+    # of order ten; a norm that added a bias or dropped the weight moves them by order one)
+    assert float((_logits(model) - before).abs().max()) < 1e-4
+
+
+def test_a_module_named_layer_norm_that_is_an_rms_norm_is_not_one() -> None:
+    """T5's ``T5LayerNorm`` is an RMSNorm (no mean subtracted): the name pattern alone would
+    claim it; what it computes does not, on real weights (a probe) and on meta ones (the
+    inventory's: the forward's source)."""
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    load_catalogue()
+    layer_norm = OPERATORS["layer_norm"]
+    assert layer_norm.stands_for("T5LayerNorm")  # the name matches the pattern
+    assert not layer_norm.stands_for_module(T5LayerNorm(16))
+    with torch.device("meta"):
+        assert not layer_norm.stands_for_module(T5LayerNorm(16))
+        assert layer_norm.stands_for_module(torch.nn.LayerNorm(16))
+    assert layer_norm.stands_for_module(torch.nn.LayerNorm(16))
 
 
 def test_a_gated_norm_is_named_as_the_form_the_operator_lacks() -> None:

@@ -149,7 +149,7 @@ def apply_swaps(model: torch.nn.Module, swaps: Sequence[tuple[str, str]]) -> lis
                     f"--swap {op.name}={cand_name}: operator {op.name} has no adapter from a "
                     "Hugging Face module to its arguments, so it cannot be swapped into a model"
                 )
-            names = [n for n, m in model.named_modules() if n and op.stands_for(type(m).__name__)]
+            names = [n for n, m in model.named_modules() if n and op.stands_for_module(m)]
             if not names and op_name != "all":
                 types = {type(m).__name__ for m in model.modules()}
                 raise SwapUnmatched(unmatched_message(op, cand_name, types))
