@@ -16,14 +16,17 @@ the machine's + ATen AVX2 + every core), so that passing is not passing by const
   accumulation in another order than the reference's).
 
 Variants whose instruction set this CPU lacks are skipped (said in the table). The model
-suites run for every variant; the operator suite (``--operators``, tier pr) for the two
-instruction-set variants. The matrix prints a table (variant, suite, exit code, the worst use
+suites run for every variant, on the zoo and on a sample of the day-0 sweep's types
+(``SWEEP_SAMPLE``, ``--sweep-sample``: built and captured first, as ``numalign zoo sweep``
+builds them); the operator suite (``--operators``, tier pr) for the two instruction-set
+variants. The matrix prints a table (variant, suite, exit code, the worst use
 of budget among passed records, pytest's closing line) and exits 1 on any failure, error or
 crash (an expected failure, the paged engine's soft-capping gap where its signature matches,
 is pytest's xfail and not a failure). ``--only NAME`` runs some variants;
 ``--report-dir`` keeps each variant's run under ``<dir>/<variant>/``.
 
-    python ci/honest_matrix.py [--operators] [--only isa-avx2 ...] [-- extra pytest args]
+    python ci/honest_matrix.py [--operators] [--only isa-avx2 ...] [--sweep-sample a,b]
+                               [-- extra pytest args]
 """
 
 from __future__ import annotations
@@ -66,17 +69,44 @@ VARIANTS = (
         operators=True,
     ),
     Variant("threads-2-sdpa", args=("--attn-implementation", "sdpa"), workers=0),
-    # each swap on the models that have its module (a swap that matches no module of a model
-    # is an error there: BERT and GPT-2 have no RMSNorm, the Llama family no LayerNorm)
+    # each swap on the models that have its module (one without it would skip with the
+    # reason, at a quarter second a test: 900 of them for the LayerNorm swap): BERT, GPT-2
+    # and BLOOM have no RMSNorm; of the others only Qwen2-VL's vision tower has LayerNorms
     Variant(
         "swap-fused-rms-norm",
-        args=("--swap", "rms_norm=fused", "-k", "not tiny-bert and not tiny-gpt2"),
+        args=("--swap", "rms_norm=fused", "-k", "not tiny-bert and not tiny-gpt2 and not bloom"),
     ),
     Variant(
         "swap-var-mean-layer-norm",
-        args=("--swap", "layer_norm=var_mean", "-k", "tiny-bert or tiny-gpt2 or tiny-qwen2-vl"),
+        args=(
+            "--swap",
+            "layer_norm=var_mean",
+            "-k",
+            "tiny-bert or tiny-gpt2 or tiny-qwen2-vl or bloom",
+        ),
     ),
 )
+
+#: Types of the day-0 sweep replayed besides the zoo, architectures the zoo has none of:
+#: gpt-oss (attention sinks, MoE with biases), Jamba (Mamba mixers beside attention, MoE),
+#: BLOOM (ALiBi, LayerNorm, fused query-key-value). Each costs about 20 s to build and
+#: capture here and a few seconds per variant.
+SWEEP_SAMPLE = ("gpt_oss", "jamba", "bloom")
+
+
+def sweep_sample(types: list[str], out: Path) -> Path:
+    """Builds and captures (calibrated, as the sweep does) each of ``types`` under ``out``;
+    returns the folder of their sets."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from numalign.replay.ensemble import capture_calibrated
+    from numalign.sweep.build import build_tiny
+
+    sets = out / "sets"
+    for model_type in types:
+        print(f"== sweep sample: building and capturing {model_type}", flush=True)
+        model_dir = build_tiny(model_type, out / "models")
+        capture_calibrated(model_dir, sets / model_type, progress=False, force=True)
+    return sets
 
 
 def cpu_flags() -> frozenset[str]:
@@ -120,9 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=[v.name for v in VARIANTS])
     parser.add_argument("--operators", action="store_true", help="also the operator suite")
     parser.add_argument("--report-dir", type=Path, default=ROOT / "reports" / "honest-matrix")
+    parser.add_argument(
+        "--sweep-sample",
+        default=",".join(SWEEP_SAMPLE),
+        help="comma list of sweep types replayed besides the zoo ('' for none)",
+    )
     parser.add_argument("extra", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
     flags = cpu_flags()
+    sample = [t for t in args.sweep_sample.split(",") if t]
+    sample_args = (
+        ["--golden", str(sweep_sample(sample, args.report_dir / "sweep-sample"))] if sample else []
+    )
     failed, rows = False, []
     for variant in VARIANTS:
         if args.only and variant.name not in args.only:
@@ -134,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         suites = ["suites/models"] + (["suites/operators"] if args.operators and variant.operators
                                       else [])  # fmt: skip
         for suite in suites:
-            code, closing = run_variant(variant, suite, args.report_dir, args.extra)
+            extra = [*args.extra, *(sample_args if suite == "suites/models" else [])]
+            code, closing = run_variant(variant, suite, args.report_dir, extra)
             run = args.report_dir / variant.name / suite.replace("/", "-") / "latest"
             worst = worst_passed(run) if (run / "records.jsonl").is_file() else float("nan")
             rows.append((variant.name, suite, f"exit {code}; worst {worst:.3g}; {closing}"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -200,16 +201,46 @@ def test_run_brings_up_a_model_in_one_command(tmp_path: Path) -> None:
     assert decode == {"cache=dynamic", "cache=static", "cache=paged"}
 
 
-def test_the_honest_matrix_runs_in_ci_with_variants_that_are_not_calibration_members() -> None:
+def _honest_matrix() -> types.ModuleType:
     import importlib.util
-
-    from numalign.replay.ensemble import default_members
 
     spec = importlib.util.spec_from_file_location("honest_matrix", ROOT / "ci" / "honest_matrix.py")
     assert spec is not None and spec.loader is not None
     matrix = importlib.util.module_from_spec(spec)
     sys.modules["honest_matrix"] = matrix  # its dataclasses look their module up
     spec.loader.exec_module(matrix)
+    return matrix
+
+
+def test_the_honest_matrix_swaps_reach_every_swept_sample_type_with_the_module() -> None:
+    """The matrix replays a sample of the day-0 sweep's types; each swap variant's ``-k``
+    filter must keep every sample type that has its module (a filter that dropped one would
+    leave that type's norms out of the swap unnoticed) and drop the ones without it."""
+    from _pytest.mark.expression import Expression
+    from transformers import AutoModelForCausalLM
+
+    from numalign.registry import OPERATORS, load_catalogue
+    from numalign.sweep.build import causal_lm_types, tiny_config
+
+    matrix = _honest_matrix()
+    load_catalogue()
+    assert set(matrix.SWEEP_SAMPLE) <= set(causal_lm_types())
+    variants = {v.name: v for v in matrix.VARIANTS}
+    for model_type in matrix.SWEEP_SAMPLE:
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+        for op, name in (("rms_norm", "swap-fused-rms-norm"),
+                         ("layer_norm", "swap-var-mean-layer-norm")):  # fmt: skip
+            has = any(OPERATORS[op].stands_for_module(m) for m in model.modules())
+            expression = variants[name].args[variants[name].args.index("-k") + 1]
+            # pytest's own -k grammar; a name matches where it is part of the set's name
+            kept = Expression.compile(expression).evaluate(model_type.__contains__)
+            assert kept == has, (model_type, name, expression)
+
+
+def test_the_honest_matrix_runs_in_ci_with_variants_that_are_not_calibration_members() -> None:
+    from numalign.replay.ensemble import default_members
+
+    matrix = _honest_matrix()
     assert "ci/honest_matrix.py" in (ROOT / ".ci" / "run").read_text()
     # on every kind of CPU the zoo may be captured on, no variant is a member: passing the
     # matrix is not passing by construction
