@@ -307,9 +307,18 @@ def replay_model(
             verdict.outputs.append(PointResult(output, len(points), name, "0", result, "output"))
         continuation = golden.continuation(name)
         if continuation is not None and logits_budget > 0:
-            verdict.continuation.append(
-                continuation_agreement(model, name, inputs, golden, continuation, logits_budget)
+            later = later_positions_budget(golden, dtype, hidden, depth, policy)
+            agreement = continuation_agreement(
+                model,
+                name,
+                inputs,
+                golden,
+                continuation,
+                logits_budget,
+                later,
+                thresholds_of(policy),
             )
+            verdict.continuation.append(agreement)
     verdict.divergence = locate(golden, model, verdict.points, dtype, device, policy)
     failing_logits = [lg for lg in verdict.logits if not lg.passed and lg.values is not None]
     if verdict.divergence is None and failing_logits:
@@ -412,6 +421,24 @@ def _no_masks(*args: Any) -> Iterator[None]:
     yield
 
 
+def later_positions_budget(
+    golden: GoldenSet, dtype: str, hidden: int, depth: int, policy: Any
+) -> Callable[[Any, Any], float]:
+    """The max-abs budget of logits at a position after the prompt, from the set's decode
+    calibration (0 where it has none): ``budget(actual, expected)``."""
+    control = control_for(golden, dtype, OUTPUT_POINT, "logits", "decode", hidden, depth,
+                          thresholds_of(policy))  # fmt: skip
+    torch_dtype = dtypes.torch_dtype(dtype)
+
+    def budget(actual: Any, expected: Any) -> float:
+        if not control.calibrated:
+            return 0.0
+        result = compare_point(actual.to(torch_dtype), expected, "logits", control, policy)
+        return float(result.budget.get("max_abs", 0.0))
+
+    return budget
+
+
 def continuation_agreement(
     model: Any,
     request: str,
@@ -419,10 +446,17 @@ def continuation_agreement(
     golden: GoldenSet,
     continuation: Continuation,
     logits_budget: float,
+    later_budget: Callable[[Any, Any], float] | None = None,
+    thresholds: Any = None,
 ) -> ContinuationResult:
     """Greedy tokens of the replay against the golden continuation, teacher-forced: identical
-    up to the first divergence, and there the two tokens' golden logits at most twice the
-    logits' max-abs budget apart (a near tie the budget explains)."""
+    up to the first divergence, and there the two tokens' golden logits at most a near tie
+    apart (``logits.near_tie``: twice the logits' max-abs budget, each may move by it). The
+    budget is the larger of the prompt's (``logits_budget``) and, at the differing step,
+    ``later_budget(its logits, the golden ones)``: the calibrated budget of positions after
+    the prompt (the set's decode calibration), since a step's logits are a position the
+    prompt's calibration never saw (bfloat16 errs there up to 17 times more: flex_olmo's
+    tiny checkpoint, 0.18 in the prompt and 3.1 in decode)."""
     import torch
 
     tokens = golden.tensor(continuation.tokens)
@@ -439,9 +473,12 @@ def continuation_agreement(
                 theirs = golden_logits[:, step]
                 gaps = theirs.gather(-1, tokens[:, step, None]) - theirs.gather(-1, mine[:, None])
                 gap = float(gaps.max())
+                if later_budget is not None:
+                    later = later_budget(logits, theirs.float())
+                    logits_budget = max(logits_budget, later)
             # teacher-force the golden token, so later steps compare like with like
             state = append_token(state, tokens[:, step : step + 1].to(state["input_ids"].device))
-    return ContinuationResult(request, steps, first, gap, near_tie(logits_budget))
+    return ContinuationResult(request, steps, first, gap, near_tie(logits_budget, thresholds))
 
 
 def suite_sets(root: Path, extra: Sequence[Path], *, only: bool = False) -> list[Path]:
