@@ -93,12 +93,23 @@ def _offset(module: Any, eps: float) -> float:
     return _OFFSETS[module]
 
 
+def _scale(module: Any) -> torch.nn.Parameter:
+    """A norm's scale: its ``weight`` parameter. A norm without one (Gemma 4's ``v_norm``;
+    Falcon-Mamba's weightless norm, whose ``weight`` is a dummy buffer of another size) is
+    an AttributeError: the swap leaves it its own forward."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter):
+        raise AttributeError(f"{type(module).__name__} has no scale parameter")
+    return weight
+
+
 def _rms_adapter(module: Any) -> dict[str, Any]:
+    weight = _scale(module)
     eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", EPS)))
     # Gemma's, Qwen3-Next's and Qwen3.5's RMSNorm multiply by (1 + weight); Llama's by
     # weight. A swap checks the adapter against the module on a probe input, so a family
     # that does otherwise still is an error, not a silent mismatch.
-    return {"weight": module.weight, "eps": eps, "offset": _offset(module, eps)}
+    return {"weight": weight, "eps": eps, "offset": _offset(module, eps)}
 
 
 register_operator(
@@ -198,7 +209,7 @@ def _layer_norm_eps(module: Any) -> float:
 
 
 def _layer_norm_adapter(module: Any) -> dict[str, Any]:
-    return {"weight": module.weight, "bias": getattr(module, "bias", None),
+    return {"weight": _scale(module), "bias": getattr(module, "bias", None),
             "eps": _layer_norm_eps(module)}  # fmt: skip
 
 

@@ -88,6 +88,20 @@ def test_a_layer_norm_without_a_bias_is_one_layer_norm_stands_for(model_type: st
     assert float((_logits(model) - before).abs().max()) < 1e-4
 
 
+def test_a_norm_whose_weight_is_a_dummy_buffer_keeps_its_own_forward() -> None:
+    """Falcon-Mamba's ``FalconMambaWeightlessRMSNorm`` holds a ``weight`` buffer of ones of
+    another size than it normalizes (only "for imitating the kernels path"): the adapter reads
+    a scale from parameters alone, so that norm keeps its own forward (the sweep's planted
+    swap crashed on it) while the model's real RMSNorms are swapped."""
+    model = _tiny("falcon_mamba")
+    before = _logits(model)
+    swapped = apply_swaps(model, [("rms_norm", "fused")])
+    types = {type(model.get_submodule(n).original).__name__ for n in swapped}
+    assert types == {"FalconMambaRMSNorm"}
+    # float32 reordering only, as above
+    assert float((_logits(model) - before).abs().max()) < 1e-4
+
+
 def test_a_module_named_layer_norm_that_is_an_rms_norm_is_not_one() -> None:
     """T5's ``T5LayerNorm`` is an RMSNorm (no mean subtracted): the name pattern alone would
     claim it; what it computes does not, on real weights (a probe) and on meta ones (the
