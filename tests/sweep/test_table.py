@@ -36,6 +36,12 @@ def test_the_summary_counts_clean_among_built_types() -> None:
     missed = SweepRow("gpt2", "yes", "ok", "clean", planted="not caught")
     unplanted = SweepRow("cohere2", "yes", "ok", "clean", planted="not planted: no norm module")
     assert summary([CLEAN, missed, unplanted]).endswith("caught at a norm in 1 of 2 planted")
+    # a point that holds a planted norm capture does not (OLMo-2's q_norm in attention)
+    # counts; a point that holds none does not
+    held = "model.layers.0.self_attn (norm inside: model.layers.0.self_attn.q_norm)"
+    inside = SweepRow("flex_olmo", "yes", "ok", "clean", planted=held)
+    outside = SweepRow("gpt2", "yes", "ok", "clean", planted="model.layers.0.mlp (not a norm)")
+    assert summary([inside, outside]).endswith("caught at a norm in 1 of 2 planted")
     text = markdown([CLEAN, UNBUILT], "Sweep of today")
     assert text.splitlines()[0] == "Sweep of today"
     assert "| reformer | no: AssertionError: make sure that `is_decoder=True` | - |" in text

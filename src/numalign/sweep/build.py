@@ -32,7 +32,7 @@ def causal_lm_types(image_text: bool = False) -> list[str]:
     return types
 
 
-def _auto_class(model_type: str) -> Any:
+def auto_class(model_type: str) -> Any:
     """AutoModelForCausalLM for a causal-LM type, else AutoModelForImageTextToText."""
     import transformers
     from transformers.models.auto import modeling_auto
@@ -50,7 +50,7 @@ def tiny_config(model_type: str) -> Any:
     try:
         defaults = AutoConfig.for_model(model_type).to_dict()
         kwargs = shrink(defaults, model_type)
-        if _auto_class(model_type).__name__ == "AutoModelForCausalLM":
+        if auto_class(model_type).__name__ == "AutoModelForCausalLM":
             kwargs.update(as_decoder(defaults))
         return AutoConfig.for_model(model_type, **kwargs)
     except Exception as exc:
@@ -81,7 +81,7 @@ def build_tiny(model_type: str, out_dir: Path) -> Path:
     config = tiny_config(model_type)
     torch.manual_seed(stable_seed("numalign.sweep", model_type) % 2**31)
     try:
-        model = _auto_class(model_type).from_config(config).eval()
+        model = auto_class(model_type).from_config(config).eval()
         rescale(model, gemma_norms=None)
         vocab = int(model.get_input_embeddings().weight.shape[0])
         ids = torch.arange(3, 3 + CHECK_TOKENS).remainder(vocab)[None]

@@ -120,8 +120,30 @@ def planted(row: SweepRow, suites: Path, golden: Path, reports: Path, model_dir:
         row.planted = "not caught"
         return
     point = found[0]
-    kind = "norm" if "Norm" in (points.get(point) or "") else "not a norm"
+    if "Norm" in (points.get(point) or ""):
+        kind = "norm"
+    else:
+        inside = [n for n in norm_names(model_dir, swap.partition("=")[0])
+                  if n.startswith(point + ".")]  # fmt: skip
+        # a norm inside the point that capture does not hold (OLMo-2's q_norm in attention)
+        kind = f"norm inside: {inside[0]}" if inside else "not a norm"
     row.planted = f"{point} ({kind})"
+
+
+def norm_names(model_dir: Path, operator: str) -> list[str]:
+    """The names of the modules of the model at ``model_dir`` that ``operator`` stands for
+    (built on the meta device: no weights are read)."""
+    import torch
+    import transformers
+
+    from numalign.registry import OPERATORS
+    from numalign.sweep.build import auto_class
+
+    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        model = auto_class(config.model_type).from_config(config)
+    op = OPERATORS[operator]
+    return [n for n, m in model.named_modules() if n and op.stands_for_module(m)]
 
 
 def sweep_type(model_type: str, work: Path, suites: Path) -> SweepRow:

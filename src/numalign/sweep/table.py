@@ -16,7 +16,8 @@ class SweepRow:
     """One model type's sweep. ``built``: ``yes``, or ``no: transformers' message``;
     ``capture``: ``ok``, ``crash: ...`` or ``-`` (not reached); ``replay``: ``clean``,
     ``N false alarms``, ``crash`` or ``-``, with the tests' counts; ``planted``: the point the
-    planted norm was first caught at (``norm`` or ``not a norm`` after it), ``not caught``, or
+    planted norm was first caught at (``norm``, ``norm inside: NAME`` where the point holds a
+    planted norm that capture does not, or ``not a norm`` after it), ``not caught``, or
     why it was not planted; ``seconds``: wall time of the type."""
 
     type: str
@@ -31,6 +32,11 @@ class SweepRow:
     @property
     def buildable(self) -> bool:
         return self.built == "yes"
+
+    @property
+    def caught_at_norm(self) -> bool:
+        """The planted norm's first divergence was a norm, or the point holding it."""
+        return self.planted.endswith("(norm)") or "(norm inside: " in self.planted
 
     @property
     def clean(self) -> bool:
@@ -77,7 +83,7 @@ def summary(rows: Sequence[SweepRow]) -> str:
     """``N types; B built; C of them clean (P%); K crashes; planted caught at a norm in M``."""
     built = [r for r in rows if r.buildable]
     clean = [r for r in built if r.clean]
-    at_norm = [r for r in built if r.planted.endswith("(norm)")]
+    at_norm = [r for r in built if r.caught_at_norm]
     planted = [r for r in built if not r.planted.startswith(("-", "no:", "not planted"))]
     share = f"{100 * len(clean) / len(built):.0f}%" if built else "n/a"
     return (
