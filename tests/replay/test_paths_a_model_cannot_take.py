@@ -111,6 +111,26 @@ def test_a_model_calling_what_the_paged_cache_lacks_skips_with_the_reason(
         assert served  # every golden request it could serve
 
 
+def test_a_model_that_drops_the_paged_batch_arguments_skips_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    """StableLM's layers do not pass the engine's per-batch arguments on to the paged cache
+    (its decoder layer drops ``**kwargs``): transformers 5.24's paged cache then fails with
+    ``KeyError: 'cu_seq_lens_k'``. The paged replay skips, naming it, instead of failing as
+    if the engine had erred (the sweep met it as two crashes); where a transformers version
+    serves it, every request is served."""
+    golden = _captured("stablelm", tmp_path)
+    model = load_model(golden.model_dir, "float32", attn_implementation=PAGED_ATTENTION,
+                       trust_remote_code=False)  # fmt: skip
+    try:
+        served = replay_paged_requests(golden, model, "cpu", lambda *args, **kwargs: None)
+    except PagedUnsupported as exc:
+        assert "do not pass the paged engine's batch arguments" in str(exc)
+        assert "'cu_seq_lens_k'" in str(exc)
+    else:
+        assert served
+
+
 def test_a_static_cache_the_reference_cannot_decode_with_skips_with_the_reason(
     tmp_path: Path,
 ) -> None:

@@ -285,6 +285,13 @@ def _serve(
 #: decoder asks ``past_key_values.get_seq_length()``): a path the model cannot take, not a
 #: failure of the device.
 _MISSING_CACHE_API = re.compile(r"'PagedAttentionCache' object has no attribute '(?P<api>\w+)'")
+#: The engine's per-batch arguments the paged cache's ``update`` reads from the keyword
+#: arguments the model's attention hands it (transformers 5.24): a KeyError naming one means
+#: the model's layers do not forward them from the engine's call (StableLM's decoder layer
+#: drops its ``**kwargs``), so its code cannot run paged.
+_DROPPED_BATCH_ARGUMENT = re.compile(
+    r"^'(?P<name>cu_seq_lens_k|max_length_k|read_index|write_index)'$"
+)
 
 
 def _run(manager: Any, prompts: dict[str, list[int]], new_tokens: int) -> None:
@@ -315,6 +322,14 @@ def _run(manager: Any, prompts: dict[str, list[int]], new_tokens: int) -> None:
                     raise PagedUnsupported(
                         f"the model's code calls {missing['api']} on transformers' paged "
                         f"cache, which has none ({result.error}): the paged engine cannot "
+                        "serve this model"
+                    )
+                dropped = _DROPPED_BATCH_ARGUMENT.match(str(result.error).strip())
+                if dropped:
+                    raise PagedUnsupported(
+                        f"the model's layers do not pass the paged engine's batch arguments on "
+                        f"to its cache (KeyError {dropped['name']!r} in the paged cache's "
+                        "update: a forward that drops its **kwargs): the paged engine cannot "
                         "serve this model"
                     )
                 raise PagedServingError(
