@@ -157,6 +157,15 @@ def test_a_static_cache_the_reference_cannot_decode_with_skips_with_the_reason(
     assert CACHE_POINT in pairs  # the dynamic decode replays the same request to its end
 
 
+def test_a_static_cache_that_computes_another_result_is_a_limit_too(tmp_path: Path) -> None:
+    """GIT's static-cache decode runs but computes another result than its dynamic one (its
+    encoder layers 2% off in the sweep, a false alarm of the device): capture compares the
+    reference's step logits under both caches and records the disagreement as a limit."""
+    golden = _captured("git", tmp_path)
+    limits = [d.cache_limits.get("static", "") for d in golden.manifest.decode.values()]
+    assert limits and all("differ from the dynamic cache's by" in text for text in limits)
+
+
 def test_a_model_without_limits_records_none_and_round_trips(tmp_path: Path) -> None:
     """A model that decodes with every cache (llama) records no limits, and its manifest
     writes no ``cache_limits`` field: older sets and new ones read the same."""

@@ -40,6 +40,11 @@ REFERENCE_CACHE = "dynamic"
 PROBED_CACHES = ("static",)
 #: Characters of the reference's error kept as a limit's reason.
 LIMIT_CHARS = 300
+#: A probed cache whose step logits differ from the reference cache's by more than this share
+#: of their largest is a limit too: another cache reorders float32 sums (about 1e-6 of the
+#: logits), a cache the model's code mishandles moves them by percents (GIT's static decode:
+#: its encoder layers 2% off).
+LIMIT_DISAGREEMENT = 1e-3
 
 
 def record_decode(
@@ -102,32 +107,50 @@ def cache_family(implementation: str) -> str:
 
 
 def cache_limits(model: Any, request: CaptureRequest) -> dict[str, str]:
-    """For each of ``PROBED_CACHES`` the reference cannot decode ``request`` with, the error
-    its forward raised (a prefill and one step, as the decode replay runs them). A model that
-    builds its own cache (``CacheUnsupported``) is left out: replay says so itself."""
-    import torch
-
+    """For each of ``PROBED_CACHES`` the reference cannot decode ``request`` with, why: the
+    error its forward raised (a prefill and one step, as the decode replay runs them), or
+    the step's logits disagreeing with the reference cache's by more than
+    ``LIMIT_DISAGREEMENT`` (GIT's static decode computes another result). A model that builds
+    its own cache (``CacheUnsupported``) is left out: replay says so itself."""
     from numalign.golden.reference import CacheUnsupported
 
     limits: dict[str, str] = {}
-    length = request.inputs["input_ids"].shape[1]
+    reference = _one_step(model, request, REFERENCE_CACHE)
     for implementation in PROBED_CACHES:
         try:
-            cache = new_cache(model, implementation, length + 1)
+            logits = _one_step(model, request, implementation)
         except CacheUnsupported:
             continue
-        reset_decode_state(model)
-        try:
-            with torch.no_grad():
-                output = model(**request.inputs, **prefill_kwargs(model, request.inputs, cache))
-                token = output.logits[:, -1].argmax(-1, keepdim=True)
-                _, forward = decode_inputs(model, dict(request.inputs), token, cache)
-                model(**forward)
         except Exception as exc:  # the reference's own limit, kept with its message
             limits[implementation] = " ".join(f"{type(exc).__name__}: {exc}".split())[:LIMIT_CHARS]
-        finally:
-            reset_decode_state(model)
+            continue
+        scale = float(reference.abs().max()) or 1.0
+        apart = float((logits - reference).abs().max()) / scale
+        if apart > LIMIT_DISAGREEMENT:
+            limits[implementation] = (
+                f"its step's logits differ from the {REFERENCE_CACHE} cache's by {apart:.3g} of "
+                f"their largest (more than {LIMIT_DISAGREEMENT:g}): the model's code computes "
+                "another result with this cache"
+            )
     return limits
+
+
+def _one_step(model: Any, request: CaptureRequest, implementation: str) -> Any:
+    """The logits of one decode step after the prefill with a cache of ``implementation``."""
+    import torch
+
+    length = request.inputs["input_ids"].shape[1]
+    cache = new_cache(model, implementation, length + 1)
+    reset_decode_state(model)
+    try:
+        with torch.no_grad():
+            output = model(**request.inputs, **prefill_kwargs(model, request.inputs, cache))
+            cache = filled_cache(output, cache)
+            token = output.logits[:, -1].argmax(-1, keepdim=True)
+            _, forward = decode_inputs(model, dict(request.inputs), token, cache)
+            return model(**forward).logits[:, -1].double()
+    finally:
+        reset_decode_state(model)
 
 
 def new_token_output(tensor: Any, batch: int) -> bool:
