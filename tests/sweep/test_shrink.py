@@ -63,10 +63,11 @@ def test_each_override_is_needed_and_builds(
 
 
 def test_a_type_transformers_cannot_build_is_listed_with_its_message(tmp_path: Path) -> None:
-    # Reformer's causal-LM class asserts is_decoder, which its config does not default to
-    with pytest.raises(BuildError, match="make sure that `is_decoder=True`"):
-        build_tiny("reformer", tmp_path)
-    assert not (tmp_path / "reformer").exists()
+    # MusicGen's causal-LM class is built on the type's composite config, while it reads its
+    # decoder's (config.dropout)
+    with pytest.raises(BuildError, match="object has no attribute 'dropout'"):
+        build_tiny("musicgen", tmp_path)
+    assert not (tmp_path / "musicgen").exists()
 
 
 def test_derived_sizes_left_none_get_the_tiny_size() -> None:
@@ -175,6 +176,15 @@ def test_latent_attention_keeps_the_sums_of_its_head_parts() -> None:
                   "per_layer_config": per_layer})  # fmt: skip
     layer = out["per_layer_config"][1]
     assert out["head_dim"] == layer["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+
+
+def test_an_override_of_a_nested_config_keeps_its_shrunk_keys() -> None:
+    # dbrx's entry adds rope_theta to attn_config; ffn_config's shrunk sizes stay
+    out = shrink({"d_model": 2048, "n_layers": 24,
+                  "attn_config": {"model_type": "", "kv_n_heads": 1},
+                  "ffn_config": {"model_type": "", "ffn_hidden_size": 3584}}, "dbrx")  # fmt: skip
+    assert out["attn_config"]["rope_theta"] and out["attn_config"]["kv_n_heads"] == 1
+    assert out["ffn_config"]["ffn_hidden_size"] == SIZES["ffn_hidden_size"]
 
 
 @pytest.mark.parametrize(

@@ -131,8 +131,20 @@ VOCAB_PART = 0.9
 #: Token ids beyond the shrunk vocabulary are moved inside it.
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
-#: Types whose config the generic shrink cannot make valid: key -> value set after it, with
-#: the reason. Each entry is tested (``tests/sweep/test_shrink.py``) to build.
+#: Qwen4-Exp's token indexer (QSA): one key head, a budget of 2 blocks of 2 tokens.
+_QSA = {
+    "indexer_n_heads": 4,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 4,
+    "indexer_compress_ratio": 2,
+}
+
+#: Types whose config the generic shrink cannot make valid: key -> value set after it (a
+#: nested config's dict sets its own keys, its shrunk others kept), with the reason: a
+#: type-specific constraint, or a key its code reads that its default config lacks and its
+#: checkpoints carry. Each entry is tested (``tests/sweep/test_shrink.py``) to be needed and
+#: to build.
 OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
     "mamba2": (
         {"num_heads": 8},
@@ -157,6 +169,69 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
         {"block_types": ["recurrent", "attention"]},
         "its block types cycle a pattern of 3 (recurrent, recurrent, attention): two layers "
         "would hold no attention",
+    ),
+    "granitemoehybrid": (
+        {"layer_types": ["linear_attention", "full_attention"]},
+        "its default has only Mamba layers (layer_types all linear_attention), with which its "
+        "cache cannot tell the sequence length",
+    ),
+    "zamba": (
+        {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+        "its hybrid layers share one transformer block, tied from the first to the others: one "
+        "hybrid layer leaves the tie nothing to tie to",
+    ),
+    "dory": (
+        {
+            "num_hidden_layers": 6,
+            "layer_types": [
+                *("sliding_attention", "mlp"),
+                *("full_attention", "mlp"),
+                *("sliding_attention", "mlp"),
+            ],
+            "n_input_layers": 2,
+            "n_recurrent_layers": 2,
+            "n_output_layers": 2,
+        },
+        "its layers are (attention, mlp) pairs (to_dict doubles the counts), split into input, "
+        "recurrent and output layers whose counts must add up to the layers",
+    ),
+    "xlstm": (
+        {"hidden_size": 128, "embedding_dim": 128},
+        "its cache rounds the query-key width (hidden x qk_dim_factor 0.5) up to a multiple of "
+        "64 and its layers do not: hidden 64 gives them 32 against the cache's 64",
+    ),
+    "dbrx": (
+        {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+        "its attention reads attn_config.rope_theta, which DbrxAttentionConfig does not define, "
+        "and clamps to clip_qkv, whose None default torch.clamp refuses (its checkpoints' "
+        "configs carry both)",
+    ),
+    "cohere_compass_text": (
+        {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+        "its default rope_parameters are empty and its rotary embedding reads one per layer "
+        "type (its checkpoints' configs carry them)",
+    ),
+    "lfm2_moe": (
+        {"layer_types": ["conv", "full_attention"]},
+        "its default layer_types is None, which its layers index (LFM2's config derives them "
+        "from full_attn_idxs; LFM2-MoE's does not)",
+    ),
+    "qwen4_exp_text": (
+        _QSA,
+        "its default layer_types hold indexed_attention layers but its indexer's sizes "
+        "(indexer_*) default to None (its checkpoints' configs set them)",
+    ),
+    "qwen4_exp": ({"text_config": _QSA}, "its text config: as qwen4_exp_text"),
+    "reformer": (
+        {"axial_pos_embds_dim": [16, 48], "axial_pos_shape": [16, 16]},
+        "its axial position embeddings split the hidden size into parts (axial_pos_embds_dim "
+        "must sum to it) over a grid of the positions (axial_pos_shape multiplies to "
+        "max_position_embeddings)",
+    ),
+    "xmod": (
+        {"default_language": "en_XX"},
+        "its forward needs a language for its adapters: without default_language it raises "
+        "'Input language unknown'",
     ),
 }
 
@@ -303,6 +378,8 @@ def shrink(
             out[key] = TOKEN_KEYS.index(key)
         elif isinstance(token, list):
             out[key] = [t if t < (vocab or t + 1) else 2 for t in token]
-    if model_type in OVERRIDES:
-        out.update(OVERRIDES[model_type][0])
+    for key, value in OVERRIDES.get(model_type or "", ({}, ""))[0].items():
+        # a nested config's entry sets its keys, the shrunk others kept
+        merge = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = {**out[key], **value} if merge else value
     return out
