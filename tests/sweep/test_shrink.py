@@ -63,10 +63,11 @@ def test_each_override_is_needed_and_builds(
 
 
 def test_a_type_transformers_cannot_build_is_listed_with_its_message(tmp_path: Path) -> None:
-    # Reformer's causal-LM class asserts is_decoder, which its config does not default to
-    with pytest.raises(BuildError, match="make sure that `is_decoder=True`"):
-        build_tiny("reformer", tmp_path)
-    assert not (tmp_path / "reformer").exists()
+    # MusicGen's causal-LM class is built on the type's composite config, while it reads its
+    # decoder's (config.dropout)
+    with pytest.raises(BuildError, match="object has no attribute 'dropout'"):
+        build_tiny("musicgen", tmp_path)
+    assert not (tmp_path / "musicgen").exists()
 
 
 def test_derived_sizes_left_none_get_the_tiny_size() -> None:
@@ -94,9 +95,110 @@ def test_settings_by_layer_index_follow_the_kept_layers() -> None:
     assert out["layer_types"] == ["s", "f"]
     # scaled as the global head dim was (256 -> 16): still twice the others'
     assert out["per_layer_config"] == {1: {"head_dim": 2 * SIZES["head_dim"]}}
+    # labels by index are no per-layer settings
+    assert "id2label" not in shrink({"num_hidden_layers": 6, "id2label": {0: "A", 1: "B"}})
 
 
 def test_an_image_text_type_builds_through_its_own_auto_class(tmp_path: Path) -> None:
     assert "llava" in causal_lm_types(image_text=True)
     assert "llava" not in causal_lm_types()
     assert (build_tiny("llava", tmp_path) / "config.json").is_file()  # built and ran on text
+
+
+def test_expert_counts_left_none_in_a_mixture_of_experts_get_the_tiny_size() -> None:
+    # DeepSeek-V2's num_experts_per_tok and dots1's n_routed_experts default to None, which
+    # their routers read as numbers; a config without expert MLPs keeps its None
+    moe = shrink({"moe_intermediate_size": 1408, "n_routed_experts": None,
+                  "num_experts_per_tok": None, "n_shared_experts": None})  # fmt: skip
+    assert moe["n_routed_experts"] == SIZES["n_routed_experts"]
+    assert moe["num_experts_per_tok"] == SIZES["num_experts_per_tok"]
+    assert moe["n_shared_experts"] == SIZES["n_shared_experts"]
+    assert "num_experts_per_tok" not in shrink({"num_experts_per_tok": None})
+
+
+def test_a_width_under_another_name_follows_the_width() -> None:
+    # xLSTM's embedding_dim is its hidden size; a length equal to it by chance is not
+    out = shrink({"hidden_size": 1024, "embedding_dim": 1024, "max_seq_len": 1024,
+                  "lru_width": 1024, "index_topk": 1024, "image_size": 1024})  # fmt: skip
+    assert out["embedding_dim"] == out["lru_width"] == out["hidden_size"] == SIZES["hidden_size"]
+    assert not {"max_seq_len", "index_topk", "image_size"} & set(out)
+
+
+def test_a_nested_config_width_follows_its_parents_and_its_siblings() -> None:
+    # dots3's vision adapter maps its own width in and the text width out
+    out = shrink({
+        "text_config": {"model_type": "t", "hidden_size": 5120},
+        "vision_config": {"model_type": "v", "hidden_size": 1536, "adapter_in_dim": 1536,
+                          "adapter_out_dim": 5120},
+    })  # fmt: skip
+    vision = out["vision_config"]
+    assert vision["adapter_in_dim"] == vision["adapter_out_dim"] == SIZES["hidden_size"]
+
+
+def test_num_blocks_is_a_layer_count() -> None:
+    out = shrink({"num_hidden_layers": 32, "num_blocks": 32})  # xLSTM's
+    assert out["num_blocks"] == out["num_hidden_layers"] == LAYERS
+
+
+def test_a_size_given_per_layer_is_shrunk_for_each_kept_layer() -> None:
+    # Gemma 3n's intermediate_size is a list, one per layer
+    out = shrink({"num_hidden_layers": 4, "intermediate_size": [16384] * 4})
+    assert out["intermediate_size"] == [SIZES["intermediate_size"]] * LAYERS
+
+
+def test_a_part_of_the_vocabulary_stays_inside_it() -> None:
+    # inkling2 pads its embedding from unpadded_vocab_size to vocab_size
+    out = shrink({"vocab_size": 201024, "unpadded_vocab_size": 200058,
+                  "ngram_vocab_size": 20000000, "audio_vocab_size": 2048})  # fmt: skip
+    assert out["unpadded_vocab_size"] == out["vocab_size"]
+    # vocabularies of their own (Moshi's audio codebook), not parts of it
+    assert "ngram_vocab_size" not in out and "audio_vocab_size" not in out
+
+
+def test_layers_that_reuse_earlier_caches_keep_a_producer_of_each_kind() -> None:
+    # Gemma 3n: the last num_kv_shared_layers reuse the last earlier cache of their kind
+    kinds = ["sliding_attention"] * 4 + ["full_attention"]
+    out = shrink({"num_hidden_layers": 35, "layer_types": kinds * 7, "num_kv_shared_layers": 15})
+    assert out["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert out["num_hidden_layers"] == 4 and out["num_kv_shared_layers"] == 2
+
+
+def test_latent_attention_keeps_the_sums_of_its_head_parts() -> None:
+    # bailing_hybrid's qk_head_dim is its no-rope part plus its rope part
+    out = shrink({"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                  "qk_head_dim": 192, "head_dim": 64})  # fmt: skip
+    assert out["qk_head_dim"] == out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    assert out["head_dim"] == out["qk_rope_head_dim"]
+    # dots3's head_dim is its sliding layers' no-rope part plus the rope part
+    per_layer = {"01": {"qk_nope_head_dim": 192}}
+    out = shrink({"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                  "head_dim": 256, "num_hidden_layers": 2,
+                  "per_layer_config": per_layer})  # fmt: skip
+    layer = out["per_layer_config"][1]
+    assert out["head_dim"] == layer["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+
+
+def test_an_override_of_a_nested_config_keeps_its_shrunk_keys() -> None:
+    # dbrx's entry adds rope_theta to attn_config; ffn_config's shrunk sizes stay
+    out = shrink({"d_model": 2048, "n_layers": 24,
+                  "attn_config": {"model_type": "", "kv_n_heads": 1},
+                  "ffn_config": {"model_type": "", "ffn_hidden_size": 3584}}, "dbrx")  # fmt: skip
+    assert out["attn_config"]["rope_theta"] and out["attn_config"]["kv_n_heads"] == 1
+    assert out["ffn_config"]["ffn_hidden_size"] == SIZES["ffn_hidden_size"]
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "deepseek_v2",  # expert counts left None
+        "dots1",  # expert counts left None
+        "bailing_hybrid",  # num_expert_group, qk_head_dim
+        "inkling2_text",  # unpadded_vocab_size
+        "gemma3n_text",  # per-layer intermediate_size, num_kv_shared_layers
+        "dots3_note_text",  # sliding layers' head_dim = no-rope + rope part
+        "dots3_note",  # and its vision and audio adapters' widths
+    ],
+)
+def test_a_type_the_generic_rules_fixed_builds_and_runs(model_type: str, tmp_path: Path) -> None:
+    assert model_type in causal_lm_types()
+    assert build_tiny(model_type, tmp_path).joinpath("config.json").is_file()  # and ran

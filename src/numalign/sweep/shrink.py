@@ -7,11 +7,17 @@ Only keys the type's default config has are set, so a size a type does not know 
 invented. Per-layer lists (``layer_types`` and every other list as long as the default's
 layer count) keep one layer of each distinct kind in the default's order (at least
 ``LAYERS``), so a hybrid model keeps its attention and its mixer layers.
+
+Keys that depend on the shrunk sizes follow them: a width under another name (an embedding's
+or an adapter's, of the config or of the config it is nested in or beside), a part of the
+vocabulary, latent attention's head sums, a mixture of experts' counts left None, a size given
+per layer, and the layers that reuse an earlier layer's cache (kept with a producer of each
+kind).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 #: The layers a shrunk model keeps when its layers are all of one kind.
 LAYERS = 2
@@ -56,8 +62,10 @@ SIZES: dict[str, Any] = {
     "moe_topk": 2,
     "n_shared_experts": 1,
     "n_group": 2,
+    "num_expert_group": 2,
     "topk_group": 1,
     "first_k_dense_replace": 1,
+    "num_dense_layers": 1,
     # windows and chunks shorter than the prompts, so that they are exercised
     "sliding_window": 8,
     "attention_chunk_size": 8,
@@ -94,13 +102,49 @@ SIZES: dict[str, Any] = {
 #: Keys whose None default means "derived" (head_dim from hidden / heads; key-value heads
 #: as many as heads) and which the type's own code reads as a number: set to the tiny size.
 DERIVED = ("head_dim", "num_key_value_heads")
+#: Expert counts whose None default in a mixture-of-experts config (one with a
+#: ``moe_intermediate_size``) means "set by the checkpoint" and which its code reads as a
+#: number (DeepSeek-V2's ``num_experts_per_tok``, dots1's ``n_routed_experts``): the tiny size.
+EXPERT_KEYS = tuple(
+    k for k in SIZES if "expert" in k or k in ("moe_k", "moe_topk")
+)  # fmt: skip
 #: Keys holding a layer count.
-LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
+LAYER_KEYS = (
+    "num_hidden_layers",
+    "n_layer",
+    "num_layers",
+    "n_layers",
+    "decoder_layers",
+    "num_blocks",
+)
+#: Keys of the hidden size's own name (a config's width) ...
+WIDTH_KEYS = ("hidden_size", "d_model", "n_embd")
+#: ... and the endings of the keys that, where their default equals a width of the config (or
+#: of the config it is nested in), are that width under another name and must stay equal to it
+#: (xLSTM's ``embedding_dim``, an adapter's ``adapter_in_dim``, RWKV's
+#: ``attention_hidden_size``): they follow it. Not every ``_size``: an image's is no width.
+WIDTH_ENDINGS = ("_dim", "_width", "hidden_size", "embedding_size", "input_size")
+#: A vocabulary size this close to the vocabulary's (and no larger) is a part or a copy of it
+#: (inkling2's ``unpadded_vocab_size``, Marian's ``decoder_vocab_size``), not a vocabulary of
+#: its own (Moshi's audio codebook): it is shrunk with it.
+VOCAB_PART = 0.9
 #: Token ids beyond the shrunk vocabulary are moved inside it.
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
-#: Types whose config the generic shrink cannot make valid: key -> value set after it, with
-#: the reason. Each entry is tested (``tests/sweep/test_shrink.py``) to build.
+#: Qwen4-Exp's token indexer (QSA): one key head, a budget of 2 blocks of 2 tokens.
+_QSA = {
+    "indexer_n_heads": 4,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 4,
+    "indexer_compress_ratio": 2,
+}
+
+#: Types whose config the generic shrink cannot make valid: key -> value set after it (a
+#: nested config's dict sets its own keys, its shrunk others kept), with the reason: a
+#: type-specific constraint, or a key its code reads that its default config lacks and its
+#: checkpoints carry. Each entry is tested (``tests/sweep/test_shrink.py``) to be needed and
+#: to build.
 OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
     "mamba2": (
         {"num_heads": 8},
@@ -126,7 +170,74 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
         "its block types cycle a pattern of 3 (recurrent, recurrent, attention): two layers "
         "would hold no attention",
     ),
+    "granitemoehybrid": (
+        {"layer_types": ["linear_attention", "full_attention"]},
+        "its default has only Mamba layers (layer_types all linear_attention), with which its "
+        "cache cannot tell the sequence length",
+    ),
+    "zamba": (
+        {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+        "its hybrid layers share one transformer block, tied from the first to the others: one "
+        "hybrid layer leaves the tie nothing to tie to",
+    ),
+    "dory": (
+        {
+            "num_hidden_layers": 6,
+            "layer_types": [
+                *("sliding_attention", "mlp"),
+                *("full_attention", "mlp"),
+                *("sliding_attention", "mlp"),
+            ],
+            "n_input_layers": 2,
+            "n_recurrent_layers": 2,
+            "n_output_layers": 2,
+        },
+        "its layers are (attention, mlp) pairs (to_dict doubles the counts), split into input, "
+        "recurrent and output layers whose counts must add up to the layers",
+    ),
+    "xlstm": (
+        {"hidden_size": 128, "embedding_dim": 128},
+        "its cache rounds the query-key width (hidden x qk_dim_factor 0.5) up to a multiple of "
+        "64 and its layers do not: hidden 64 gives them 32 against the cache's 64",
+    ),
+    "dbrx": (
+        {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+        "its attention reads attn_config.rope_theta, which DbrxAttentionConfig does not define, "
+        "and clamps to clip_qkv, whose None default torch.clamp refuses (its checkpoints' "
+        "configs carry both)",
+    ),
+    "cohere_compass_text": (
+        {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+        "its default rope_parameters are empty and its rotary embedding reads one per layer "
+        "type (its checkpoints' configs carry them)",
+    ),
+    "lfm2_moe": (
+        {"layer_types": ["conv", "full_attention"]},
+        "its default layer_types is None, which its layers index (LFM2's config derives them "
+        "from full_attn_idxs; LFM2-MoE's does not)",
+    ),
+    "qwen4_exp_text": (
+        _QSA,
+        "its default layer_types hold indexed_attention layers but its indexer's sizes "
+        "(indexer_*) default to None (its checkpoints' configs set them)",
+    ),
+    "qwen4_exp": ({"text_config": _QSA}, "its text config: as qwen4_exp_text"),
+    "reformer": (
+        {"axial_pos_embds_dim": [16, 48], "axial_pos_shape": [16, 16]},
+        "its axial position embeddings split the hidden size into parts (axial_pos_embds_dim "
+        "must sum to it) over a grid of the positions (axial_pos_shape multiplies to "
+        "max_position_embeddings)",
+    ),
+    "xmod": (
+        {"default_language": "en_XX"},
+        "its forward needs a language for its adapters: without default_language it raises "
+        "'Input language unknown'",
+    ),
 }
+
+
+def _int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _layer_indices(defaults: dict[str, Any], count: int) -> list[int]:
@@ -162,51 +273,113 @@ def _scaled(layer: dict[str, Any], defaults: dict[str, Any], out: dict[str, Any]
         old, new = defaults.get(key), out.get(key)
         if all(isinstance(v, int) and not isinstance(v, bool) for v in (value, old, new)):
             scaled[key] = max(1, round(value * new / old)) if old else value
+    nope, rope = layer.get("qk_nope_head_dim"), defaults.get("qk_rope_head_dim")
+    if _int(nope) and _int(rope) and defaults.get("head_dim") == nope + rope and "head_dim" in out:
+        # the layer's head is its no-rope part and the rope part (dots3's sliding layers)
+        scaled["qk_nope_head_dim"] = out["head_dim"] - out.get("qk_rope_head_dim", rope)
     return scaled
 
 
-def shrink(defaults: dict[str, Any], model_type: str | None = None) -> dict[str, Any]:
-    """Keyword arguments of a tiny config from a type's default config (``to_dict()``):
-    sizes from ``SIZES``, layers and per-layer lists shrunk, token ids inside the vocabulary,
-    then the type's ``OVERRIDES`` entry. Nested text configs are shrunk the same way."""
-    out: dict[str, Any] = {}
-    count = next((defaults[k] for k in LAYER_KEYS if isinstance(defaults.get(k), int)), None)
-    for key, value in defaults.items():
-        if key in SIZES and isinstance(value, int) and not isinstance(value, bool) and value:
-            out[key] = min(value, SIZES[key])
-        elif key in DERIVED and value is None:
-            out[key] = SIZES[key]
-        elif key.endswith("_config") and isinstance(value, dict) and "model_type" in value:
-            out[key] = {**value, **shrink(value)}
-    if defaults.get("kv_lora_rank") and "num_key_value_heads" in out:
+def _part(value: int, defaults: dict[str, Any]) -> bool:
+    """Whether a vocabulary size is a part or a copy of the vocabulary (``VOCAB_PART``)."""
+    vocab: int = defaults["vocab_size"]
+    return VOCAB_PART * vocab <= value <= vocab
+
+
+def _latent(defaults: dict[str, Any], out: dict[str, Any]) -> None:
+    """Multi-head latent attention's sizes that depend on each other, as the default has them."""
+    if "num_key_value_heads" in out:
         # latent attention expands its one compressed key-value to every head
         out["num_key_value_heads"] = out.get("num_attention_heads", SIZES["num_attention_heads"])
-    if defaults.get("kv_lora_rank") and "head_dim" in out and "qk_rope_head_dim" in out:
+    nope, rope = defaults.get("qk_nope_head_dim"), defaults.get("qk_rope_head_dim")
+    if "head_dim" in out and "qk_rope_head_dim" in out and defaults.get("head_dim") in (None, rope):
         out["head_dim"] = out["qk_rope_head_dim"]  # its rotary tables span the rope part only
+    parts = "qk_nope_head_dim" in out and "qk_rope_head_dim" in out
+    if parts and _int(nope) and _int(rope) and defaults.get("qk_head_dim") == nope + rope:
+        # the query-key head: its no-rope part and its rope part (bailing_hybrid's qk_head_dim)
+        out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+
+
+def shrink(
+    defaults: dict[str, Any],
+    model_type: str | None = None,
+    widths: dict[int, int] | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of a tiny config from a type's default config (``to_dict()``):
+    sizes from ``SIZES``, layers and per-layer lists shrunk, token ids inside the vocabulary,
+    then the type's ``OVERRIDES`` entry. Nested configs are shrunk the same way, with the
+    widths of the config they are nested in (``widths``: default -> tiny)."""
+    out: dict[str, Any] = {}
+    count = next((defaults[k] for k in LAYER_KEYS if isinstance(defaults.get(k), int)), None)
+    moe = _int(defaults.get("moe_intermediate_size"))
+    for key, value in defaults.items():
+        if key in SIZES and _int(value) and value:
+            out[key] = min(value, SIZES[key])
+        elif key in SIZES and isinstance(value, list) and value and all(map(_int, value)):
+            # a size given per layer (Gemma 3n's intermediate_size): each layer's shrunk
+            out[key] = [min(v, SIZES[key]) for v in value]
+        elif value is None and (key in DERIVED or (moe and key in EXPERT_KEYS)):
+            out[key] = SIZES[key]
+    nested = {
+        k: v for k, v in defaults.items()
+        if k.endswith("_config") and isinstance(v, dict) and "model_type" in v
+    }  # fmt: skip
+    # this config's widths, and its nested configs' (a vision adapter's output is the text width)
+    widths = {**(widths or {})}
+    for config in (*nested.values(), defaults):
+        for k in WIDTH_KEYS:
+            if _int(config.get(k)) and k in SIZES and config[k] > SIZES[k]:
+                widths[config[k]] = SIZES[k]
+    vocab = out.get("vocab_size", defaults.get("vocab_size"))
+    for key, value in defaults.items():
+        if key in out or not _int(value):
+            continue
+        if value in widths and key.endswith(WIDTH_ENDINGS) and not key.startswith("max_"):
+            out[key] = widths[value]  # the width under another name
+        elif (
+            key.endswith("vocab_size") and _int(vocab) and vocab < value and _part(value, defaults)
+        ):
+            out[key] = vocab  # a part of the vocabulary
+    for key, value in nested.items():
+        out[key] = {**value, **shrink(value, widths=widths)}
+    if defaults.get("kv_lora_rank"):
+        _latent(defaults, out)
     if count:
         keep = _layer_indices(defaults, count)
+        shared = defaults.get("num_kv_shared_layers")
+        if _int(shared) and 0 < shared < count:
+            # the last layers reuse the cache of the last earlier layer of their kind (Gemma 3n):
+            # the kept layers twice, the second time sharing, so that each kind produces a cache
+            # and uses one
+            out["num_kv_shared_layers"] = len(keep)
+            keep = keep + keep
         for key in LAYER_KEYS:
             if key in defaults:
                 out[key] = len(keep)
         for key, value in defaults.items():
             if isinstance(value, list) and len(value) == count and count > len(keep):
-                out[key] = [value[i] for i in keep]
-            elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+                out[key] = [out.get(key, value)[i] for i in keep]
+            elif (
+                isinstance(value, dict)
+                and value
+                and all(str(k).isdigit() and isinstance(v, dict) for k, v in value.items())
+            ):
                 # per-layer settings by layer index (Gemma 4's per_layer_config): the kept
                 # layers' own, under their new indices
-                kept = {i: new for new, i in enumerate(keep)}
+                by_index = {int(k): v for k, v in value.items()}
                 out[key] = {
-                    kept[int(k)]: _scaled(v, defaults, out) if isinstance(v, dict) else v
-                    for k, v in value.items()
-                    if int(k) in kept
+                    new: _scaled(by_index[i], defaults, out)
+                    for new, i in enumerate(keep)
+                    if i in by_index
                 }
-    vocab = out.get("vocab_size", defaults.get("vocab_size"))
     for key in TOKEN_KEYS:
         token = defaults.get(key)
         if isinstance(vocab, int) and isinstance(token, int) and token >= vocab:
             out[key] = TOKEN_KEYS.index(key)
         elif isinstance(token, list):
             out[key] = [t if t < (vocab or t + 1) else 2 for t in token]
-    if model_type in OVERRIDES:
-        out.update(OVERRIDES[model_type][0])
+    for key, value in OVERRIDES.get(model_type or "", ({}, ""))[0].items():
+        # a nested config's entry sets its keys, the shrunk others kept
+        merge = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = {**out[key], **value} if merge else value
     return out
