@@ -2,7 +2,8 @@
 crash: layer types transformers' paged cache does not hold, a config that holds head_dim per
 layer, a model with a cache class of its own (capture and decode use it; other caches skip),
 a model whose code asks the paged cache for what it lacks (BART's decoder), a model whose code
-cannot decode with a static cache (BLOOM: the reference's limit found at capture), and a
+cannot decode with a static cache (BLOOM: the reference's limit found at capture) or whose
+static cache transformers cannot build (DeepSeek-V4), and a
 module that needs state the model shares between layers (its layer replay skips)."""
 
 from __future__ import annotations
@@ -135,6 +136,33 @@ def test_a_static_cache_the_reference_cannot_decode_with_skips_with_the_reason(
     run_decode(golden, model, request, "dynamic", torch.float32, "cpu",
                lambda request, step, point, *rest, **kwargs: pairs.append(point))  # fmt: skip
     assert CACHE_POINT in pairs  # the dynamic decode replays the same request to its end
+
+
+def test_a_static_cache_transformers_cannot_build_for_the_model_skips_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    """DeepSeek-V4's compressed attention layers (``heavily_compressed_attention``) have no
+    static-cache layer class in transformers: building the static cache for its config
+    raises (a KeyError), which capture crashed on. The failure is the reference's limit like
+    any other of that path, recorded with its message; the static decode replay skips, and
+    the dynamic one, with the model's own layer types, replays."""
+    golden = _captured("deepseek_v4", tmp_path)
+    decodes = golden.manifest.decode
+    assert decodes and all(
+        set(d.cache_limits) == {"static"}
+        and "heavily_compressed_attention" in d.cache_limits["static"]
+        for d in decodes.values()
+    )
+    model = load_model(golden.model_dir, "float32", attn_implementation=None,
+                       trust_remote_code=False)  # fmt: skip
+    request = next(iter(decodes))
+    with pytest.raises(CacheUnsupported, match="heavily_compressed_attention"):
+        run_decode(golden, model, request, "static", torch.float32, "cpu",
+                   lambda *args, **kwargs: None)  # fmt: skip
+    pairs: list[str] = []
+    run_decode(golden, model, request, "dynamic", torch.float32, "cpu",
+               lambda request, step, point, *rest, **kwargs: pairs.append(point))  # fmt: skip
+    assert CACHE_POINT in pairs
 
 
 def test_a_model_without_limits_records_none_and_round_trips(tmp_path: Path) -> None:

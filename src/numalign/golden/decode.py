@@ -103,8 +103,11 @@ def cache_family(implementation: str) -> str:
 
 def cache_limits(model: Any, request: CaptureRequest) -> dict[str, str]:
     """For each of ``PROBED_CACHES`` the reference cannot decode ``request`` with, the error
-    its forward raised (a prefill and one step, as the decode replay runs them). A model that
-    builds its own cache (``CacheUnsupported``) is left out: replay says so itself."""
+    its forward raised (a prefill and one step, as the decode replay runs them), or the
+    error transformers raised building the cache for the model's config (DeepSeek-V4's
+    ``heavily_compressed_attention`` layers, which the static cache has no layer class for).
+    A model that builds its own cache (``CacheUnsupported``) is left out: replay says so
+    itself."""
     import torch
 
     from numalign.golden.reference import CacheUnsupported
@@ -112,12 +115,12 @@ def cache_limits(model: Any, request: CaptureRequest) -> dict[str, str]:
     limits: dict[str, str] = {}
     length = request.inputs["input_ids"].shape[1]
     for implementation in PROBED_CACHES:
-        try:
-            cache = new_cache(model, implementation, length + 1)
-        except CacheUnsupported:
-            continue
         reset_decode_state(model)
         try:
+            try:  # the cache for the model's config: a part of the path the reference takes
+                cache = new_cache(model, implementation, length + 1)
+            except CacheUnsupported:
+                continue
             with torch.no_grad():
                 output = model(**request.inputs, **prefill_kwargs(model, request.inputs, cache))
                 token = output.logits[:, -1].argmax(-1, keepdim=True)
