@@ -165,13 +165,52 @@ def test_a_static_cache_transformers_cannot_build_for_the_model_skips_with_the_r
     assert CACHE_POINT in pairs
 
 
+def test_a_dtype_the_reference_cannot_run_in_skips_with_the_reason(tmp_path: Path) -> None:
+    """XLNet's own code cannot run in bfloat16: its relative positional tables are built in
+    float32 and meet bfloat16 weights (``expected scalar type Float but found BFloat16``),
+    which crashed its calibration. Calibration, once it fails, asks whether the model's own
+    forward fails in the dtype too; it does, so the set records the limit with the message
+    and no calibration of the dtype, and replay in it skips with the reason. A member in a
+    subprocess hands its limit back the same way."""
+    from numalign.compare.model_verdict import ReplayUnsupported
+    from numalign.replay.calibrate import own_failure
+    from numalign.replay.decode import decode_unavailable
+    from numalign.replay.ensemble import Member, capture_calibrated
+    from numalign.replay.model import check_dtype
+
+    model_dir = build_tiny("xlnet", tmp_path / "models")
+    # one member, in a subprocess (its environment set): its limit comes back through JSON
+    members = [Member("apart", env={"NUMALIGN_MEMBER": "apart"})]
+    golden = capture_calibrated(model_dir, tmp_path / "sets" / "xlnet",
+                                calibrate=("float32", "bfloat16"), members=members,
+                                continuation=0, long=0, far=0, progress=False)  # fmt: skip
+    golden = GoldenSet.open(golden.path)  # as written
+    limits = golden.manifest.dtype_limits
+    assert set(limits) == {"bfloat16"}
+    assert "expected scalar type Float but found BFloat16" in limits["bfloat16"]
+    assert "(calibration member apart: NUMALIGN_MEMBER=apart" in limits["bfloat16"]
+    assert "float32" in golden.manifest.calibration  # the member calibrated it
+    assert "bfloat16" not in golden.manifest.calibration
+    with pytest.raises(ReplayUnsupported, match="could not run in bfloat16 at capture"):
+        check_dtype(golden, "bfloat16")
+    check_dtype(golden, "float32")  # replays as before
+    # no decode of its own (XLNet takes no cache): the reason it has none stands first
+    assert decode_unavailable(golden, "bfloat16") is not None
+    for dtype, fails in (("float32", False), ("bfloat16", True)):
+        model = load_model(golden.model_dir, dtype, attn_implementation=None,
+                           trust_remote_code=False)  # fmt: skip
+        assert (own_failure(golden, model, "cpu", model.dtype) is not None) is fails
+
+
 def test_a_model_without_limits_records_none_and_round_trips(tmp_path: Path) -> None:
     """A model that decodes with every cache (llama) records no limits, and its manifest
-    writes no ``cache_limits`` field: older sets and new ones read the same."""
+    writes no ``cache_limits`` or ``dtype_limits`` field: older sets and new ones read the
+    same."""
     golden = _captured("llama", tmp_path)
     decodes = golden.manifest.decode.values()
     assert decodes and not any(d.cache_limits for d in decodes)
     assert all("cache_limits" not in d for d in golden.manifest.to_json()["decode"].values())
+    assert not golden.manifest.dtype_limits and "dtype_limits" not in golden.manifest.to_json()
 
 
 def test_an_encoder_built_as_a_causal_lm_is_a_decoder() -> None:

@@ -248,6 +248,9 @@ class Manifest:
     calibration: dict[str, Calibration] = field(default_factory=dict)
     #: dtype -> the calibration ensemble's members (format 3; empty before: one member)
     ensemble: dict[str, list[str]] = field(default_factory=dict)
+    #: dtype -> the error the reference's own code raised in it at calibration (XLNet's
+    #: float32 positional tables against bfloat16 weights): replay in it is skipped with it
+    dtype_limits: dict[str, str] = field(default_factory=dict)
     created: str = ""
     format: str = FORMAT
 
@@ -279,6 +282,8 @@ class Manifest:
             data["decode"] = {k: v.to_json() for k, v in self.decode.items()}
         if self.ensemble:
             data["ensemble"] = self.ensemble
+        if self.dtype_limits:
+            data["dtype_limits"] = self.dtype_limits
         return data
 
     @classmethod
@@ -323,6 +328,7 @@ class Manifest:
                     k: calibration_from_json(v) for k, v in data.get("calibration", {}).items()
                 },
                 ensemble={k: list(v) for k, v in data.get("ensemble", {}).items()},
+                dtype_limits={str(k): str(v) for k, v in data.get("dtype_limits", {}).items()},
                 created=str(data.get("created", "")),
                 format=found,
             )

@@ -247,6 +247,9 @@ def decode_unavailable(golden: GoldenSet, dtype: str) -> str | None:
         )
     if not golden.decode_requests:
         return f"{golden.name} has no decode steps (an encoder, or captured with --decode-steps 0)"
+    limit = golden.manifest.dtype_limits.get(dtype)
+    if limit is not None:
+        return f"the reference itself could not run in {dtype} at capture: {limit}"
     if not decode_calibrated(golden, dtype):
         return f"{golden.name} has no decode calibration: capture it again to replay decode"
     return None
