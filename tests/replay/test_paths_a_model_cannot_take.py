@@ -202,6 +202,53 @@ def test_a_dtype_the_reference_cannot_run_in_skips_with_the_reason(tmp_path: Pat
         assert (own_failure(golden, model, "cpu", model.dtype) is not None) is fails
 
 
+def test_a_model_whose_steps_see_the_whole_sequence_decodes_with_its_cache(
+    tmp_path: Path,
+) -> None:
+    """CpmAnt's forward slices off what its cache holds itself, so its generation feeds each
+    step the whole sequence (its ``prepare_inputs_for_generation``); fed the new token alone,
+    it prepended its prompt again and its position bias no longer matched (the sweep's
+    capture crashed: ``size of tensor a (48) must match ... (33)``). The decode now feeds
+    what the model's generation asks for: the captured decode gives the logits transformers'
+    own cached ``generate`` gives, and the decode replay, whose cache also holds the model's
+    own prompt positions before the input's, reproduces the golden one. (CpmAnt's cached
+    generation is not its uncached one: 0.1 apart on the logits at the second step in
+    transformers 5.24, in its own code; the decode is compared with the cached one.)"""
+    from numalign.golden.reference import steps_see_whole_sequence
+
+    assert not steps_see_whole_sequence(_tiny("llama"))  # the usual step: the new token
+    model_dir = build_tiny("cpmant", tmp_path / "models")
+    golden = capture(model_dir, tmp_path / "sets" / "cpmant", continuation=3, decode_steps=2,
+                     long=0, far=0, progress=False)  # fmt: skip
+    model = load_model(golden.model_dir, "float32", attn_implementation=None,
+                       trust_remote_code=False)  # fmt: skip
+    assert steps_see_whole_sequence(model)
+    request = golden.decode_requests[0]
+    decode = golden.decode(request)
+    assert decode is not None and len(decode.steps) == 2
+    inputs = {k: golden.tensor(v) for k, v in golden.request(request).inputs.items()}
+    with torch.no_grad():
+        generated = model.generate(**inputs, max_new_tokens=len(decode.steps) + 1,
+                                   do_sample=False, use_cache=True, output_logits=True,
+                                   return_dict_in_generate=True)  # fmt: skip
+    for number, step in enumerate(decode.steps, start=1):
+        assert step.points  # the layers' new-token outputs were recorded
+        # the same model, dtype and cache as generate's: float32 reordering at most (1e-4 on
+        # logits of order one; a step fed otherwise gives other logits altogether)
+        assert (golden.tensor(step.logits) - generated.logits[number]).abs().max() < 1e-4
+
+    worst: dict[str, float] = {}
+
+    def on_pair(request, step, point, path, actual, expected, call=0):  # type: ignore[no-untyped-def]
+        diff = float((actual.float() - expected.float()).abs().max())
+        worst[point] = max(worst.get(point, 0.0), diff)
+
+    run_decode(golden, model, request, "dynamic", torch.float32, "cpu", on_pair)
+    assert CACHE_POINT in worst and len(worst) > 2  # cache states, logits and layers compared
+    # the capture's model, dtype and machine: float32 reordering at most (1e-4 as above)
+    assert max(worst.values()) < 1e-4
+
+
 def test_a_model_without_limits_records_none_and_round_trips(tmp_path: Path) -> None:
     """A model that decodes with every cache (llama) records no limits, and its manifest
     writes no ``cache_limits`` or ``dtype_limits`` field: older sets and new ones read the
