@@ -2,7 +2,8 @@
 crash: layer types transformers' paged cache does not hold, a config that holds head_dim per
 layer, a model with a cache class of its own (capture and decode use it; other caches skip),
 a model whose code asks the paged cache for what it lacks (BART's decoder), a model whose code
-cannot decode with a static cache (BLOOM: the reference's limit found at capture), and a
+cannot decode with a static cache (BLOOM: the reference's limit found at capture) or whose
+static cache transformers cannot build (DeepSeek-V4), and a
 module that needs state the model shares between layers (its layer replay skips)."""
 
 from __future__ import annotations
@@ -166,13 +167,126 @@ def test_a_static_cache_that_computes_another_result_is_a_limit_too(tmp_path: Pa
     assert limits and all("differ from the dynamic cache's by" in text for text in limits)
 
 
+def test_a_static_cache_transformers_cannot_build_for_the_model_skips_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    """DeepSeek-V4's compressed attention layers (``heavily_compressed_attention``) have no
+    static-cache layer class in transformers: building the static cache for its config
+    raises (a KeyError), which capture crashed on. The failure is the reference's limit like
+    any other of that path, recorded with its message; the static decode replay skips, and
+    the dynamic one, with the model's own layer types, replays."""
+    golden = _captured("deepseek_v4", tmp_path)
+    decodes = golden.manifest.decode
+    assert decodes and all(
+        set(d.cache_limits) == {"static"}
+        and "heavily_compressed_attention" in d.cache_limits["static"]
+        for d in decodes.values()
+    )
+    model = load_model(golden.model_dir, "float32", attn_implementation=None,
+                       trust_remote_code=False)  # fmt: skip
+    request = next(iter(decodes))
+    with pytest.raises(CacheUnsupported, match="heavily_compressed_attention"):
+        run_decode(golden, model, request, "static", torch.float32, "cpu",
+                   lambda *args, **kwargs: None)  # fmt: skip
+    pairs: list[str] = []
+    run_decode(golden, model, request, "dynamic", torch.float32, "cpu",
+               lambda request, step, point, *rest, **kwargs: pairs.append(point))  # fmt: skip
+    assert CACHE_POINT in pairs
+
+
+def test_a_dtype_the_reference_cannot_run_in_skips_with_the_reason(tmp_path: Path) -> None:
+    """XLNet's own code cannot run in bfloat16: its relative positional tables are built in
+    float32 and meet bfloat16 weights (``expected scalar type Float but found BFloat16``),
+    which crashed its calibration. Calibration, once it fails, asks whether the model's own
+    forward fails in the dtype too; it does, so the set records the limit with the message
+    and no calibration of the dtype, and replay in it skips with the reason. A member in a
+    subprocess hands its limit back the same way."""
+    from numalign.compare.model_verdict import ReplayUnsupported
+    from numalign.replay.calibrate import own_failure
+    from numalign.replay.decode import decode_unavailable
+    from numalign.replay.ensemble import Member, capture_calibrated
+    from numalign.replay.model import check_dtype
+
+    model_dir = build_tiny("xlnet", tmp_path / "models")
+    # one member, in a subprocess (its environment set): its limit comes back through JSON
+    members = [Member("apart", env={"NUMALIGN_MEMBER": "apart"})]
+    golden = capture_calibrated(model_dir, tmp_path / "sets" / "xlnet",
+                                calibrate=("float32", "bfloat16"), members=members,
+                                continuation=0, long=0, far=0, progress=False)  # fmt: skip
+    golden = GoldenSet.open(golden.path)  # as written
+    limits = golden.manifest.dtype_limits
+    assert set(limits) == {"bfloat16"}
+    assert "expected scalar type Float but found BFloat16" in limits["bfloat16"]
+    assert "(calibration member apart: NUMALIGN_MEMBER=apart" in limits["bfloat16"]
+    assert "float32" in golden.manifest.calibration  # the member calibrated it
+    assert "bfloat16" not in golden.manifest.calibration
+    with pytest.raises(ReplayUnsupported, match="could not run in bfloat16 at capture"):
+        check_dtype(golden, "bfloat16")
+    check_dtype(golden, "float32")  # replays as before
+    # no decode of its own (XLNet takes no cache): the reason it has none stands first
+    assert decode_unavailable(golden, "bfloat16") is not None
+    for dtype, fails in (("float32", False), ("bfloat16", True)):
+        model = load_model(golden.model_dir, dtype, attn_implementation=None,
+                           trust_remote_code=False)  # fmt: skip
+        assert (own_failure(golden, model, "cpu", model.dtype) is not None) is fails
+
+
+def test_a_model_whose_steps_see_the_whole_sequence_decodes_with_its_cache(
+    tmp_path: Path,
+) -> None:
+    """CpmAnt's forward slices off what its cache holds itself, so its generation feeds each
+    step the whole sequence (its ``prepare_inputs_for_generation``); fed the new token alone,
+    it prepended its prompt again and its position bias no longer matched (the sweep's
+    capture crashed: ``size of tensor a (48) must match ... (33)``). The decode now feeds
+    what the model's generation asks for: the captured decode gives the logits transformers'
+    own cached ``generate`` gives, and the decode replay, whose cache also holds the model's
+    own prompt positions before the input's, reproduces the golden one. (CpmAnt's cached
+    generation is not its uncached one: 0.1 apart on the logits at the second step in
+    transformers 5.24, in its own code; the decode is compared with the cached one.)"""
+    from numalign.golden.reference import steps_see_whole_sequence
+
+    assert not steps_see_whole_sequence(_tiny("llama"))  # the usual step: the new token
+    model_dir = build_tiny("cpmant", tmp_path / "models")
+    golden = capture(model_dir, tmp_path / "sets" / "cpmant", continuation=3, decode_steps=2,
+                     long=0, far=0, progress=False)  # fmt: skip
+    model = load_model(golden.model_dir, "float32", attn_implementation=None,
+                       trust_remote_code=False)  # fmt: skip
+    assert steps_see_whole_sequence(model)
+    request = golden.decode_requests[0]
+    decode = golden.decode(request)
+    assert decode is not None and len(decode.steps) == 2
+    inputs = {k: golden.tensor(v) for k, v in golden.request(request).inputs.items()}
+    with torch.no_grad():
+        generated = model.generate(**inputs, max_new_tokens=len(decode.steps) + 1,
+                                   do_sample=False, use_cache=True, output_logits=True,
+                                   return_dict_in_generate=True)  # fmt: skip
+    for number, step in enumerate(decode.steps, start=1):
+        assert step.points  # the layers' new-token outputs were recorded
+        # the same model, dtype and cache as generate's: float32 reordering at most (1e-4 on
+        # logits of order one; a step fed otherwise gives other logits altogether)
+        assert (golden.tensor(step.logits) - generated.logits[number]).abs().max() < 1e-4
+
+    worst: dict[str, float] = {}
+
+    def on_pair(request, step, point, path, actual, expected, call=0):  # type: ignore[no-untyped-def]
+        diff = float((actual.float() - expected.float()).abs().max())
+        worst[point] = max(worst.get(point, 0.0), diff)
+
+    run_decode(golden, model, request, "dynamic", torch.float32, "cpu", on_pair)
+    assert CACHE_POINT in worst and len(worst) > 2  # cache states, logits and layers compared
+    # the capture's model, dtype and machine: float32 reordering at most (1e-4 as above)
+    assert max(worst.values()) < 1e-4
+
+
 def test_a_model_without_limits_records_none_and_round_trips(tmp_path: Path) -> None:
     """A model that decodes with every cache (llama) records no limits, and its manifest
-    writes no ``cache_limits`` field: older sets and new ones read the same."""
+    writes no ``cache_limits`` or ``dtype_limits`` field: older sets and new ones read the
+    same."""
     golden = _captured("llama", tmp_path)
     decodes = golden.manifest.decode.values()
     assert decodes and not any(d.cache_limits for d in decodes)
     assert all("cache_limits" not in d for d in golden.manifest.to_json()["decode"].values())
+    assert not golden.manifest.dtype_limits and "dtype_limits" not in golden.manifest.to_json()
 
 
 def test_an_encoder_built_as_a_causal_lm_is_a_decoder() -> None:

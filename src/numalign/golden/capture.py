@@ -31,6 +31,7 @@ from numalign.golden.folders import clear_temporary, remove_abandoned, temporary
 from numalign.golden.manifest import (
     Call,
     Continuation,
+    KeyTree,
     Manifest,
     ModelInfo,
     Point,
@@ -166,13 +167,16 @@ class _Recorder:
         calls = self.calls.setdefault(name, {}).setdefault(request, [])
         base = f"{request}/{name}/{len(calls)}"
         tensor = [isinstance(a, torch.Tensor) for a in args]
-        kw_keys: dict[str, str | list[str]] = {}
+        kw_keys: dict[str, KeyTree] = {}
         kw_json: dict[str, Any] = {}
         for k, v in kwargs.items():
-            leaves = list(flatten(v))
-            if leaves and all(isinstance(t, torch.Tensor) for _, t in leaves):
-                keys = [put(f"{base}/kwargs/{k}/{p}", t) for p, t in leaves]
-                kw_keys[k] = keys[0] if isinstance(v, torch.Tensor) else keys
+
+            def put_kwarg(path: str, t: Any, k: str = k) -> str:
+                return put(f"{base}/kwargs/{k}/{path}", t)
+
+            keys = key_tree(v, put_kwarg)
+            if keys is not None:
+                kw_keys[k] = keys
             else:
                 kw_json[k] = jsonable(v)
         arg_keys = tuple(
@@ -191,6 +195,32 @@ class _Recorder:
             if bad:
                 self.nonfinite = (request, name, first[0], bad, first[1].numel())
         calls.append(Call(arg_keys, arg_json, kw_keys, kw_json, outputs))
+
+
+def key_tree(value: Any, put: Callable[[str, Any], str]) -> KeyTree | None:
+    """A keyword input's tensors stored through ``put(path, tensor)``, in the input's own
+    shape (``manifest.KeyTree``): a tensor's key, tuples and lists as lists, dicts (Zaya's
+    masks by kind, DeepSeek-V4's rotary tables by layer type) as dicts, None kept; None
+    where the value holds no tensor or anything else besides (a cache, an object), which the
+    manifest keeps as JSON instead."""
+    import torch
+
+    leaves = list(flatten(value))
+    if not any(isinstance(t, torch.Tensor) for _, t in leaves) or not all(
+        t is None or isinstance(t, torch.Tensor) for _, t in leaves
+    ):
+        return None
+
+    def tree(v: Any, path: str) -> KeyTree:
+        if v is None:
+            return None
+        if isinstance(v, torch.Tensor):
+            return put(path or "0", v)
+        if isinstance(v, dict) or (hasattr(v, "to_tuple") and hasattr(v, "keys")):
+            return {str(k): tree(v[k], f"{path}.{k}" if path else str(k)) for k in v}
+        return [tree(x, f"{path}.{i}" if path else str(i)) for i, x in enumerate(v)]
+
+    return tree(value, "")
 
 
 class _Progress:

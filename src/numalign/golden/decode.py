@@ -110,8 +110,10 @@ def cache_limits(model: Any, request: CaptureRequest) -> dict[str, str]:
     """For each of ``PROBED_CACHES`` the reference cannot decode ``request`` with, why: the
     error its forward raised (a prefill and one step, as the decode replay runs them), or
     the step's logits disagreeing with the reference cache's by more than
-    ``LIMIT_DISAGREEMENT`` (GIT's static decode computes another result). A model that builds
-    its own cache (``CacheUnsupported``) is left out: replay says so itself."""
+    ``LIMIT_DISAGREEMENT`` (GIT's static decode computes another result); building the cache
+    for the model's config is part of the path (DeepSeek-V4's ``heavily_compressed_attention``
+    layers have no static layer class). A model that builds its own cache
+    (``CacheUnsupported``) is left out: replay says so itself."""
     from numalign.golden.reference import CacheUnsupported
 
     limits: dict[str, str] = {}

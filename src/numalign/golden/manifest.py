@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 # the calibration's types and point names are the verdict's (``compare.calibration``)
 from numalign.compare.calibration import CACHE_POINT as CACHE_POINT
@@ -130,15 +130,22 @@ class Decode:
         )
 
 
+#: A keyword input's tensor keys in the input's own shape: a tensor's key, a list for a
+#: tuple or list, a dict for a dict, None for a None inside one. Sets before dicts were kept
+#: hold keys and lists of keys only, which read the same.
+KeyTree: TypeAlias = str | list["KeyTree"] | dict[str, "KeyTree"] | None
+
+
 @dataclass(frozen=True)
 class Call:
     """One call of a capture point's module in one request: tensor keys of its positional
     inputs (None where the input was not a tensor; its JSON value is in ``args_json``),
-    keyword inputs and outputs (by output path, "0" for a plain tensor)."""
+    keyword inputs (``KeyTree``: in the input's own shape) and outputs (by output path, "0"
+    for a plain tensor)."""
 
     args: tuple[str | None, ...]
     args_json: tuple[Any, ...]
-    kwargs: dict[str, str | list[str]]
+    kwargs: dict[str, KeyTree]
     kwargs_json: dict[str, Any]
     outputs: dict[str, str]
 
@@ -241,6 +248,9 @@ class Manifest:
     calibration: dict[str, Calibration] = field(default_factory=dict)
     #: dtype -> the calibration ensemble's members (format 3; empty before: one member)
     ensemble: dict[str, list[str]] = field(default_factory=dict)
+    #: dtype -> the error the reference's own code raised in it at calibration (XLNet's
+    #: float32 positional tables against bfloat16 weights): replay in it is skipped with it
+    dtype_limits: dict[str, str] = field(default_factory=dict)
     created: str = ""
     format: str = FORMAT
 
@@ -272,6 +282,8 @@ class Manifest:
             data["decode"] = {k: v.to_json() for k, v in self.decode.items()}
         if self.ensemble:
             data["ensemble"] = self.ensemble
+        if self.dtype_limits:
+            data["dtype_limits"] = self.dtype_limits
         return data
 
     @classmethod
@@ -316,6 +328,7 @@ class Manifest:
                     k: calibration_from_json(v) for k, v in data.get("calibration", {}).items()
                 },
                 ensemble={k: list(v) for k, v in data.get("ensemble", {}).items()},
+                dtype_limits={str(k): str(v) for k, v in data.get("dtype_limits", {}).items()},
                 created=str(data.get("created", "")),
                 format=found,
             )

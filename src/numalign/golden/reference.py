@@ -8,6 +8,7 @@ step's inputs, and the cache's contents in one layout whatever the implementatio
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -376,28 +377,59 @@ def prefill_kwargs(model: Any, inputs: dict[str, Any], cache: Any) -> dict[str, 
     return kwargs
 
 
+#: ``steps_see_whole_sequence``'s answer per model, asked once.
+_WHOLE_SEQUENCE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def steps_see_whole_sequence(model: Any) -> bool:
+    """Whether the model's own generation feeds each cached step the whole sequence rather
+    than the new token, as its ``prepare_inputs_for_generation`` answers for a step of one
+    new token (CpmAnt's forward slices off what its cache holds itself, and fed the new token
+    alone it prepends its prompt again and misaligns its position bias); False where the
+    model does not say (no such method, or one that needs more than the ids)."""
+    import torch
+
+    known = _WHOLE_SEQUENCE.get(model)
+    if known is not None:
+        return known
+    prepare = getattr(model, "prepare_inputs_for_generation", None)
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    try:
+        asked = prepare(ids, next_sequence_length=1) if prepare is not None else None
+    except Exception:  # a model whose generation wants more (images, a cache): the usual step
+        asked = None
+    fed = asked.get("input_ids") if isinstance(asked, dict) else None
+    whole = isinstance(fed, torch.Tensor) and fed.shape == ids.shape
+    _WHOLE_SEQUENCE[model] = whole
+    return whole
+
+
 def decode_inputs(
     model: Any, inputs: dict[str, Any], token: torch.Tensor, cache: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One decode step: the whole sequence's inputs one token later (to carry on) and the
-    step's forward arguments: the new token [batch, 1], the extended attention mask, the cache,
-    and the new token's position as generation derives it (for multimodal rotary positions,
-    plus the offsets the prefill left in the model's ``rope_deltas``; a request at explicit
-    positions goes on from its last)."""
+    step's forward arguments: the new token [batch, 1] (the whole sequence where the model's
+    generation asks for it, ``steps_see_whole_sequence``), the extended attention mask, the
+    cache, and the new token's position as generation derives it (for multimodal rotary
+    positions, plus the offsets the prefill left in the model's ``rope_deltas``; a request at
+    explicit positions goes on from its last)."""
     grown = append_token(inputs, token)
     if "position_ids" in grown:
-        position = grown["position_ids"][..., -1:]
+        positions = grown["position_ids"]
     else:
-        position = generation_positions(grown["attention_mask"])[:, -1:]
+        positions = generation_positions(grown["attention_mask"])
+    whole = steps_see_whole_sequence(model)
     step: dict[str, Any] = {
-        "input_ids": token,
+        "input_ids": grown["input_ids"] if whole else token,
         "attention_mask": grown["attention_mask"],
         cache_argument(model) or "cache": cache,
         "use_cache": True,
-        "position_ids": position,
+        "position_ids": positions if whole else positions[..., -1:],
     }
+    position = positions[..., -1:]
     if "mm_token_type_ids" in grown:
-        step["mm_token_type_ids"] = grown["mm_token_type_ids"][:, -1:]
+        types = grown["mm_token_type_ids"]
+        step["mm_token_type_ids"] = types if whole else types[:, -1:]
     deltas = next(
         (m.rope_deltas for m in model.modules() if getattr(m, "rope_deltas", None) is not None),
         None,

@@ -299,6 +299,14 @@ class GoldenSet:
             self.manifest.ensemble[dtype] = list(members)
         write_manifest(self.path, self.manifest)
 
+    def write_dtype_limit(self, dtype: str, reason: str) -> None:
+        """Stores that the reference's own code cannot run in ``dtype`` (``reason``: its
+        error), dropping any calibration of it (the manifest replaced atomically)."""
+        self.manifest.dtype_limits[dtype] = reason
+        self.manifest.calibration.pop(dtype, None)
+        self.manifest.ensemble.pop(dtype, None)
+        write_manifest(self.path, self.manifest)
+
     def keys(self) -> Iterator[str]:
         return iter(self.manifest.tensors)
 

@@ -28,7 +28,7 @@ from numalign import dtypes
 from numalign.compare import compute_metrics
 from numalign.compare.lean import LeanSums
 from numalign.compare.logits import logits_stats
-from numalign.golden.decode import REFERENCE_CACHE
+from numalign.golden.decode import LIMIT_CHARS, REFERENCE_CACHE
 from numalign.golden.manifest import OUTPUT_POINT, CalibrationJson
 from numalign.golden.reference import Placement, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import GoldenSet
@@ -80,6 +80,34 @@ def _json_safe(stats: dict[str, float]) -> dict[str, float | None]:
     return {k: (v if math.isfinite(v) else None) for k, v in stats.items()}
 
 
+class DtypeUnsupported(RuntimeError):
+    """The reference's own code cannot run in a dtype (XLNet's positional tables stay float32
+    against bfloat16 weights; DeepSeek-V4 keeps float32 projections that float16 hidden
+    states meet): the set records it (``Manifest.dtype_limits``), with no calibration of the
+    dtype, and replay in it is skipped with the reason."""
+
+    def __init__(self, dtype: str, reason: str) -> None:
+        super().__init__(f"the reference cannot run in {dtype}: {reason}")
+        self.dtype, self.reason = dtype, reason
+
+
+def own_failure(golden: GoldenSet, model: Any, device: str, torch_dtype: torch.dtype) -> str | None:
+    """The error the model's own forward raises on the set's requests as they are (no hooks,
+    no module alone, no cache), in the dtype it was loaded in; None where it runs them all.
+    Asked only once a calibration has failed, to tell the model's limit from numalign's."""
+    import torch
+
+    for request in golden.requests:
+        inputs = {k: golden.tensor(v, device=device, dtype=torch_dtype)
+                  for k, v in request.inputs.items()}  # fmt: skip
+        try:
+            with torch.no_grad():
+                model(**inputs, **forward_kwargs(model))
+        except Exception as exc:  # the reference's own limit, kept with its message
+            return " ".join(f"{type(exc).__name__}: {exc}".split())[:LIMIT_CHARS]
+    return None
+
+
 def calibrate(
     golden: GoldenSet,
     model_dir: Path,
@@ -94,7 +122,9 @@ def calibrate(
     ``attn_implementation``), as JSON holds it:
     {point: {output path: {"isolated": stats, "accumulated": stats, "decode": stats}}} for
     ``dtype``; {OUTPUT_POINT: {output name: {"accumulated": stats, "decode": stats}}} for the
-    model's own outputs; {CACHE_POINT: {state: {"decode": stats}}} for the KV cache."""
+    model's own outputs; {CACHE_POINT: {state: {"decode": stats}}} for the KV cache.
+    DtypeUnsupported where the calibration fails and the model's own forward fails in
+    ``dtype`` too (``own_failure``)."""
 
     torch_dtype = dtypes.torch_dtype(dtype)
     model = load_model(model_dir, dtype, attn_implementation=attn_implementation,
@@ -103,9 +133,15 @@ def calibrate(
         model = model.to(device)
     masks = {r.name: request_mask(golden, r.name) for r in golden.requests}
     leans: _Leans = {}
-    accumulated = _accumulated(golden, model, masks, device, torch_dtype)
-    isolated = _isolated(golden, model, masks, device, torch_dtype, leans)
-    decoded = _decoded(golden, model, device, torch_dtype)
+    try:
+        accumulated = _accumulated(golden, model, masks, device, torch_dtype)
+        isolated = _isolated(golden, model, masks, device, torch_dtype, leans)
+        decoded = _decoded(golden, model, device, torch_dtype)
+    except Exception as exc:
+        own = own_failure(golden, model, device, torch_dtype)
+        if own is None:  # the reference runs in the dtype: numalign's error, raised as it is
+            raise
+        raise DtypeUnsupported(dtype, own) from exc
     modes = (("isolated", isolated), ("accumulated", accumulated), ("decode", decoded))
     result: CalibrationJson = {}
     for mode, table in modes:

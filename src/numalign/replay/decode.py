@@ -147,7 +147,10 @@ def _compare_cache(
     """Each recorded cache state against the cache's: keys and values on the most recent
     positions both hold (a sliding-window layer of one implementation may keep one position
     fewer than another's), at the positions the attention mask keeps (padding's keys are
-    not defined); linear-attention states whole."""
+    not defined; positions before the input's, which a model holds of its own, CpmAnt's
+    prompt, are kept); linear-attention states whole."""
+    import torch
+
     actual_states = cache_state(cache)
     for name, key in recorded.items():
         expected = golden.tensor(key)
@@ -159,7 +162,8 @@ def _compare_cache(
             )
         if name.endswith((".keys", ".values")):
             held = min(actual.shape[-2], expected.shape[-2])
-            kept = mask[:, mask.shape[1] - held :]
+            own = max(held - mask.shape[1], 0)  # positions the model holds before the input's
+            kept = torch.cat([mask.new_ones(mask.shape[0], own), mask], dim=1)[:, -held:]
             expected = expected[..., -held:, :].movedim(2, 1)[kept]
             actual = actual[..., -held:, :].movedim(2, 1)[kept.to(actual.device)]
         on_pair(request, number, CACHE_POINT, name, actual.detach(), expected)
@@ -247,6 +251,9 @@ def decode_unavailable(golden: GoldenSet, dtype: str) -> str | None:
         )
     if not golden.decode_requests:
         return f"{golden.name} has no decode steps (an encoder, or captured with --decode-steps 0)"
+    limit = golden.manifest.dtype_limits.get(dtype)
+    if limit is not None:
+        return f"the reference itself could not run in {dtype} at capture: {limit}"
     if not decode_calibrated(golden, dtype):
         return f"{golden.name} has no decode calibration: capture it again to replay decode"
     return None

@@ -42,6 +42,7 @@ from numalign.settings import parse_dtypes
 if TYPE_CHECKING:
     from numalign.golden.reference import Placement
     from numalign.golden.store import GoldenSet
+    from numalign.replay.ensemble_member import MemberResult
 
 #: The dtypes a capture calibrates by default.
 DEFAULT_CALIBRATION = ("float32", "bfloat16", "float16")
@@ -248,7 +249,7 @@ def merge(tables: Sequence[CalibrationJson]) -> CalibrationJson:
 # -- running a member --------------------------------------------------------------------------
 def _run_in_subprocess(
     member: Member, golden_path: Path, dtypes: Sequence[str], trust_remote_code: bool
-) -> dict[str, CalibrationJson]:
+) -> MemberResult:
     """The member's calibrations from ``python -m numalign.replay.ensemble_member`` in a
     subprocess whose environment carries its settings (``subprocess.run`` ends it if this
     process is interrupted, so no member outlives a capture)."""
@@ -275,8 +276,9 @@ def _run_in_subprocess(
                 f"{tail}\nname other members with --calibrate-with, or --calibrate-with none "
                 "for the reference alone"
             )
-        data: dict[str, CalibrationJson] = json.loads(out.read_text(encoding="utf-8"))
-        return data
+        from numalign.replay.ensemble_member import MemberResult
+
+        return MemberResult.from_json(json.loads(out.read_text(encoding="utf-8")))
 
 
 def run_members(
@@ -286,14 +288,14 @@ def run_members(
     trust_remote_code: bool = False,
     placement: Placement | None = None,
     step: Callable[[str], None] | None = None,
-) -> list[tuple[Member, dict[str, CalibrationJson]]]:
+) -> list[tuple[Member, MemberResult]]:
     """Each (member, dtypes)'s calibrations, in order, one member at a time: members use
     every core they are given (torch's threads), and members run side by side oversubscribe
     them (measured on 2 cores: 3.7x slower than one after another). A member that fails
     raises EnsembleError."""
     from numalign.replay.ensemble_member import calibrate_member
 
-    results: list[tuple[Member, dict[str, CalibrationJson]]] = []
+    results: list[tuple[Member, MemberResult]] = []
     for member, dtypes in members:
         if step is not None:
             step(f"calibrating {', '.join(dtypes)}: {describe(member)}")
@@ -339,15 +341,20 @@ def calibrate_set(
     ]
     tables: dict[str, list[CalibrationJson]] = {d: [] for d in dtypes}
     ran: dict[str, list[str]] = {d: [] for d in dtypes}
+    limits: dict[str, str] = {}
     for member, result in run_members(
         [(m, d) for m, d in planned if d], golden.path, trust_remote_code=trust_remote_code,
         placement=placement, step=step,
     ):  # fmt: skip
-        for dtype, table in result.items():
+        for dtype, table in result.tables.items():
             tables[dtype].append(table)
             ran[dtype].append(describe(member))
+        for dtype, reason in result.limits.items():
+            limits.setdefault(dtype, f"{reason} (calibration member {describe(member)})")
     for dtype in dtypes:
-        if tables[dtype]:
+        if dtype in limits:  # the reference's own code cannot run in it: no calibration
+            golden.write_dtype_limit(dtype, limits[dtype])
+        elif tables[dtype]:
             merged = merge(tables[dtype])
             if dtype == golden.reference.dtype:
                 with_exact_reference(merged)

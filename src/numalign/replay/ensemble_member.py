@@ -2,7 +2,7 @@
 calibrated in each dtype with this process's kernels, a thread count and an attention
 implementation. Run as ``python -m numalign.replay.ensemble_member SET --dtypes D,... --out
 FILE`` in a subprocess whose environment selects the kernels (``ONEDNN_MAX_CPU_ISA``,
-``ATEN_CPU_CAPABILITY``, which torch reads when it loads); it writes {dtype: calibration} as
+``ATEN_CPU_CAPABILITY``, which torch reads when it loads); it writes its ``MemberResult`` as
 JSON."""
 
 from __future__ import annotations
@@ -10,15 +10,32 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from numalign.golden.manifest import CalibrationJson
 from numalign.golden.store import GoldenSet
-from numalign.replay.calibrate import calibrate
+from numalign.replay.calibrate import DtypeUnsupported, calibrate
 
 if TYPE_CHECKING:
     from numalign.golden.reference import Placement
+
+
+@dataclass
+class MemberResult:
+    """A member's calibrations by dtype, and the dtypes the reference's own code cannot run
+    in (dtype -> its error, ``calibrate.DtypeUnsupported``), which have none."""
+
+    tables: dict[str, CalibrationJson] = field(default_factory=dict)
+    limits: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tables": self.tables, "limits": self.limits}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MemberResult:
+        return cls(dict(data["tables"]), dict(data.get("limits", {})))
 
 
 def calibrate_member(
@@ -29,9 +46,10 @@ def calibrate_member(
     trust_remote_code: bool,
     *,
     placement: Placement | None = None,
-) -> dict[str, CalibrationJson]:
-    """{dtype: calibration} of the set at ``golden_path`` with ``threads`` (None: as set) and
-    ``attn_implementation`` (None: the set's own)."""
+) -> MemberResult:
+    """The calibrations of the set at ``golden_path`` with ``threads`` (None: as set) and
+    ``attn_implementation`` (None: the set's own), and the dtypes the reference cannot run
+    in."""
     import torch
 
     golden = GoldenSet.open(golden_path)
@@ -40,23 +58,28 @@ def calibrate_member(
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
-    tables: dict[str, CalibrationJson] = {}
+    result = MemberResult()
     try:
         for dtype in dtypes:
             try:
-                tables[dtype] = calibrate(golden, golden.model_dir, dtype, attn_implementation=attn,
-                                          trust_remote_code=trust_remote_code,
-                                          placement=placement)  # fmt: skip
-            except ValueError as exc:
-                # a model without this attention implementation (Gemma 2 has no SDPA path):
-                # the member keeps its other settings with the set's own attention
-                if attn == own or "attention" not in str(exc):
-                    raise
-                attn = own
-                tables[dtype] = calibrate(golden, golden.model_dir, dtype, attn_implementation=attn,
-                                          trust_remote_code=trust_remote_code,
-                                          placement=placement)  # fmt: skip
-        return tables
+                try:
+                    result.tables[dtype] = calibrate(
+                        golden, golden.model_dir, dtype, attn_implementation=attn,
+                        trust_remote_code=trust_remote_code, placement=placement,
+                    )  # fmt: skip
+                except ValueError as exc:
+                    # a model without this attention implementation (Gemma 2 has no SDPA
+                    # path): the member keeps its other settings with the set's own attention
+                    if attn == own or "attention" not in str(exc):
+                        raise
+                    attn = own
+                    result.tables[dtype] = calibrate(
+                        golden, golden.model_dir, dtype, attn_implementation=attn,
+                        trust_remote_code=trust_remote_code, placement=placement,
+                    )  # fmt: skip
+            except DtypeUnsupported as exc:  # the model's own limit: no calibration of it
+                result.limits[dtype] = exc.reason
+        return result
     finally:
         torch.set_num_threads(before)
 
@@ -72,10 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--trust-remote-code", action="store_true")
     args = parser.parse_args(argv)
-    tables = calibrate_member(args.set, [d for d in args.dtypes.split(",") if d], args.threads,
+    result = calibrate_member(args.set, [d for d in args.dtypes.split(",") if d], args.threads,
                               args.attn, args.trust_remote_code)  # fmt: skip
     tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(tables), encoding="utf-8")
+    tmp.write_text(json.dumps(result.to_json()), encoding="utf-8")
     tmp.replace(args.out)
     return 0
 

@@ -174,6 +174,8 @@ def _leaves(value: Any) -> list[Any]:
         return [value]
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in _leaves(v)]
+    if isinstance(value, dict):  # a keyword input by kind (Zaya's masks)
+        return [t for v in value.values() for t in _leaves(v)]
     return []
 
 

@@ -11,6 +11,7 @@ from numalign.golden.reference import flatten, hooks
 if TYPE_CHECKING:
     import torch
 
+    from numalign.golden.manifest import KeyTree
     from numalign.golden.store import Call, GoldenSet
 
 
@@ -48,9 +49,15 @@ def call_inputs(
         load(k) if k is not None else plain(j)
         for k, j in zip(call.args, call.args_json, strict=True)
     ]
-    kwargs: dict[str, Any] = {}
-    for name, keys in call.kwargs.items():
-        kwargs[name] = tuple(load(k) for k in keys) if isinstance(keys, list) else load(keys)
+
+    def rebuilt(keys: KeyTree) -> Any:  # the input in its recorded shape (tuples as tuples)
+        if isinstance(keys, str):
+            return load(keys)
+        if isinstance(keys, dict):
+            return {k: rebuilt(v) for k, v in keys.items()}
+        return None if keys is None else tuple(rebuilt(k) for k in keys)
+
+    kwargs: dict[str, Any] = {name: rebuilt(keys) for name, keys in call.kwargs.items()}
     for name, value in call.kwargs_json.items():
         kwargs[name] = plain(value)
     return args, kwargs

@@ -51,6 +51,17 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+def check_dtype(golden: GoldenSet, dtype: str | None) -> None:
+    """ReplayUnsupported where the reference's own code could not run in ``dtype`` at
+    calibration (``Manifest.dtype_limits``): no replay in it can be judged, so none is run."""
+    limit = golden.manifest.dtype_limits.get(dtype or "")
+    if limit is not None:
+        raise ReplayUnsupported(
+            f"the reference itself could not run in {dtype} at capture, a limit of the "
+            f"model's code, not of this candidate or device: {limit}"
+        )
+
+
 def hidden_and_depth(model: Any) -> tuple[int, int]:
     config = (
         model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -81,6 +92,7 @@ class ModelCache:
         # by default, the attention implementation the set was captured with
         attention = variant.attention or golden.reference.attn_implementation
         key = (str(golden.path), variant.with_changes(attention=attention, cache=None))
+        check_dtype(golden, variant.dtype)
         if key not in self.models:
             self.models[key] = self._load(golden, key[1])
         return self.models[key]
@@ -129,6 +141,7 @@ class ModelCache:
         """The set, checked fresh (StaleGoldenSetError otherwise), and its model as the
         session's settings ask (``model_for``; under ``--tp``, held by the ranks)."""
         golden = open_fresh(path)
+        check_dtype(golden, dtype)
         if settings.tp > 1 and not self.sharded:
             return golden, self._sharded(golden, settings, dtype)
         return golden, self.model_for(golden, settings, device, dtype)

@@ -1,0 +1,68 @@
+"""A capture point's keyword inputs are recorded in their own shape and fed back in it: a dict
+(Zaya's masks by kind, DeepSeek-V4's rotary tables by layer type) stays a dict, a tuple a
+tuple, a None inside one a None. Before, every nested input was flattened to a list and fed
+back as a tuple, and those models' modules crashed alone (``mask_mapping.get``,
+``position_embeddings["main"]``) in the sweep's isolated calibration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from numalign.golden.capture import capture, key_tree
+from numalign.replay.layer import call_inputs, replay_call
+from numalign.sweep.build import build_tiny
+
+
+def test_a_nested_keyword_input_keeps_its_shape() -> None:
+    a, b, c = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
+    stored: dict[str, torch.Tensor] = {}
+
+    def put(path: str, t: torch.Tensor) -> str:
+        stored[f"k/{path}"] = t
+        return f"k/{path}"
+
+    assert key_tree(a, put) == "k/0"  # a plain tensor: its key, as sets always held
+    assert key_tree((a, b), put) == ["k/0", "k/1"]  # a tuple: a list of keys, as before
+    tree = key_tree({"main": (a, b), "compress": None, "conv": c}, put)
+    assert tree == {"main": ["k/main.0", "k/main.1"], "compress": None, "conv": "k/conv"}
+    # nothing to store, or something that is not a tensor beside them: kept as JSON instead
+    assert key_tree(None, put) is None and key_tree((a, "text"), put) is None
+
+
+@pytest.mark.parametrize(
+    ("model_type", "keyword", "keys"),
+    [
+        ("zaya", "attention_mask", {"causal", "conv"}),  # its masks by kind
+        ("deepseek_v4", "position_embeddings", {"main", "compress"}),  # rotary by layer type
+    ],
+)
+def test_a_layer_fed_a_dict_replays_alone(
+    tmp_path: Path, model_type: str, keyword: str, keys: set[str]
+) -> None:
+    model_dir = build_tiny(model_type, tmp_path / "models")
+    golden = capture(model_dir, tmp_path / "sets" / model_type, continuation=0,
+                     decode_steps=0, long=0, far=0, progress=False)  # fmt: skip
+    point = next(p for p in golden.points if p.name == "model.layers.0")
+    call = next(iter(point.calls.values()))[0]
+    recorded = call.kwargs[keyword]
+    assert isinstance(recorded, dict) and set(recorded) == keys
+    _, kwargs = call_inputs(golden, call, device="cpu", dtype=torch.float32)
+    assert isinstance(kwargs[keyword], dict) and set(kwargs[keyword]) == keys
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()  # fmt: skip
+    outputs = replay_call(model.get_submodule(point.name), golden, call, device="cpu",
+                          dtype=torch.float32)  # fmt: skip
+    assert set(outputs) == set(call.outputs)
+    for path, key in call.outputs.items():
+        expected = golden.tensor(key)
+        finite = expected.isfinite()  # a left-padded row's fully masked positions may be NaN
+        # the same module, inputs, dtype and machine as the capture: the golden output to
+        # float32 reordering (1e-4 absolute on hidden states of order ten; a mask or rotary
+        # table fed wrongly differs by the values themselves)
+        assert (outputs[path][finite] - expected[finite]).abs().max() < 1e-4
