@@ -83,13 +83,14 @@ def planted(row: SweepRow, suites: Path, golden: Path, reports: Path, model_dir:
     """Where the planted norms were first caught: the first divergence of the whole-model
     replay, named a norm or not by the captured point's module type."""
     from numalign.golden import GoldenSet
-    from numalign.registry import OPERATORS, load_catalogue
+    from numalign.registry import load_catalogue
     from numalign.replay.swap import module_types
 
     load_catalogue()
     types = module_types(model_dir)
+    # by what the modules compute, not their names (CpmAnt's "LayerNorm" is an RMSNorm)
     swap = next((f"{op}=sweep_scaled_2pct" for op in ("rms_norm", "layer_norm")
-                 if any(OPERATORS[op].stands_for(t) for t in types)), None)  # fmt: skip
+                 if norm_names(model_dir, op)), None)  # fmt: skip
     if swap is None:
         norms = sorted(t for t in types if "Norm" in t)
         row.planted = (
