@@ -278,6 +278,24 @@ def test_a_model_whose_steps_see_the_whole_sequence_decodes_with_its_cache(
     assert max(worst.values()) < 1e-4
 
 
+def test_a_complex_output_is_captured_and_replayed_as_real_numbers(tmp_path: Path) -> None:
+    """DeepSeek-V2's rotary embedding returns complex ``freqs_cis``: its calibration crashed
+    converting a complex error to a float. Outputs are flattened to their real view ([..., 2]:
+    real and imaginary parts), in capture and replay alike, so the point replays alone."""
+    golden = _captured("deepseek_v2", tmp_path)
+    point = next(p for p in golden.points if p.name.endswith("rotary_emb"))
+    call = next(iter(point.calls.values()))[0]
+    stored = {path: golden.tensor(key) for path, key in call.outputs.items()}
+    assert stored and all(t.is_floating_point() and t.shape[-1] == 2 for t in stored.values())
+    model = load_model(golden.model_dir, "float32", attn_implementation=None,
+                       trust_remote_code=False)  # fmt: skip
+    out = replay_call(model.get_submodule(point.name), golden, call, device="cpu",
+                      dtype=torch.float32)  # fmt: skip
+    for path, expected in stored.items():
+        # the same model, dtype and machine as the capture: float32 reordering at most
+        assert float((out[path].float() - expected.float()).abs().max()) < 1e-5
+
+
 def test_a_model_without_limits_records_none_and_round_trips(tmp_path: Path) -> None:
     """A model that decodes with every cache (llama) records no limits, and its manifest
     writes no ``cache_limits`` or ``dtype_limits`` field: older sets and new ones read the

@@ -219,10 +219,14 @@ def hooks(
 
 
 def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(path, leaf) pairs of nested tuples, lists, dicts and ModelOutputs; tensors are leaves."""
+    """(path, leaf) pairs of nested tuples, lists, dicts and ModelOutputs; tensors are leaves,
+    a complex one as its real view (DeepSeek-V2's rotary ``freqs_cis``: [..., 2] of real and
+    imaginary parts), so that every output is compared as real numbers."""
     import torch
 
-    if isinstance(value, torch.Tensor) or value is None:
+    if isinstance(value, torch.Tensor) and value.is_complex():
+        yield prefix or "0", torch.view_as_real(value)
+    elif isinstance(value, torch.Tensor) or value is None:
         yield prefix or "0", value
     elif isinstance(value, dict) or (hasattr(value, "to_tuple") and hasattr(value, "keys")):
         for k in value:  # dicts and ModelOutputs iterate their keys
