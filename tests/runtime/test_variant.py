@@ -77,7 +77,9 @@ def test_the_variant_keys_the_model_cache(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(ModelCache, "_load", load)
     golden: Any = SimpleNamespace(
-        path=Path("golden/sets/tiny"), reference=SimpleNamespace(attn_implementation="eager")
+        path=Path("golden/sets/tiny"),
+        reference=SimpleNamespace(attn_implementation="eager"),
+        manifest=SimpleNamespace(dtype_limits={}),  # no dtype the reference cannot run in
     )
     cache = ModelCache()
     base = Variant.from_settings(Settings(), device="cpu", dtype="float32")
