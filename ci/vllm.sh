@@ -6,8 +6,10 @@
 #   2. the model suites through transformers on the transformers vLLM pins (numalign supports
 #      5.16 to the newest): the zoo's sets, captured on the newest, replayed on the older;
 #   3. the project's tests whose subject depends on the transformers version (capture, the
-#      vLLM engine and its planted bugs, the paths a model cannot take, swaps, inventory, the
-#      sweep's shrink). The rest of the tests run in the main environment: they exercise
+#      vLLM engine and its planted bugs, the paths a model cannot take, swaps, inventory). The
+#      sweep's shrink is not among them: it and its override table are written for the newest
+#      transformers, whose types the day-0 sweep covers (5.19 lacks some of them, and names
+#      other keys). The rest of the tests run in the main environment: they exercise
 #      torch, pandas and the browser, which are the same here, and running them twice cost
 #      CI some ten minutes.
 # Usage: ci/vllm.sh [install|run] [REPORT_DIR]: install builds the environment only, run runs
@@ -44,6 +46,6 @@ rm -rf "$reports"
 "$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider suites/models \
     --report-dir "$reports/suites-transformers"
 "$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider --report-dir "$reports/tests" \
-    tests/golden tests/sweep tests/test_inventory.py tests/replay/test_vllm_engine.py \
+    tests/golden tests/test_inventory.py tests/replay/test_vllm_engine.py \
     tests/replay/test_vllm_points.py tests/replay/test_paths_a_model_cannot_take.py \
     tests/replay/test_swaps_fit_any_model.py
