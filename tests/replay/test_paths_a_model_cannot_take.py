@@ -117,9 +117,9 @@ def test_a_model_that_drops_the_paged_batch_arguments_skips_with_the_reason(
 ) -> None:
     """StableLM's layers do not pass the engine's per-batch arguments on to the paged cache
     (its decoder layer drops ``**kwargs``): transformers 5.24's paged cache then fails with
-    ``KeyError: 'cu_seq_lens_k'``. The paged replay skips, naming it, instead of failing as
-    if the engine had erred (the sweep met it as two crashes); where a transformers version
-    serves it, every request is served."""
+    ``KeyError: 'cu_seq_lens_k'``; GPT-Neo's attention calls the cache's update without
+    them. The paged replay skips, naming it, instead of failing as if the engine had erred
+    (the sweep met each as two crashes)."""
     import transformers
     from packaging.version import Version
 
@@ -127,16 +127,16 @@ def test_a_model_that_drops_the_paged_batch_arguments_skips_with_the_reason(
         # transformers 5.19's paged engine fails StableLM with another error (in SDPA: "The
         # size of tensor a (32) must match the size of tensor b (64)"), not classified yet
         pytest.skip("StableLM's paged replay is classified on transformers 5.24 and later")
-    golden = _captured("stablelm", tmp_path)
-    model = load_model(golden.model_dir, "float32", attn_implementation=PAGED_ATTENTION,
-                       trust_remote_code=False)  # fmt: skip
-    try:
-        served = replay_paged_requests(golden, model, "cpu", lambda *args, **kwargs: None)
-    except PagedUnsupported as exc:
-        assert "do not pass the paged engine's batch arguments" in str(exc)
-        assert "'cu_seq_lens_k'" in str(exc)
-    else:
-        assert served
+    # StableLM drops them on the way (KeyError); GPT-Neo calls the cache's update without them
+    # (GPT-Neo has no SDPA path: the engine runs its eager kernel, as the suites do)
+    for model_type, said, attn in (("stablelm", "'cu_seq_lens_k'", PAGED_ATTENTION),
+                                   ("gpt_neo", "'kwargs'", "eager")):  # fmt: skip
+        golden = _captured(model_type, tmp_path)
+        model = load_model(golden.model_dir, "float32", attn_implementation=attn,
+                           trust_remote_code=False)  # fmt: skip
+        with pytest.raises(PagedUnsupported, match="do not pass the paged engine's batch") as exc:
+            replay_paged_requests(golden, model, "cpu", lambda *args, **kwargs: None)
+        assert said in str(exc.value)
 
 
 def test_a_static_cache_the_reference_cannot_decode_with_skips_with_the_reason(

@@ -288,9 +288,12 @@ _MISSING_CACHE_API = re.compile(r"'PagedAttentionCache' object has no attribute 
 #: The engine's per-batch arguments the paged cache's ``update`` reads from the keyword
 #: arguments the model's attention hands it (transformers 5.24): a KeyError naming one means
 #: the model's layers do not forward them from the engine's call (StableLM's decoder layer
-#: drops its ``**kwargs``), so its code cannot run paged.
+#: drops its ``**kwargs``), and an ``update`` called without them at all (GPT-Neo's
+#: attention: ``missing 1 required positional argument: 'kwargs'``) the same; its code
+#: cannot run paged.
 _DROPPED_BATCH_ARGUMENT = re.compile(
     r"^'(?P<name>cu_seq_lens_k|max_length_k|read_index|write_index)'$"
+    r"|PagedAttentionCache\.update\(\) missing 1 required positional argument: '(?P<arg>kwargs)'"
 )
 
 
@@ -324,13 +327,12 @@ def _run(manager: Any, prompts: dict[str, list[int]], new_tokens: int) -> None:
                         f"cache, which has none ({result.error}): the paged engine cannot "
                         "serve this model"
                     )
-                dropped = _DROPPED_BATCH_ARGUMENT.match(str(result.error).strip())
+                dropped = _DROPPED_BATCH_ARGUMENT.search(str(result.error).strip())
                 if dropped:
                     raise PagedUnsupported(
-                        f"the model's layers do not pass the paged engine's batch arguments on "
-                        f"to its cache (KeyError {dropped['name']!r} in the paged cache's "
-                        "update: a forward that drops its **kwargs): the paged engine cannot "
-                        "serve this model"
+                        "the model's layers do not pass the paged engine's batch arguments on "
+                        f"to its cache ({result.error}: a forward that drops its **kwargs): "
+                        "the paged engine cannot serve this model"
                     )
                 raise PagedServingError(
                     f"the paged engine failed request {result.request_id}: {result.error}"
