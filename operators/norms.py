@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from numalign.cases import Case, values
+from numalign.compare.tolerances import SWAP_PROBE_EPS
 from numalign.registry import Operator, Output, candidate, register_operator
 from operators._common import tier_cases, up
 
@@ -173,9 +174,6 @@ def layer_norm_reference(
 #: A module's forward that subtracts a mean: the test of a LayerNorm form on meta weights
 #: (the inventory's), where no probe can run.
 _SUBTRACTS_MEAN = re.compile(r"-\s*mean\b")
-#: Tolerance of the probe that tells a LayerNorm form from other "*LayerNorm" modules (T5's
-#: is an RMSNorm), in eps of the module's dtype: as the swap's adapter check allows.
-_FORM_PROBE_EPS = 4.0
 
 
 def _is_layer_norm(module: Any) -> bool:
@@ -200,7 +198,8 @@ def _is_layer_norm(module: Any) -> bool:
                                            _layer_norm_eps(module)))  # fmt: skip
     except Exception:  # a module of another signature is no LayerNorm form
         return False
-    tol = _FORM_PROBE_EPS * torch.finfo(weight.dtype).eps
+    # as the swap's adapter check allows: a few roundings of the module's dtype
+    tol = SWAP_PROBE_EPS * torch.finfo(weight.dtype).eps
     return bool(torch.allclose(mine, theirs, rtol=tol, atol=tol))
 
 

@@ -100,6 +100,12 @@ def record_decode(
     return Decode(REFERENCE_CACHE, recorded, prefill, final, cache_limits(model, request))
 
 
+def limit_message(exc: BaseException) -> str:
+    """The reference's own error as a limit's reason: its type and message on one line, at
+    most ``LIMIT_CHARS``."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:LIMIT_CHARS]
+
+
 def cache_family(implementation: str) -> str:
     """The cache whose limits ``implementation`` shares: ``static`` for the static caches,
     ``dynamic`` for the others."""
@@ -124,7 +130,7 @@ def cache_limits(model: Any, request: CaptureRequest) -> dict[str, str]:
         except CacheUnsupported:
             continue
         except Exception as exc:  # the reference's own limit, kept with its message
-            limits[implementation] = " ".join(f"{type(exc).__name__}: {exc}".split())[:LIMIT_CHARS]
+            limits[implementation] = limit_message(exc)
             continue
         scale = float(reference.abs().max()) or 1.0
         apart = float((logits - reference).abs().max()) / scale

@@ -28,7 +28,7 @@ from numalign import dtypes
 from numalign.compare import compute_metrics
 from numalign.compare.lean import LeanSums
 from numalign.compare.logits import logits_stats
-from numalign.golden.decode import LIMIT_CHARS, REFERENCE_CACHE
+from numalign.golden.decode import REFERENCE_CACHE, limit_message
 from numalign.golden.manifest import OUTPUT_POINT, CalibrationJson
 from numalign.golden.reference import Placement, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import GoldenSet
@@ -104,7 +104,7 @@ def own_failure(golden: GoldenSet, model: Any, device: str, torch_dtype: torch.d
             with torch.no_grad():
                 model(**inputs, **forward_kwargs(model))
         except Exception as exc:  # the reference's own limit, kept with its message
-            return " ".join(f"{type(exc).__name__}: {exc}".split())[:LIMIT_CHARS]
+            return limit_message(exc)
     return None
 
 
