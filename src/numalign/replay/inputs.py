@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from numalign.golden.reference import forward_kwargs
-from numalign.replay.layer import call_inputs, kept_positions, request_mask
+from numalign.replay.layer import call_inputs, input_dtype, kept_positions, request_mask
 
 if TYPE_CHECKING:
     import torch
@@ -90,7 +90,9 @@ def input_at_fault(
     mask = request_mask(golden, request)
     faulty = []
     for name, replace in _replaceable(recorded, fed_args, fed_kwargs):
-        args, kwargs = call_inputs(golden, recorded, device=device, dtype=dtype)
+        args, kwargs = call_inputs(
+            golden, recorded, device=device, dtype=input_dtype(module, dtype)
+        )
         golden_value = args[replace] if isinstance(replace, int) else kwargs.get(replace)
         own = fed_args[replace] if isinstance(replace, int) else fed_kwargs[replace]
         if isinstance(replace, int):

@@ -63,6 +63,14 @@ def call_inputs(
     return args, kwargs
 
 
+def input_dtype(module: torch.nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a module replayed alone is fed in: ``dtype``, except for a module whose
+    floating parameters are all kept in one other dtype (a model's ``_keep_in_fp32_modules``:
+    HY-V4's float32 LM head and router, which the model feeds float32 in a bfloat16 run)."""
+    kept = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    return kept.pop() if len(kept) == 1 else dtype
+
+
 def within_range(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A floating golden tensor in ``dtype``, its finite values kept finite: a float32
     attention mask's minimum (-3.4e38, "masked") rounds to -inf in bfloat16, where the model's
@@ -157,10 +165,11 @@ def replay_call(
     device: torch.device | str,
     dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
-    """Runs ``module`` on the golden inputs of ``call``; its tensor outputs by output path."""
+    """Runs ``module`` on the golden inputs of ``call`` (in ``input_dtype``); its tensor
+    outputs by output path."""
     import torch
 
-    args, kwargs = call_inputs(golden, call, device=device, dtype=dtype)
+    args, kwargs = call_inputs(golden, call, device=device, dtype=input_dtype(module, dtype))
     try:
         with torch.no_grad():
             output = module(*args, **kwargs)
