@@ -164,12 +164,14 @@ def _one_step(model: Any, request: CaptureRequest, implementation: str) -> Any:
 def new_token_output(tensor: Any, batch: int) -> bool:
     """Whether a point's output is the new token's hidden states, laid out [batch, 1, hidden]:
     what a decode step compares. Attention weights (their key length depends on the cache
-    implementation: a static cache pads them to its capacity) and flattened router logits are
-    left out."""
+    implementation: a static cache pads them to its capacity), flattened router logits and
+    integer outputs (GLM-DSA's top-k key indices, as many as the cache holds keys) are left
+    out."""
     import torch
 
     return (
         isinstance(tensor, torch.Tensor)
+        and tensor.is_floating_point()
         and tensor.dim() == 3
         and tensor.shape[0] == batch
         and tensor.shape[1] == 1
