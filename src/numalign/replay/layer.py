@@ -47,11 +47,6 @@ def call_inputs(
     def plain(value: Any) -> Any:
         return None if isinstance(value, dict) and "__repr__" in value else value
 
-    args = [
-        load(k) if k is not None else plain(j)
-        for k, j in zip(call.args, call.args_json, strict=True)
-    ]
-
     def rebuilt(keys: KeyTree) -> Any:  # the input in its recorded shape (tuples as tuples)
         if isinstance(keys, str):
             return load(keys)
@@ -59,6 +54,10 @@ def call_inputs(
             return {k: rebuilt(v) for k, v in keys.items()}
         return None if keys is None else tuple(rebuilt(k) for k in keys)
 
+    args = [
+        rebuilt(k) if k is not None else plain(j)
+        for k, j in zip(call.args, call.args_json, strict=True)
+    ]
     kwargs: dict[str, Any] = {name: rebuilt(keys) for name, keys in call.kwargs.items()}
     for name, value in call.kwargs_json.items():
         kwargs[name] = plain(value)
