@@ -2,7 +2,9 @@
 (Zaya's masks by kind, DeepSeek-V4's rotary tables by layer type) stays a dict, a tuple a
 tuple, a None inside one a None. Before, every nested input was flattened to a list and fed
 back as a tuple, and those models' modules crashed alone (``mask_mapping.get``,
-``position_embeddings["main"]``) in the sweep's isolated calibration."""
+``position_embeddings["main"]``) in the sweep's isolated calibration. Positional inputs are
+recorded so too: Qwen4-Exp's attention takes its rotary tables as a positional tuple, which
+was kept as an object and fed back as None (``cannot unpack non-iterable NoneType``)."""
 
 from __future__ import annotations
 
@@ -65,4 +67,32 @@ def test_a_layer_fed_a_dict_replays_alone(
         # the same module, inputs, dtype and machine as the capture: the golden output to
         # float32 reordering (1e-4 absolute on hidden states of order ten; a mask or rotary
         # table fed wrongly differs by the values themselves)
+        assert (outputs[path][finite] - expected[finite]).abs().max() < 1e-4
+
+
+def test_a_layer_fed_a_positional_tuple_replays_alone(tmp_path: Path) -> None:
+    model_dir = build_tiny("qwen4_exp", tmp_path / "models")
+    golden = capture(model_dir, tmp_path / "sets" / "qwen4_exp", continuation=0,
+                     decode_steps=0, long=0, far=0, progress=False)  # fmt: skip
+    # its decoder layer calls self_attn(hidden_states, position_embeddings, ...): cos and sin
+    point = next(p for p in golden.points if p.name.endswith(".self_attn"))
+    call = next(iter(point.calls.values()))[0]
+    hidden, rotary = call.args[:2]
+    assert isinstance(hidden, str)  # a plain tensor keeps the key sets always had
+    assert isinstance(rotary, list) and len(rotary) == 2 and call.args_json[1] is None
+    args, _ = call_inputs(golden, call, device="cpu", dtype=torch.float32)
+    assert isinstance(args[1], tuple) and all(isinstance(t, torch.Tensor) for t in args[1])
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()  # fmt: skip
+    outputs = replay_call(model.get_submodule(point.name), golden, call, device="cpu",
+                          dtype=torch.float32)  # fmt: skip
+    assert set(outputs) == set(call.outputs)
+    for path, key in call.outputs.items():
+        expected = golden.tensor(key)
+        finite = expected.isfinite()
+        # as above: float32 reordering at most, where a rotary table fed wrongly (or, as
+        # before, not at all) differs by the values themselves
         assert (outputs[path][finite] - expected[finite]).abs().max() < 1e-4

@@ -166,7 +166,6 @@ class _Recorder:
         put = self.writer.put
         calls = self.calls.setdefault(name, {}).setdefault(request, [])
         base = f"{request}/{name}/{len(calls)}"
-        tensor = [isinstance(a, torch.Tensor) for a in args]
         kw_keys: dict[str, KeyTree] = {}
         kw_json: dict[str, Any] = {}
         for k, v in kwargs.items():
@@ -179,11 +178,10 @@ class _Recorder:
                 kw_keys[k] = keys
             else:
                 kw_json[k] = jsonable(v)
-        arg_keys = tuple(
-            put(f"{base}/args/{i}", a) if t else None
-            for i, (a, t) in enumerate(zip(args, tensor, strict=True))
+        arg_keys = tuple(_positional_keys(a, f"{base}/args/{i}", put) for i, a in enumerate(args))
+        arg_json = tuple(
+            None if k is not None else jsonable(a) for a, k in zip(args, arg_keys, strict=True)
         )
-        arg_json = tuple(None if t else jsonable(a) for a, t in zip(args, tensor, strict=True))
         outputs = {
             p: put(f"{base}/out/{p}", t) for p, t in flatten(output) if isinstance(t, torch.Tensor)
         }
@@ -198,11 +196,11 @@ class _Recorder:
 
 
 def key_tree(value: Any, put: Callable[[str, Any], str]) -> KeyTree | None:
-    """A keyword input's tensors stored through ``put(path, tensor)``, in the input's own
-    shape (``manifest.KeyTree``): a tensor's key, tuples and lists as lists, dicts (Zaya's
-    masks by kind, DeepSeek-V4's rotary tables by layer type) as dicts, None kept; None
-    where the value holds no tensor or anything else besides (a cache, an object), which the
-    manifest keeps as JSON instead."""
+    """An input's tensors (keyword or positional) stored through ``put(path, tensor)``, in
+    the input's own shape (``manifest.KeyTree``): a tensor's key, tuples and lists as lists,
+    dicts (Zaya's masks by kind, DeepSeek-V4's rotary tables by layer type) as dicts, None
+    kept; None where the value holds no tensor or anything else besides (a cache, an
+    object), which the manifest keeps as JSON instead."""
     import torch
 
     leaves = list(flatten(value))
@@ -221,6 +219,18 @@ def key_tree(value: Any, put: Callable[[str, Any], str]) -> KeyTree | None:
         return [tree(x, f"{path}.{i}" if path else str(i)) for i, x in enumerate(v)]
 
     return tree(value, "")
+
+
+def _positional_keys(value: Any, key: str, put: Callable[[str, Any], str]) -> KeyTree | None:
+    """A positional input's tensors in its own shape (``key_tree``), as keyword inputs are
+    (Qwen4-Exp's attention takes its rotary tables as a positional tuple, which was kept as
+    JSON, an object, and fed back as None): a plain tensor under ``key``, as sets always
+    had it, the tensors of a tuple, list or dict under ``key/PATH``."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return put(key, value)
+    return key_tree(value, lambda path, t: put(f"{key}/{path}", t))
 
 
 class _Progress:

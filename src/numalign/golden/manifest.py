@@ -139,11 +139,11 @@ KeyTree: TypeAlias = str | list["KeyTree"] | dict[str, "KeyTree"] | None
 @dataclass(frozen=True)
 class Call:
     """One call of a capture point's module in one request: tensor keys of its positional
-    inputs (None where the input was not a tensor; its JSON value is in ``args_json``),
-    keyword inputs (``KeyTree``: in the input's own shape) and outputs (by output path, "0"
-    for a plain tensor)."""
+    and keyword inputs (``KeyTree``: in the input's own shape; None where a positional input
+    holds no tensor, its JSON value in ``args_json``) and of its outputs (by output path,
+    "0" for a plain tensor)."""
 
-    args: tuple[str | None, ...]
+    args: tuple[KeyTree, ...]
     args_json: tuple[Any, ...]
     kwargs: dict[str, KeyTree]
     kwargs_json: dict[str, Any]

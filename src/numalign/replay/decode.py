@@ -34,6 +34,7 @@ from numalign.golden.reference import (
     reset_decode_state,
 )
 from numalign.golden.requests import unservable
+from numalign.replay.layer import CallOrder
 from numalign.replay.model import hidden_and_depth
 from numalign.replay.observe import observe_calls
 from numalign.replay.shards import whole
@@ -112,19 +113,23 @@ def _step_observer(
     on_pair: OnPair,
     on_step_call: Callable[..., None] | None = None,
 ) -> Callable[[str, Any, Any, Any], None]:
-    """A hook callback comparing the n-th call of each point in this step with its n-th
-    recorded call's outputs (and handing each call on to ``on_step_call``)."""
+    """A hook callback comparing each call of each point in this step with its recorded
+    call's outputs (``CallOrder.for_steps``: told apart as the request's prefill calls are)
+    and handing each call on to ``on_step_call``."""
     import torch
 
-    seen: dict[str, int] = {}
+    orders: dict[str, CallOrder] = {}
 
     def on_call(point: str, args: Any, kwargs: Any, output: Any) -> None:
-        index = seen.get(point, 0)
-        seen[point] = index + 1
-        if on_step_call is not None:
-            on_step_call(number, point, index, args, kwargs, output)
         calls = points.get(point, [])
-        if index >= len(calls):
+        if point not in orders:
+            prefill = golden.point(point).calls.get(request, [])
+            orders[point] = CallOrder.for_steps(prefill, len(calls))
+        index = orders[point].index(args, kwargs)
+        if on_step_call is not None:  # every call, a call not recorded by its place in order
+            place = orders[point].calls - 1
+            on_step_call(number, point, place if index is None else index, args, kwargs, output)
+        if index is None:
             return
         for path, tensor in flatten(output):
             key = calls[index].get(path)

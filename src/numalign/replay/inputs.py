@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from numalign.golden.reference import forward_kwargs
-from numalign.replay.layer import call_inputs, input_dtype, kept_positions, request_mask
+from numalign.replay.layer import (
+    CallOrder,
+    call_inputs,
+    input_dtype,
+    kept_positions,
+    request_mask,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -40,15 +46,19 @@ class FaultyInput:
 def fed_inputs(
     model: Any, golden: GoldenSet, request: str, point: str, call: int, device: Any, dtype: Any
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The positional and keyword inputs the model fed the ``call``-th call of ``point`` in
-    ``request`` (None when the point was called fewer times)."""
+    """The positional and keyword inputs the model fed the call of ``point`` in ``request``
+    that is its ``call``-th recorded one (``CallOrder``; None when the model made no such
+    call)."""
     import torch
 
     module = model.get_submodule(point)
-    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    order = CallOrder(golden.point(point).calls.get(request, []))
+    seen: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
 
     def pre(mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        seen.append((detached(args), detached(kwargs)))
+        index = order.index(args, kwargs)
+        if index is not None:
+            seen.setdefault(index, (detached(args), detached(kwargs)))
 
     inputs = {
         k: golden.tensor(v, device=device, dtype=dtype)
@@ -60,7 +70,7 @@ def fed_inputs(
             model(**inputs, **forward_kwargs(model))
     finally:
         handle.remove()
-    return seen[call] if call < len(seen) else None
+    return seen.get(call)
 
 
 def input_at_fault(
@@ -241,17 +251,22 @@ def judged_masks(
         if not any(other.startswith(name + ".") for other in names)
     }
     judged: set[str] = set()
-    seen: dict[str, int] = {}
     handles = []
     for point in points:
         module = model.get_submodule(point.name)
+        order = CallOrder(point.calls.get(request, []))
 
-        def pre(mod: Any, args: Any, kwargs: dict[str, Any], point: Any = point) -> None:
-            number = seen.get(point.name, 0)
-            seen[point.name] = number + 1
-            calls = point.calls.get(request, [])
-            if number >= len(calls):
+        def pre(
+            mod: Any,
+            args: Any,
+            kwargs: dict[str, Any],
+            point: Any = point,
+            order: CallOrder = order,
+        ) -> None:
+            number = order.index(args, kwargs)
+            if number is None:
                 return
+            calls = point.calls.get(request, [])
             for name, key in _mask_keys(calls[number]).items():
                 own = kwargs.get(name)
                 if (point.name, key) not in innermost or key in judged:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import json
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from numalign.golden.reference import flatten, hooks
+from numalign.golden.reference import flatten, hooks, jsonable
 
 if TYPE_CHECKING:
     import torch
@@ -45,11 +47,6 @@ def call_inputs(
     def plain(value: Any) -> Any:
         return None if isinstance(value, dict) and "__repr__" in value else value
 
-    args = [
-        load(k) if k is not None else plain(j)
-        for k, j in zip(call.args, call.args_json, strict=True)
-    ]
-
     def rebuilt(keys: KeyTree) -> Any:  # the input in its recorded shape (tuples as tuples)
         if isinstance(keys, str):
             return load(keys)
@@ -57,6 +54,10 @@ def call_inputs(
             return {k: rebuilt(v) for k, v in keys.items()}
         return None if keys is None else tuple(rebuilt(k) for k in keys)
 
+    args = [
+        rebuilt(k) if k is not None else plain(j)
+        for k, j in zip(call.args, call.args_json, strict=True)
+    ]
     kwargs: dict[str, Any] = {name: rebuilt(keys) for name, keys in call.kwargs.items()}
     for name, value in call.kwargs_json.items():
         kwargs[name] = plain(value)
@@ -109,9 +110,77 @@ def request_mask(golden: GoldenSet, request: str) -> torch.Tensor | None:
     return golden.tensor(key) if key is not None else None
 
 
+class CallOrder:
+    """Which recorded call of a point each live call of it in a forward is (``index``, in the
+    order the live calls come). A module called several times in a forward is not always
+    called in the same order in every process: Gemma 3 and 4 call their rotary embedding
+    once per layer type in the order of a ``set`` of the layer types' names, which Python's
+    string hashing (``PYTHONHASHSEED``, random per process) orders anew in each process, so
+    a calibration member or a replay may call "sliding_attention" first where the capture
+    called "full_attention" first. A live call is therefore the n-th of the recorded calls
+    whose plain non-tensor inputs (strings, numbers, booleans: the layer type) that tell
+    the point's calls apart are its own; where none tells them apart, where the live inputs
+    are not known (``args`` None: a compiled model's taps) or where no recorded call had
+    them (a decode step's own value), the n-th call in order. None: a call that was not
+    recorded (more calls than the capture's)."""
+
+    def __init__(self, calls: Sequence[Call] | int) -> None:
+        """``calls``: the point's recorded calls, or how many calls there are whose inputs
+        the set does not hold (they go in order)."""
+        recorded = (
+            [{}] * calls
+            if isinstance(calls, int)
+            else [_plain_inputs(c.args_json, c.kwargs_json) for c in calls]
+        )
+        names = sorted({name for inputs in recorded for name in inputs})
+        self.telling = [n for n in names if len({i.get(n) for i in recorded}) > 1]
+        self.recorded = [self._key(inputs) for inputs in recorded]
+        self.calls = 0
+        self.seen: Counter[tuple[str | None, ...]] = Counter()
+
+    @classmethod
+    def for_steps(cls, prefill: Sequence[Call], step_calls: int) -> CallOrder:
+        """The order of a decode step's ``step_calls`` calls of a point, which the set holds
+        without their inputs: a step of the capture called the point as its request's
+        prefill did (one process, one order), so the prefill's calls tell the step's apart
+        where there are as many; elsewhere the step's calls go in order."""
+        return cls(prefill if len(prefill) == step_calls else step_calls)
+
+    def _key(self, inputs: dict[str, str]) -> tuple[str | None, ...]:
+        return tuple(inputs.get(name) for name in self.telling)
+
+    def index(self, args: Sequence[Any] | None, kwargs: dict[str, Any] | None) -> int | None:
+        number = self.calls
+        self.calls += 1
+        if not self.telling or args is None:
+            return number if number < len(self.recorded) else None
+        key = self._key(_plain_inputs(
+            tuple(jsonable(a) for a in args), {k: jsonable(v) for k, v in (kwargs or {}).items()}
+        ))  # fmt: skip
+        nth = self.seen[key]
+        self.seen[key] = nth + 1
+        same = [i for i, k in enumerate(self.recorded) if k == key]
+        if not same:
+            return number if number < len(self.recorded) else None
+        return same[nth] if nth < len(same) else None
+
+
+def _plain_inputs(args_json: Sequence[Any], kwargs_json: dict[str, Any]) -> dict[str, str]:
+    """A call's plain non-tensor inputs as JSON text, by ``args[i]`` or keyword (the manifest's
+    ``args_json`` and ``kwargs_json``, or ``jsonable`` of a live call's): tensors (recorded
+    as None positionally, not at all by keyword), None and objects (a marked repr: a cache,
+    whose class may differ between replays) tell nothing."""
+    named = {f"args[{i}]": v for i, v in enumerate(args_json)} | dict(kwargs_json)
+    return {
+        name: json.dumps(value)
+        for name, value in named.items()
+        if value is not None and not isinstance(value, dict)
+    }
+
+
 class CallMatcher:
-    """A hook callback (``golden.reference.hooks``' ``on_call``) that matches the n-th call of
-    a point in a forward with its n-th recorded call of ``request`` and calls
+    """A hook callback (``golden.reference.hooks``' ``on_call``) that matches each call of a
+    point in a forward with its recorded call of ``request`` (``CallOrder``) and calls
     ``on_output(point, path, actual, expected, call)`` for each of its tensor outputs the
     golden set holds, both restricted to the positions the request's mask keeps (``call``:
     which call of the point, from 0)."""
@@ -125,15 +194,15 @@ class CallMatcher:
         self.golden, self.request, self.on_output = golden, request, on_output
         self.points = {p.name: p for p in golden.points}
         self.mask = request_mask(golden, request)
-        self.seen: dict[str, int] = {}
+        self.orders: dict[str, CallOrder] = {}
 
     def __call__(self, point: str, args: Any, kwargs: Any, output: Any) -> None:
         import torch
 
-        number = self.seen.get(point, 0)
-        self.seen[point] = number + 1
         calls = self.points[point].calls.get(self.request, [])
-        if number >= len(calls):
+        order = self.orders.setdefault(point, CallOrder(calls))
+        number = order.index(args, kwargs)
+        if number is None:
             return
         for path, tensor in flatten(output):
             key = calls[number].outputs.get(path)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from numalign.golden.manifest import OUTPUT_POINT
 from numalign.golden.reference import flatten, hooks, own_cache
 from numalign.golden.requests import REPLAY_PAGE_SIZE, unservable
+from numalign.replay.layer import CallOrder
 from numalign.runtime.compiled import CompiledModel
 
 if TYPE_CHECKING:
@@ -146,7 +147,8 @@ class _Served:
     outputs: dict[tuple[str, int, str, int, str], torch.Tensor] = field(default_factory=dict)
     #: per forward: (engine request, first row, query length, step it produces, emits a token)
     layout: list[tuple[str, int, int, int, bool]] = field(default_factory=list)
-    calls: dict[str, int] = field(default_factory=dict)
+    #: per forward: which recorded call each call of a point is (``replay.layer.CallOrder``)
+    orders: dict[str, CallOrder] = field(default_factory=dict)
 
 
 def replay_paged_requests(
@@ -233,7 +235,7 @@ def _serve(
     forced = {rid: tokens for rid, (_, _, _, tokens) in rows.items()}
 
     def before(module: Any, args: Any, kwargs: Any) -> None:
-        served.layout, served.calls, start = [], {}, 0
+        served.layout, served.orders, start = [], {}, 0
         for future in manager.batch_processor.inputs_and_outputs.requests_in_batch:
             q = int(future.query_length)
             state = future.state
@@ -256,9 +258,19 @@ def _serve(
         out.logits = forcing
         return out
 
+    # every request's calls come in one pattern: the first's tell a forward's calls apart
+    first = next(iter(rows.values()))[0]
+    steps_of_first = golden.decode(first).steps  # type: ignore[union-attr]
+    first_points = steps_of_first[0].points if steps_of_first else {}
+
     def on_call(point: str, args: Any, kwargs: Any, output: Any) -> None:
-        index = served.calls.get(point, 0)
-        served.calls[point] = index + 1
+        if point not in served.orders:
+            prefill = golden.point(point).calls.get(first, [])
+            calls = len(first_points.get(point, []))
+            served.orders[point] = CallOrder.for_steps(prefill, calls)
+        index = served.orders[point].index(args, kwargs)
+        if index is None:
+            return
         for rid, start, q, step, _ in served.layout:
             if q != 1 or step < 1:  # only decode steps' new tokens
                 continue
