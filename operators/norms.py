@@ -106,6 +106,14 @@ def _scale(module: Any) -> torch.nn.Parameter:
 
 def _rms_adapter(module: Any) -> dict[str, Any]:
     weight = _scale(module)
+    group = getattr(module, "group_size", None)
+    if group is not None and group != weight.shape[-1]:
+        # Qwen4-Exp's hyper-connection norm: statistics per group of channels, another
+        # operator than a norm over the whole width; the swap leaves it its own forward
+        raise AttributeError(
+            f"{type(module).__name__} normalises per group of {group} of its "
+            f"{weight.shape[-1]} channels: a form the rms_norm adapter lacks"
+        )
     eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", EPS)))
     # Gemma's, Qwen3-Next's and Qwen3.5's RMSNorm multiply by (1 + weight); Llama's by
     # weight. A swap checks the adapter against the module on a probe input, so a family

@@ -88,6 +88,22 @@ def test_a_layer_norm_without_a_bias_is_one_layer_norm_stands_for(model_type: st
     assert float((_logits(model) - before).abs().max()) < 1e-4
 
 
+def test_a_norm_over_groups_of_channels_keeps_its_own_forward() -> None:
+    """Qwen4-Exp's hyper-connection norm (``Qwen4ExpTextRMSNorm`` with ``group_size``) takes
+    its statistics per group of channels, a form the rms_norm adapter lacks: it keeps its own
+    forward, and the model's whole-width RMSNorms (its attention's per-head ones) are swapped
+    (the sweep's planted swap refused the whole model: "the adapter does not reproduce ...
+    hc_norm")."""
+    model = _tiny("qwen4_exp_text")
+    before = _logits(model)
+    grouped = [n for n, m in model.named_modules() if getattr(m, "group_size", None)]
+    swapped = apply_swaps(model, [("rms_norm", "fused")])
+    assert grouped and not set(grouped) & set(swapped)
+    assert any(name.endswith("self_attn.q_norm") for name in swapped)  # per head, whole width
+    # float32 reordering only, as above
+    assert float((_logits(model) - before).abs().max()) < 1e-4
+
+
 def test_a_norm_whose_weight_is_a_dummy_buffer_keeps_its_own_forward() -> None:
     """Falcon-Mamba's ``FalconMambaWeightlessRMSNorm`` holds a ``weight`` buffer of ones of
     another size than it normalizes (only "for imitating the kernels path"): the adapter reads
