@@ -285,6 +285,61 @@ def test_a_model_whose_steps_see_the_whole_sequence_decodes_with_its_cache(
     assert max(worst.values()) < 1e-4
 
 
+def test_a_model_whose_generation_feeds_more_than_the_sequence_decodes_whole(
+    tmp_path: Path,
+) -> None:
+    """XLM's forward, like CpmAnt's, slices off what its cache holds itself, and its
+    generation feeds each step the whole sequence plus a mask token to predict at: ids one
+    longer than the sequence, which the check for CpmAnt's (ids as long as the sequence)
+    missed. Fed the new token alone with the sequence's mask, XLM's forward failed an
+    assertion on the mask's length (the sweep's capture crashed). A step now feeds the whole
+    sequence wherever generation asks for it or more (numalign's steps predict from the last
+    position, as its prefill does). Built causal, XLM's cached steps then give the logits its
+    uncached forward of the whole sequence gives, and the decode replay reproduces them."""
+    import json
+
+    from numalign.golden.reference import generation_positions, steps_see_whole_sequence
+
+    model_dir = build_tiny("xlm", tmp_path / "models")
+    config = json.loads((model_dir / "config.json").read_text())
+    # causal attention: the cached and the uncached forward then compute the same function
+    (model_dir / "config.json").write_text(json.dumps(config | {"causal": True}))
+    golden = capture(model_dir, tmp_path / "sets" / "xlm", continuation=0, decode_steps=2,
+                     long=0, far=0, progress=False)  # fmt: skip
+    model = load_model(golden.model_dir, "float32", attn_implementation=None,
+                       trust_remote_code=False)  # fmt: skip
+    assert model.config.causal and steps_see_whole_sequence(model)
+    for request in golden.decode_requests:
+        decode = golden.decode(request)
+        assert decode is not None and len(decode.steps) == 2
+        ids = golden.tensor(golden.request(request).inputs["input_ids"])
+        mask = golden.tensor(golden.request(request).inputs["attention_mask"])
+        for step in decode.steps:
+            assert step.points  # the layers' new-token outputs were recorded
+            token = golden.tensor(step.token)
+            ids, mask = torch.cat([ids, token], dim=1), torch.cat([mask, torch.ones_like(token)], 1)
+            with torch.no_grad():
+                uncached = model(input_ids=ids, attention_mask=mask,
+                                 position_ids=generation_positions(mask)).logits[:, -1]  # fmt: skip
+            apart = (golden.tensor(step.logits) - uncached).abs().max() / uncached.abs().max()
+            # the same model and dtype, its cache or none: float32 reordering at most (about
+            # 1e-6 of the largest logit; a step fed otherwise gives other logits altogether)
+            assert apart < 1e-5
+
+    worst: dict[str, float] = {}
+
+    def on_pair(request, step, point, path, actual, expected, call=0):  # type: ignore[no-untyped-def]
+        diff = float((actual.float() - expected.float()).abs().max())
+        worst[point] = max(worst.get(point, 0.0), diff)
+
+    run_decode(golden, model, golden.decode_requests[0], "dynamic", torch.float32, "cpu", on_pair)
+    assert CACHE_POINT in worst and len(worst) > 2  # cache states, logits and layers compared
+    # the capture's model, dtype, cache and machine: the same sums (0 apart measured); 1e-4
+    # leaves float32 reordering (about 1e-6 of logits of order 100, as above)
+    print("WORST", max(worst.values()))
+    assert max(worst.values()) < 1e-4
+
+
 def test_a_complex_output_is_captured_and_replayed_as_real_numbers(tmp_path: Path) -> None:
     """DeepSeek-V2's rotary embedding returns complex ``freqs_cis``: its calibration crashed
     converting a complex error to a float. Outputs are flattened to their real view ([..., 2]:

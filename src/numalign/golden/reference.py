@@ -388,9 +388,13 @@ _WHOLE_SEQUENCE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionar
 def steps_see_whole_sequence(model: Any) -> bool:
     """Whether the model's own generation feeds each cached step the whole sequence rather
     than the new token, as its ``prepare_inputs_for_generation`` answers for a step of one
-    new token (CpmAnt's forward slices off what its cache holds itself, and fed the new token
-    alone it prepends its prompt again and misaligns its position bias); False where the
-    model does not say (no such method, or one that needs more than the ids)."""
+    new token: ids as long as the sequence or longer. CpmAnt's and XLM's forwards slice off
+    what their cache holds themselves (fed the new token alone, CpmAnt prepends its prompt
+    again and misaligns its position bias, and XLM's mask, as long as the sequence, fails its
+    length check); XLM's generation also appends a mask token to predict at, which numalign
+    does not: its steps predict from the last position, as its prefill and uncached
+    continuation do. False where the model does not say (no such method, or one that needs
+    more than the ids)."""
     import torch
 
     known = _WHOLE_SEQUENCE.get(model)
@@ -403,7 +407,7 @@ def steps_see_whole_sequence(model: Any) -> bool:
     except Exception:  # a model whose generation wants more (images, a cache): the usual step
         asked = None
     fed = asked.get("input_ids") if isinstance(asked, dict) else None
-    whole = isinstance(fed, torch.Tensor) and fed.shape == ids.shape
+    whole = isinstance(fed, torch.Tensor) and fed.dim() == 2 and fed.shape[1] >= ids.shape[1]
     _WHOLE_SEQUENCE[model] = whole
     return whole
 
