@@ -1,10 +1,11 @@
 """Paths a model cannot take are detected from the model and skipped with the reason, never a
 crash: layer types transformers' paged cache does not hold, a config that holds head_dim per
-layer, a model with a cache class of its own (capture and decode use it; other caches skip),
-a model whose code asks the paged cache for what it lacks (BART's decoder), a model whose code
-cannot decode with a static cache (BLOOM: the reference's limit found at capture) or whose
-static cache transformers cannot build (DeepSeek-V4), and a
-module that needs state the model shares between layers (its layer replay skips)."""
+layer, a model with a cache class of its own (capture and decode use it, read as it holds
+its states where it has no ``layers``; other caches skip), a model whose code asks the paged
+cache for what it lacks (BART's decoder), a model whose code cannot decode with a static
+cache (BLOOM: the reference's limit found at capture) or whose static cache transformers
+cannot build (DeepSeek-V4), and a module that needs state the model shares between layers
+(its layer replay skips)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,54 @@ def test_a_model_with_its_own_cache_captures_and_decodes_with_it(tmp_path: Path)
     # (1e-4 absolute on values of order ten; a cache that was dropped or rebuilt differs by
     # the values themselves)
     assert worst and max(worst.values()) < 1e-4
+
+
+def test_a_model_s_own_cache_without_layers_is_read_as_it_holds_its_states(
+    tmp_path: Path,
+) -> None:
+    """xLSTM builds a cache of its own (``xLSTMCache``) that has no ``layers``: its recurrent
+    states are a dict by layer of (C, n, m) tensors, and capture crashed reading the cache
+    after the prefill (``'xLSTMCache' object has no attribute 'layers'``). Such a cache is
+    read as it holds its states, by attribute path (``rnn_state.L.J``): the recorded final
+    states are the ones xLSTM's own forward of the whole sequence leaves, and the decode
+    replay compares them."""
+    golden = _captured("xlstm", tmp_path)
+    model = load_model(golden.model_dir, "float32", attn_implementation=None,
+                       trust_remote_code=False)  # fmt: skip
+    assert new_cache(model, "dynamic", 16) is None  # the prefill builds xLSTMCache
+    request = golden.decode_requests[0]
+    decode = golden.decode(request)
+    assert decode is not None and len(decode.steps) == 2
+    layers, states = model.config.num_hidden_layers, 3  # C, n and m per layer
+    names = {f"rnn_state.{layer}.{j}" for layer in range(layers) for j in range(states)}
+    assert set(decode.prefill_cache) == set(decode.final_cache) == names
+
+    ids = golden.tensor(golden.request(request).inputs["input_ids"])
+    tokens = [golden.tensor(step.token) for step in decode.steps]
+    with torch.no_grad():
+        whole = model(input_ids=torch.cat([ids, *tokens], dim=1), use_cache=True).cache
+    for layer in range(layers):
+        for j in range(states):
+            name = f"rnn_state.{layer}.{j}"
+            expected = whole.rnn_state[layer][j]
+            apart = (golden.tensor(decode.final_cache[name]) - expected).abs().max()
+            # its forward over the whole sequence against its prefill and two steps, the
+            # same function summed in another order: float32 reordering at most (6e-7 of the
+            # largest state measured, 1e-5 allowed; a state read before the steps moved it
+            # is off by the state itself)
+            assert apart <= 1e-5 * expected.abs().max()
+
+    worst: dict[str, float] = {}
+
+    def on_pair(request, step, point, path, actual, expected, call=0):  # type: ignore[no-untyped-def]
+        diff = float((actual.float() - expected.float()).abs().max())
+        worst[point] = max(worst.get(point, 0.0), diff)
+
+    run_decode(golden, model, request, "dynamic", torch.float32, "cpu", on_pair)
+    assert CACHE_POINT in worst and len(worst) > 2  # cache states, logits and layers compared
+    # the capture's model, dtype, cache and machine: the same sums (0 apart measured); 1e-4
+    # leaves float32 reordering on values of order ten
+    assert max(worst.values()) < 1e-4
 
 
 def test_a_model_calling_what_the_paged_cache_lacks_skips_with_the_reason(

@@ -452,7 +452,10 @@ def cache_state(cache: Any) -> dict[str, torch.Tensor]:
     attention layer ``layers.N.keys`` and ``layers.N.values`` [batch, heads, positions, dim]
     holding the most recent positions the layer keeps, oldest first (a static layer's unused
     capacity cut off; a sliding-window layer's window); per linear-attention layer
-    ``layers.N.conv_states.J`` and ``layers.N.recurrent_states.J``."""
+    ``layers.N.conv_states.J`` and ``layers.N.recurrent_states.J``. A model's own cache
+    without transformers' ``layers`` is read as it holds its states (``own_cache_states``)."""
+    if getattr(cache, "layers", None) is None:
+        return own_cache_states(cache)
     out: dict[str, torch.Tensor] = {}
     for i, linear in enumerate(getattr(cache, "linear_cache", None) or ()):
         if hasattr(linear, "shape"):  # MiniMax's own cache: a linear-attention layer's state
@@ -470,3 +473,19 @@ def cache_state(cache: Any) -> dict[str, torch.Tensor]:
         out[f"layers.{i}.keys"] = keys[..., :held, :]
         out[f"layers.{i}.values"] = values[..., :held, :]
     return out
+
+
+def own_cache_states(cache: Any) -> dict[str, torch.Tensor]:
+    """The states a model's own cache holds without transformers' ``layers`` API (xLSTM's
+    ``xLSTMCache``: ``rnn_state.L.J``, the recurrent state J of layer L), named by their
+    attribute paths in the cache: its floating-point tensors, nested in lists, tuples and
+    dicts. Counters and indices (xLSTM's ``seqlen_offset``) are left out: the positions they
+    count are the steps' own, and a wrong one shows in the states and logits."""
+    import torch
+
+    held = {name: value for name, value in vars(cache).items() if not name.startswith("_")}
+    return {
+        path: state
+        for path, state in flatten(held)
+        if isinstance(state, torch.Tensor) and state.is_floating_point()
+    }
