@@ -116,6 +116,31 @@ def test_a_capture_calibrates_over_a_subprocess_member(tmp_path: Path) -> None:
     assert f32 is not None and 0 < (f32.rel_l2 or 0) < 1e-5
 
 
+def test_a_member_running_other_code_than_the_capture_s_is_an_error(tmp_path: Path) -> None:
+    """A sweep run from a checkout that a merge changed under it crashed on gpt-sw3 with
+    ``KeyError: 'tables'``: the capture's process had loaded numalign before the merge and
+    its member subprocess imported it after, writing a result in a shape the capture did not
+    read. A member now checks that its numalign is the code the capture loaded (the files'
+    fingerprint), and one that is not, here a copy with one line changed, is an error that
+    says so instead of a calibration from other code."""
+    from numalign.replay.ensemble import EnsembleError, capture_calibrated
+
+    changed = tmp_path / "changed"
+    shutil.copytree(ROOT / "src" / "numalign", changed / "numalign")
+    with (changed / "numalign" / "cases.py").open("a", encoding="utf-8") as file:
+        file.write("# a commit merged while the capture ran\n")
+    model = tmp_path / "tiny-llama"
+    shutil.copytree(ROOT / "golden" / "models" / "tiny-llama", model)
+    member = Member("changed", env={"PYTHONPATH": str(changed)})
+    with pytest.raises(EnsembleError, match="not the code the capture started with") as caught:
+        capture_calibrated(model, tmp_path / "set", calibrate=("float32",), members=[member],
+                           decode_steps=0, continuation=0, long=0, far=0,
+                           progress=False)  # fmt: skip
+    assert str(changed / "numalign") in str(caught.value)  # names the other numalign
+    assert "capture again once numalign's code stands still" in str(caught.value)
+    assert not (tmp_path / "set").exists()  # no set calibrated by other code
+
+
 def test_the_reference_dtype_s_lean_range_takes_in_the_exact_reference() -> None:
     # float32 members that reorder sums lean by ~1e-8; the reference replayed exactly leans
     # by 0 and must lie inside the range (it is the most honest implementation there is)

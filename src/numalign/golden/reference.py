@@ -388,9 +388,13 @@ _WHOLE_SEQUENCE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionar
 def steps_see_whole_sequence(model: Any) -> bool:
     """Whether the model's own generation feeds each cached step the whole sequence rather
     than the new token, as its ``prepare_inputs_for_generation`` answers for a step of one
-    new token (CpmAnt's forward slices off what its cache holds itself, and fed the new token
-    alone it prepends its prompt again and misaligns its position bias); False where the
-    model does not say (no such method, or one that needs more than the ids)."""
+    new token: ids as long as the sequence or longer. CpmAnt's and XLM's forwards slice off
+    what their cache holds themselves (fed the new token alone, CpmAnt prepends its prompt
+    again and misaligns its position bias, and XLM's mask, as long as the sequence, fails its
+    length check); XLM's generation also appends a mask token to predict at, which numalign
+    does not: its steps predict from the last position, as its prefill and uncached
+    continuation do. False where the model does not say (no such method, or one that needs
+    more than the ids)."""
     import torch
 
     known = _WHOLE_SEQUENCE.get(model)
@@ -403,7 +407,7 @@ def steps_see_whole_sequence(model: Any) -> bool:
     except Exception:  # a model whose generation wants more (images, a cache): the usual step
         asked = None
     fed = asked.get("input_ids") if isinstance(asked, dict) else None
-    whole = isinstance(fed, torch.Tensor) and fed.shape == ids.shape
+    whole = isinstance(fed, torch.Tensor) and fed.dim() == 2 and fed.shape[1] >= ids.shape[1]
     _WHOLE_SEQUENCE[model] = whole
     return whole
 
@@ -448,7 +452,10 @@ def cache_state(cache: Any) -> dict[str, torch.Tensor]:
     attention layer ``layers.N.keys`` and ``layers.N.values`` [batch, heads, positions, dim]
     holding the most recent positions the layer keeps, oldest first (a static layer's unused
     capacity cut off; a sliding-window layer's window); per linear-attention layer
-    ``layers.N.conv_states.J`` and ``layers.N.recurrent_states.J``."""
+    ``layers.N.conv_states.J`` and ``layers.N.recurrent_states.J``. A model's own cache
+    without transformers' ``layers`` is read as it holds its states (``own_cache_states``)."""
+    if getattr(cache, "layers", None) is None:
+        return own_cache_states(cache)
     out: dict[str, torch.Tensor] = {}
     for i, linear in enumerate(getattr(cache, "linear_cache", None) or ()):
         if hasattr(linear, "shape"):  # MiniMax's own cache: a linear-attention layer's state
@@ -466,3 +473,19 @@ def cache_state(cache: Any) -> dict[str, torch.Tensor]:
         out[f"layers.{i}.keys"] = keys[..., :held, :]
         out[f"layers.{i}.values"] = values[..., :held, :]
     return out
+
+
+def own_cache_states(cache: Any) -> dict[str, torch.Tensor]:
+    """The states a model's own cache holds without transformers' ``layers`` API (xLSTM's
+    ``xLSTMCache``: ``rnn_state.L.J``, the recurrent state J of layer L), named by their
+    attribute paths in the cache: its floating-point tensors, nested in lists, tuples and
+    dicts. Counters and indices (xLSTM's ``seqlen_offset``) are left out: the positions they
+    count are the steps' own, and a wrong one shows in the states and logits."""
+    import torch
+
+    held = {name: value for name, value in vars(cache).items() if not name.startswith("_")}
+    return {
+        path: state
+        for path, state in flatten(held)
+        if isinstance(state, torch.Tensor) and state.is_floating_point()
+    }

@@ -37,12 +37,17 @@ from typing import TYPE_CHECKING, Any
 
 from numalign.golden.capture import capture
 from numalign.golden.manifest import CalibrationJson, calibration_from_json
+from numalign.replay.ensemble_member import (
+    CODE_CHANGED,
+    MemberResult,
+    calibrate_member,
+    code_fingerprint,
+)
 from numalign.settings import parse_dtypes
 
 if TYPE_CHECKING:
     from numalign.golden.reference import Placement
     from numalign.golden.store import GoldenSet
-    from numalign.replay.ensemble_member import MemberResult
 
 #: The dtypes a capture calibrates by default.
 DEFAULT_CALIBRATION = ("float32", "bfloat16", "float16")
@@ -56,6 +61,10 @@ ONEDNN_ISAS = (
 )
 #: ATen's CPU capabilities, lowest first, with the CPU flag each needs.
 ATEN_CAPABILITIES = (("default", ""), ("avx2", "avx2"), ("avx512", "avx512f"))
+#: numalign's code as this process loaded it: a member in a subprocess must run the same
+#: (a sweep run from a checkout that a merge changed under it had its members write another
+#: numalign's results, which this one misread: ``KeyError: 'tables'``).
+_CODE = code_fingerprint()
 #: Member keys that are not environment variables.
 _KEYS = ("onednn", "aten", "threads", "attn", "dtypes")
 #: Statistics whose worst is the largest value; cosine and norm_ratio are handled apart.
@@ -258,7 +267,7 @@ def _run_in_subprocess(
     with tempfile.TemporaryDirectory(prefix="numalign-member-") as scratch:
         out = Path(scratch) / "calibration.json"
         command = [sys.executable, "-m", "numalign.replay.ensemble_member", str(golden_path),
-                   "--dtypes", ",".join(dtypes), "--out", str(out)]  # fmt: skip
+                   "--dtypes", ",".join(dtypes), "--out", str(out), "--code", _CODE]  # fmt: skip
         if member.threads:
             command += ["--threads", str(member.threads)]
         if member.attn_implementation:
@@ -269,6 +278,12 @@ def _run_in_subprocess(
             command, env=os.environ | member.env, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True, check=False,
         )  # fmt: skip
+        if done.returncode == CODE_CHANGED:
+            raise EnsembleError(
+                f"calibration member {describe(member)} did not run: "
+                f"{done.stderr.strip().splitlines()[-1]}; its calibration would not be this "
+                "capture's: capture again once numalign's code stands still"
+            )
         if done.returncode != 0:
             tail = "\n".join(done.stderr.strip().splitlines()[-8:])
             raise EnsembleError(
@@ -276,8 +291,6 @@ def _run_in_subprocess(
                 f"{tail}\nname other members with --calibrate-with, or --calibrate-with none "
                 "for the reference alone"
             )
-        from numalign.replay.ensemble_member import MemberResult
-
         return MemberResult.from_json(json.loads(out.read_text(encoding="utf-8")))
 
 
@@ -293,8 +306,6 @@ def run_members(
     every core they are given (torch's threads), and members run side by side oversubscribe
     them (measured on 2 cores: 3.7x slower than one after another). A member that fails
     raises EnsembleError."""
-    from numalign.replay.ensemble_member import calibrate_member
-
     results: list[tuple[Member, MemberResult]] = []
     for member, dtypes in members:
         if step is not None:

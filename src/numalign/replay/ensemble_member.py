@@ -3,12 +3,16 @@ calibrated in each dtype with this process's kernels, a thread count and an atte
 implementation. Run as ``python -m numalign.replay.ensemble_member SET --dtypes D,... --out
 FILE`` in a subprocess whose environment selects the kernels (``ONEDNN_MAX_CPU_ISA``,
 ``ATEN_CPU_CAPABILITY``, which torch reads when it loads); it writes its ``MemberResult`` as
-JSON."""
+JSON. ``--code FINGERPRINT`` is the capture's ``code_fingerprint``: a member whose numalign
+is other code (the checkout changed under a running capture) exits with ``CODE_CHANGED``
+instead of calibrating with it."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +24,21 @@ from numalign.replay.calibrate import DtypeUnsupported, calibrate
 
 if TYPE_CHECKING:
     from numalign.golden.reference import Placement
+
+#: The exit status of a member whose numalign is not the capture's (``--code``).
+CODE_CHANGED = 3
+
+
+def code_fingerprint() -> str:
+    """sha256 over numalign's own source files (each one's path in the package and its
+    bytes, in path order), as they are on disk now: a capture and its members in
+    subprocesses run the same numalign only where theirs agree."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 @dataclass
@@ -94,7 +113,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--attn", default=None, help="attention implementation (default: the set's)"
     )
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--code", default=None, help="the capture's code_fingerprint")
     args = parser.parse_args(argv)
+    if args.code is not None and args.code != code_fingerprint():
+        print(
+            f"numalign's code under {Path(__file__).resolve().parents[1]} is not the code the "
+            "capture started with (it changed while the capture ran, or this member imports "
+            "another numalign)",
+            file=sys.stderr,
+        )
+        return CODE_CHANGED
     result = calibrate_member(args.set, [d for d in args.dtypes.split(",") if d], args.threads,
                               args.attn, args.trust_remote_code)  # fmt: skip
     tmp = args.out.with_suffix(".tmp")
