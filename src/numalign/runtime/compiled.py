@@ -51,7 +51,7 @@ from __future__ import annotations
 import re
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -458,6 +458,10 @@ class _CompiledPoint:
     owner: CompiledModel
     compiled: Callable[..., Any]
     name: str
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """The point's module's parameters (what ``replay.layer.input_dtype`` reads)."""
+        return self.owner.model.get_submodule(self.name).parameters()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
