@@ -188,6 +188,39 @@ def test_a_model_that_drops_the_paged_batch_arguments_skips_with_the_reason(
         assert said in str(exc.value)
 
 
+def test_transformers_code_failing_on_the_paged_path_skips_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    """A code-path error (AttributeError, KeyError, TypeError) raised in transformers' code
+    for the model while the paged engine serves it is a path the model cannot take: MPT calls
+    ``.to(torch.bool)`` on the causal mask, which the paged path leaves None; MiMo-V2-Flash's
+    layers without attention sinks hold ``sinks = None``, which the eager paged attention
+    reshapes. Both skip naming the line, instead of failing as if the engine had erred (the
+    sweep met each as two false alarms). A kernel's error (RuntimeError) still fails."""
+    from numalign.replay.paged import _in_model_code
+
+    for model_type, where, attn in (("mpt", "mpt/modeling_mpt.py", "eager"),
+                                    ("mimo_v2_flash", "integrations/eager_paged.py",
+                                     "eager")):  # fmt: skip
+        golden = _captured(model_type, tmp_path)
+        model = load_model(golden.model_dir, "float32", attn_implementation=attn,
+                           trust_remote_code=False)  # fmt: skip
+        with pytest.raises(PagedUnsupported, match="fails on the paged path, at ") as exc:
+            replay_paged_requests(golden, model, "cpu", lambda *args, **kwargs: None)
+        assert where in str(exc.value)
+    from transformers.models.mpt import modeling_mpt
+
+    def raised_in_mpt(kind: str) -> BaseException:  # an error whose frame is MPT's file
+        try:
+            exec(compile(f"raise {kind}('x')", modeling_mpt.__file__, "exec"))
+        except Exception as exc:
+            return exc
+        raise AssertionError("nothing raised")
+
+    assert _in_model_code([raised_in_mpt("AttributeError")]) is not None  # a code path
+    assert _in_model_code([raised_in_mpt("RuntimeError")]) is None  # a kernel's: a failure
+
+
 def test_a_static_cache_the_reference_cannot_decode_with_skips_with_the_reason(
     tmp_path: Path,
 ) -> None:

@@ -285,8 +285,9 @@ def _serve(
     ]
     points = [p.name for p in golden.points]
     try:
-        with _quiet(), hooks(model, points, on_call), torch.no_grad():
-            _run(manager, {rid: prompt for rid, (_, _, prompt, _) in rows.items()}, steps + 1)
+        with _quiet() as errors, hooks(model, points, on_call), torch.no_grad():
+            prompts = {rid: prompt for rid, (_, _, prompt, _) in rows.items()}
+            _run(manager, prompts, steps + 1, errors)
     finally:
         for handle in handles:
             handle.remove()
@@ -309,10 +310,16 @@ _DROPPED_BATCH_ARGUMENT = re.compile(
 )
 
 
-def _run(manager: Any, prompts: dict[str, list[int]], new_tokens: int) -> None:
+def _run(
+    manager: Any,
+    prompts: dict[str, list[int]],
+    new_tokens: int,
+    errors: list[BaseException] | None = None,
+) -> None:
     """Serves ``prompts`` and waits for all of them (PagedServingError on an engine error or
     after ENGINE_TIMEOUT_S; PagedUnsupported where the model's code calls what the paged
-    cache lacks); the engine's thread is always stopped."""
+    cache lacks, or fails in itself on the engine's inputs: ``errors`` holds the exceptions
+    the engine logged); the engine's thread is always stopped."""
     manager.start()
     done: set[str] = set()
     try:
@@ -346,6 +353,13 @@ def _run(manager: Any, prompts: dict[str, list[int]], new_tokens: int) -> None:
                         f"to its cache ({result.error}: a forward that drops its **kwargs): "
                         "the paged engine cannot serve this model"
                     )
+                where = _in_model_code(errors or [])
+                if where:
+                    raise PagedUnsupported(
+                        f"transformers' code for this model fails on the paged path, at {where} "
+                        f"({result.error}: a mask, cache or attribute it expects from the "
+                        "eager path): the paged engine cannot serve this model"
+                    )
                 raise PagedServingError(
                     f"the paged engine failed request {result.request_id}: {result.error}"
                 )
@@ -356,13 +370,54 @@ def _run(manager: Any, prompts: dict[str, list[int]], new_tokens: int) -> None:
         manager.destroy()
 
 
+#: Errors of Python code meeting a value it did not expect (a None mask, a missing key, an
+#: argument it does not take), as opposed to a kernel's or a device's (RuntimeError).
+_CODE_PATH_ERRORS = (AttributeError, KeyError, TypeError)
+
+
+def _in_model_code(errors: list[BaseException]) -> str | None:
+    """Where the last error the engine logged was raised, as ``file:line: code``, when it is
+    an error of a code path (``_CODE_PATH_ERRORS``) raised in transformers' code for a model
+    (``transformers/models/``: MPT calls ``.to`` on the causal mask the paged path does not
+    build) or an attention integration (``transformers/integrations/``: the eager paged
+    attention reshapes MiMo-V2's ``sinks``, None on its layers without); None when it was
+    raised elsewhere or is of another kind (a kernel or device error: a failure)."""
+    import traceback
+
+    if not errors or not isinstance(errors[-1], _CODE_PATH_ERRORS):
+        return None
+    if errors[-1].__traceback__ is None:
+        return None
+    frame = traceback.extract_tb(errors[-1].__traceback__)[-1]
+    path = frame.filename.replace("\\", "/")
+    if not any(f"/transformers/{part}/" in path for part in ("models", "integrations")):
+        return None
+    return f"{'/'.join(path.split('/')[-2:])}:{frame.lineno}: {(frame.line or '').strip()}"
+
+
+class _EngineErrors(logging.Handler):
+    """Keeps the exceptions the engine logs (its generation loop logs them with exc_info)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.errors: list[BaseException] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and record.exc_info[1] is not None:
+            self.errors.append(record.exc_info[1])
+
+
 @contextmanager
-def _quiet() -> Iterator[None]:
-    """The engine's own logger at errors only while it serves (it logs every batch)."""
+def _quiet() -> Iterator[list[BaseException]]:
+    """The engine's own logger at errors only while it serves (it logs every batch); yields
+    the exceptions it logs."""
     engine_log = logging.getLogger("ContinuousBatchingLogger")
     level = engine_log.level
     engine_log.setLevel(logging.ERROR)
+    kept = _EngineErrors()
+    engine_log.addHandler(kept)
     try:
-        yield
+        yield kept.errors
     finally:
+        engine_log.removeHandler(kept)
         engine_log.setLevel(level)
