@@ -89,9 +89,10 @@ def unmatched(swaps: Sequence[tuple[str, str]], types: set[str]) -> list[str]:
     return out
 
 
-def module_types(model_dir: str | Path) -> set[str]:
-    """The module types of the model in ``model_dir``, built on the meta device from its
-    config (no weights read)."""
+def meta_model(model_dir: str | Path) -> torch.nn.Module:
+    """The model in ``model_dir`` built on the meta device from its config (no weights read),
+    as the class its config names (``architectures``: MllamaForCausalLM saves a text config
+    no Auto class maps), else as a causal LM."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -99,10 +100,13 @@ def module_types(model_dir: str | Path) -> set[str]:
     cls = getattr(transformers, arch, None) if arch else None
     with torch.device("meta"):
         if cls is None:
-            model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-        else:
-            model = cls._from_config(config)
-    return {type(m).__name__ for m in model.modules()}
+            return transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call,no-any-return]
+        return cls._from_config(config)  # type: ignore[no-any-return]
+
+
+def module_types(model_dir: str | Path) -> set[str]:
+    """The module types of the model in ``model_dir`` (``meta_model``)."""
+    return {type(m).__name__ for m in meta_model(model_dir).modules()}
 
 
 def parse_swaps(specs: Sequence[str]) -> list[tuple[str, str]]:

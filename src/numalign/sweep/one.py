@@ -129,16 +129,11 @@ def planted(row: SweepRow, suites: Path, golden: Path, reports: Path, model_dir:
 
 def norm_names(model_dir: Path, operator: str) -> list[str]:
     """The names of the modules of the model at ``model_dir`` that ``operator`` stands for
-    (built on the meta device: no weights are read)."""
-    import torch
-    import transformers
-
+    (built on the meta device as its config's class: no weights are read)."""
     from numalign.registry import OPERATORS
-    from numalign.sweep.build import auto_class
+    from numalign.replay.swap import meta_model
 
-    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    with torch.device("meta"):
-        model = auto_class(config.model_type).from_config(config)
+    model = meta_model(model_dir)
     op = OPERATORS[operator]
     return [n for n, m in model.named_modules() if n and op.stands_for_module(m)]
 
@@ -165,7 +160,10 @@ def sweep_type(model_type: str, work: Path, suites: Path) -> SweepRow:
         if row.capture == "ok":
             reports = work / "reports" / model_type
             honest(row, suites, golden, reports / "honest")
-            planted(row, suites, golden, reports / "planted", model_dir)
+            try:
+                planted(row, suites, golden, reports / "planted", model_dir)
+            except Exception as exc:  # the row keeps what ran before it
+                row.planted, row.crashes = "crash: " + _short(exc), row.crashes + 1
     row.seconds = round(time.monotonic() - start, 1)
     return row
 

@@ -1,0 +1,40 @@
+"""The sweep finds the norms to plant in by the class a checkpoint's config names: Mllama's
+causal LM saves a text config (``mllama_text_model``) that no Auto class maps, and the
+planted step crashed the type's whole sweep process ("Model type should be one of ...");
+a planted step that fails now keeps the row with its message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from numalign.registry import load_catalogue
+from numalign.sweep import one
+from numalign.sweep.build import build_tiny
+from numalign.sweep.table import SweepRow
+
+
+def test_the_norms_of_a_checkpoint_whose_config_no_auto_class_maps(tmp_path: Path) -> None:
+    load_catalogue()
+    model_dir = build_tiny("mllama", tmp_path / "models")
+    names = one.norm_names(model_dir, "rms_norm")
+    assert "model.layers.0.input_layernorm" in names
+
+
+def test_a_failing_planted_step_keeps_the_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def honest(row: SweepRow, *args: object) -> None:
+        row.replay = "clean (1 passed, 0 skipped)"
+
+    def planted(*args: object) -> None:
+        raise ValueError("Model type should be one of ...")
+
+    monkeypatch.setattr(one, "honest", honest)
+    monkeypatch.setattr(one, "planted", planted)
+    monkeypatch.setattr("numalign.replay.ensemble.capture_calibrated", lambda *a, **k: None)
+    row = one.sweep_type("llama", tmp_path, tmp_path)
+    assert row.capture == "ok" and row.replay.startswith("clean")
+    assert row.planted.startswith("crash: ValueError: Model type should be one of")
+    assert row.crashes == 1
