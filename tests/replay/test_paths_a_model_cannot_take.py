@@ -44,6 +44,9 @@ def _tiny(model_type: str) -> torch.nn.Module:
         ("qwen3_next", "layers of type linear_attention"),
         ("gemma4_text", "holds head_dim per layer"),
         ("minimax", "builds a cache of its own"),
+        # sliding_window without layer_types: the paged cache makes every layer sliding, and
+        # Moshi's code applies no window (its paged decode failed 2e4x the budget)
+        ("moshi", "and MoshiForCausalLM's code applies no window"),
     ],
 )
 def test_paged_skips_what_its_cache_does_not_hold(model_type: str, expected: str) -> None:
@@ -55,6 +58,7 @@ def test_paged_serves_the_layer_types_it_holds() -> None:
     assert {"full_attention", "sliding_attention"} <= paged_layer_types()
     assert paged_unsupported(_tiny("llama")) is None
     assert paged_unsupported(_tiny("gemma3_text")) is None  # sliding and full layers
+    assert paged_unsupported(_tiny("mistral")) is None  # a window its code applies too
 
 
 def _captured(model_type: str, tmp_path: Path) -> GoldenSet:

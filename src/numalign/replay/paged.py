@@ -88,6 +88,13 @@ def paged_unsupported(model: Any) -> str | None:
             f"does not hold (ValueError: Invalid layer type: {unknown[0]}; it holds "
             f"{', '.join(sorted(paged_layer_types()))})"
         )
+    window = getattr(config, "sliding_window", None)
+    if window and not getattr(config, "layer_types", None) and not _applies_window(model):
+        return (
+            f"transformers' paged cache takes every layer of a config with sliding_window "
+            f"({window}) and no layer_types as a sliding-window layer, and {name}'s code applies "
+            "no window: the engine would serve another model than the reference"
+        )
     if getattr(config, "kv_lora_rank", None):
         return (
             f"{name} uses multi-head latent attention (kv_lora_rank {config.kv_lora_rank}), whose "
@@ -95,6 +102,17 @@ def paged_unsupported(model: Any) -> str | None:
             "index_copy_ shape error)"
         )
     return None
+
+
+def _applies_window(model: Any) -> bool:
+    """Whether the model's modeling code applies a sliding window: builds a sliding mask or
+    passes ``sliding_window=`` to its attention as a keyword (Mistral does; Moshi keeps the
+    config's ``sliding_window`` as an attribute, ``self.sliding_window = ...``, unused)."""
+    import inspect
+    import sys
+
+    source = inspect.getsource(sys.modules[type(model).__module__])
+    return bool(re.search(r"create_sliding_window_causal_mask|\bsliding_window=(?!=)", source))
 
 
 def paged_layer_types() -> set[str]:
