@@ -105,6 +105,14 @@ def test_a_model_s_own_cache_without_layers_is_read_as_it_holds_its_states(
     model = load_model(golden.model_dir, "float32", attn_implementation=None,
                        trust_remote_code=False)  # fmt: skip
     assert new_cache(model, "dynamic", 16) is None  # the prefill builds xLSTMCache
+    if not golden.decode_requests:
+        import transformers
+        from packaging.version import Version
+
+        # transformers 5.19 (vLLM's pin): capture records no decode request for xLSTM there
+        # (seen in vLLM's environment; the cache without layers is met on 5.24)
+        assert Version(transformers.__version__) < Version("5.24")
+        pytest.skip(f"transformers {transformers.__version__}'s xLSTM records no decode")
     request = golden.decode_requests[0]
     decode = golden.decode(request)
     assert decode is not None and len(decode.steps) == 2
@@ -201,17 +209,25 @@ def test_transformers_code_failing_on_the_paged_path_skips_with_the_reason(
     layers without attention sinks hold ``sinks = None``, which the eager paged attention
     reshapes. Both skip naming the line, instead of failing as if the engine had erred (the
     sweep met each as two false alarms). A kernel's error (RuntimeError) still fails."""
+    import transformers
+    from packaging.version import Version
+
     from numalign.replay.paged import _in_model_code
 
+    fails = Version(transformers.__version__) >= Version("5.24")
     for model_type, where, attn in (("mpt", "mpt/modeling_mpt.py", "eager"),
                                     ("mimo_v2_flash", "integrations/eager_paged.py",
                                      "eager")):  # fmt: skip
         golden = _captured(model_type, tmp_path)
         model = load_model(golden.model_dir, "float32", attn_implementation=attn,
                            trust_remote_code=False)  # fmt: skip
-        with pytest.raises(PagedUnsupported, match="fails on the paged path, at ") as exc:
-            replay_paged_requests(golden, model, "cpu", lambda *args, **kwargs: None)
-        assert where in str(exc.value)
+        try:
+            served = replay_paged_requests(golden, model, "cpu", lambda *args, **kwargs: None)
+        except PagedUnsupported as exc:
+            assert "fails on the paged path, at " in str(exc) and where in str(exc)
+        else:  # transformers 5.19 (vLLM's pin) builds the mask and serves both
+            assert not fails, f"transformers {transformers.__version__}'s {model_type} failed"
+            assert served
     from transformers.models.mpt import modeling_mpt
 
     def raised_in_mpt(kind: str) -> BaseException:  # an error whose frame is MPT's file
