@@ -9,6 +9,7 @@ was kept as an object and fed back as None (``cannot unpack non-iterable NoneTyp
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,25 @@ import torch
 from numalign.golden.capture import capture, key_tree
 from numalign.replay.layer import call_inputs, replay_call
 from numalign.sweep.build import build_tiny
+
+
+def _assert_replays_as_captured(model_dir: Path, golden: Any, point: str, call: Any) -> None:
+    """The point's module, from the checkpoint in float32, fed the call's golden inputs,
+    gives the golden outputs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()  # fmt: skip
+    outputs = replay_call(model.get_submodule(point), golden, call, device="cpu",
+                          dtype=torch.float32)  # fmt: skip
+    assert set(outputs) == set(call.outputs)
+    for path, key in call.outputs.items():
+        expected = golden.tensor(key)
+        finite = expected.isfinite()  # a left-padded row's fully masked positions may be NaN
+        # the same module, inputs, dtype and machine as the capture: the golden output to
+        # float32 reordering (1e-4 absolute on hidden states of order ten; a mask or rotary
+        # table fed wrongly, or not at all, differs by the values themselves)
+        assert (outputs[path][finite] - expected[finite]).abs().max() < 1e-4
 
 
 def test_a_nested_keyword_input_keeps_its_shape() -> None:
@@ -54,20 +74,7 @@ def test_a_layer_fed_a_dict_replays_alone(
     _, kwargs = call_inputs(golden, call, device="cpu", dtype=torch.float32)
     assert isinstance(kwargs[keyword], dict) and set(kwargs[keyword]) == keys
 
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()  # fmt: skip
-    outputs = replay_call(model.get_submodule(point.name), golden, call, device="cpu",
-                          dtype=torch.float32)  # fmt: skip
-    assert set(outputs) == set(call.outputs)
-    for path, key in call.outputs.items():
-        expected = golden.tensor(key)
-        finite = expected.isfinite()  # a left-padded row's fully masked positions may be NaN
-        # the same module, inputs, dtype and machine as the capture: the golden output to
-        # float32 reordering (1e-4 absolute on hidden states of order ten; a mask or rotary
-        # table fed wrongly differs by the values themselves)
-        assert (outputs[path][finite] - expected[finite]).abs().max() < 1e-4
+    _assert_replays_as_captured(model_dir, golden, point.name, call)
 
 
 def test_a_layer_fed_a_positional_tuple_replays_alone(tmp_path: Path) -> None:
@@ -83,16 +90,4 @@ def test_a_layer_fed_a_positional_tuple_replays_alone(tmp_path: Path) -> None:
     args, _ = call_inputs(golden, call, device="cpu", dtype=torch.float32)
     assert isinstance(args[1], tuple) and all(isinstance(t, torch.Tensor) for t in args[1])
 
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()  # fmt: skip
-    outputs = replay_call(model.get_submodule(point.name), golden, call, device="cpu",
-                          dtype=torch.float32)  # fmt: skip
-    assert set(outputs) == set(call.outputs)
-    for path, key in call.outputs.items():
-        expected = golden.tensor(key)
-        finite = expected.isfinite()
-        # as above: float32 reordering at most, where a rotary table fed wrongly (or, as
-        # before, not at all) differs by the values themselves
-        assert (outputs[path][finite] - expected[finite]).abs().max() < 1e-4
+    _assert_replays_as_captured(model_dir, golden, point.name, call)

@@ -10,6 +10,7 @@ cannot build (DeepSeek-V4), and a module that needs state the model shares betwe
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -64,6 +65,19 @@ def test_paged_serves_the_layer_types_it_holds() -> None:
 def _captured(model_type: str, tmp_path: Path) -> GoldenSet:
     model_dir = build_tiny(model_type, tmp_path / "models")
     return capture(model_dir, tmp_path / "sets" / model_type, decode_steps=2, progress=False)
+
+
+def _decode_errors(golden: GoldenSet, model: Any, request: Any) -> dict[str, float]:
+    """The decode replay of ``request`` with a dynamic cache in float32: per point, its
+    largest absolute error against the set."""
+    worst: dict[str, float] = {}
+
+    def on_pair(request, step, point, path, actual, expected, call=0):  # type: ignore[no-untyped-def]
+        diff = float((actual.float() - expected.float()).abs().max())
+        worst[point] = max(worst.get(point, 0.0), diff)
+
+    run_decode(golden, model, request, "dynamic", torch.float32, "cpu", on_pair)
+    return worst
 
 
 def test_a_model_with_its_own_cache_captures_and_decodes_with_it(tmp_path: Path) -> None:
@@ -135,13 +149,7 @@ def test_a_model_s_own_cache_without_layers_is_read_as_it_holds_its_states(
             # is off by the state itself)
             assert apart <= 1e-5 * expected.abs().max()
 
-    worst: dict[str, float] = {}
-
-    def on_pair(request, step, point, path, actual, expected, call=0):  # type: ignore[no-untyped-def]
-        diff = float((actual.float() - expected.float()).abs().max())
-        worst[point] = max(worst.get(point, 0.0), diff)
-
-    run_decode(golden, model, request, "dynamic", torch.float32, "cpu", on_pair)
+    worst = _decode_errors(golden, model, request)
     assert CACHE_POINT in worst and len(worst) > 2  # cache states, logits and layers compared
     # the capture's model, dtype, cache and machine: the same sums (0 apart measured); 1e-4
     # leaves float32 reordering on values of order ten
@@ -375,13 +383,7 @@ def test_a_model_whose_steps_see_the_whole_sequence_decodes_with_its_cache(
         # logits of order one; a step fed otherwise gives other logits altogether)
         assert (golden.tensor(step.logits) - generated.logits[number]).abs().max() < 1e-4
 
-    worst: dict[str, float] = {}
-
-    def on_pair(request, step, point, path, actual, expected, call=0):  # type: ignore[no-untyped-def]
-        diff = float((actual.float() - expected.float()).abs().max())
-        worst[point] = max(worst.get(point, 0.0), diff)
-
-    run_decode(golden, model, request, "dynamic", torch.float32, "cpu", on_pair)
+    worst = _decode_errors(golden, model, request)
     assert CACHE_POINT in worst and len(worst) > 2  # cache states, logits and layers compared
     # the capture's model, dtype and machine: float32 reordering at most (1e-4 as above)
     assert max(worst.values()) < 1e-4
