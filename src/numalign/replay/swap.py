@@ -89,16 +89,17 @@ def unmatched(swaps: Sequence[tuple[str, str]], types: set[str]) -> list[str]:
     return out
 
 
-def meta_model(model_dir: str | Path) -> torch.nn.Module:
-    """The model in ``model_dir`` built on the meta device from its config (no weights read),
-    as the class its config names (``architectures``: MllamaForCausalLM saves a text config
-    no Auto class maps), else as a causal LM."""
+def meta_model(model_dir: str | Path, *, device: str = "meta") -> torch.nn.Module:
+    """The model in ``model_dir`` built from its config (no weights read) on ``device`` (the
+    meta device by default: nothing allocated; ``cpu`` for a tiny model whose modules must
+    run, with initial weights), as the class its config names (``architectures``:
+    MllamaForCausalLM saves a text config no Auto class maps), else as a causal LM."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
-    with torch.device("meta"):
+    with torch.device(device):
         if cls is None:
             return transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call,no-any-return]
         return cls._from_config(config)  # type: ignore[no-any-return]
@@ -158,7 +159,7 @@ def apply_swaps(model: torch.nn.Module, swaps: Sequence[tuple[str, str]]) -> lis
                 types = {type(m).__name__ for m in model.modules()}
                 raise SwapUnmatched(unmatched_message(op, cand_name, types))
             cand = candidates(op.name)[cand_name]
-            readable = [n for n in names if _adapts(op, model.get_submodule(n))]
+            readable = [n for n in names if adapts(op, model.get_submodule(n))]
             if not readable and op_name != "all":
                 raise SwapUnmatched(
                     f"--swap {op.name}={cand_name}: the adapter of {op.name} reads none of the "
@@ -175,7 +176,7 @@ def apply_swaps(model: torch.nn.Module, swaps: Sequence[tuple[str, str]]) -> lis
     return swapped
 
 
-def _adapts(op: Operator, module: torch.nn.Module) -> bool:
+def adapts(op: Operator, module: torch.nn.Module) -> bool:
     """Whether the operator's adapter reads ``module``'s arguments: a module of the type
     without the parameters it takes (Gemma 4's RMSNorm without a scale, ``with_scale=False``)
     keeps its own forward."""

@@ -25,6 +25,8 @@ HONEST_DTYPES = "float32,bfloat16"
 CACHES = "dynamic,static,offloaded,offloaded_static,paged"
 #: A planted norm is looked for in float32, where honest rounding is smallest.
 PLANTED_DTYPE = "float32"
+#: The operators a planted norm is swapped for, in order of preference.
+NORM_OPERATORS = ("rms_norm", "layer_norm")
 #: Characters of a message kept in a table cell.
 MESSAGE_CHARS = 160
 
@@ -80,22 +82,16 @@ def planted(row: SweepRow, suites: Path, golden: Path, reports: Path, model_dir:
     replay, named a norm or not by the captured point's module type."""
     from numalign.golden import GoldenSet
     from numalign.registry import load_catalogue
-    from numalign.replay.swap import module_types
 
     load_catalogue()
-    types = module_types(model_dir)
-    # by what the modules compute, not their names (CpmAnt's "LayerNorm" is an RMSNorm)
-    swap = next((f"{op}=sweep_scaled_2pct" for op in ("rms_norm", "layer_norm")
-                 if norm_names(model_dir, op)), None)  # fmt: skip
-    if swap is None:
-        norms = sorted(t for t in types if "Norm" in t)
-        row.planted = (
-            f"not planted: its norms ({', '.join(norms)}) are no module rms_norm or layer_norm "
-            "stands for"
-            if norms
-            else "not planted: no norm module"
-        )
+    # by what the modules compute, not their names (CpmAnt's "LayerNorm" is an RMSNorm), and
+    # only where the adapter reads a norm's arguments (a norm without a scale keeps its own)
+    operator = next((op for op in NORM_OPERATORS if norm_names(model_dir, op, readable=True)),
+                    None)  # fmt: skip
+    if operator is None:
+        row.planted = why_not_planted(model_dir)
         return
+    swap = f"{operator}=sweep_scaled_2pct"
     code, output = _pytest(
         suites, golden, reports, "--dtype", PLANTED_DTYPE, "-k", "test_model",
         "--candidates", "numalign.sweep.planted", "--swap", swap,
@@ -127,15 +123,37 @@ def planted(row: SweepRow, suites: Path, golden: Path, reports: Path, model_dir:
     row.planted = f"{point} ({kind})"
 
 
-def norm_names(model_dir: Path, operator: str) -> list[str]:
+def norm_names(model_dir: Path, operator: str, *, readable: bool = False) -> list[str]:
     """The names of the modules of the model at ``model_dir`` that ``operator`` stands for
-    (built on the meta device as its config's class: no weights are read)."""
+    (built as its config's class, no weights read: on the meta device, or with ``readable``
+    on the CPU, since an adapter probes the module; the sweep's models are tiny), with
+    ``readable`` only those whose arguments the operator's adapter reads (the ones a swap
+    replaces)."""
     from numalign.registry import OPERATORS
+    from numalign.replay.swap import adapts, meta_model
+
+    model = meta_model(model_dir, device="cpu" if readable else "meta")
+    op = OPERATORS[operator]
+    return [n for n, m in model.named_modules()
+            if n and op.stands_for_module(m) and (not readable or adapts(op, m))]  # fmt: skip
+
+
+def why_not_planted(model_dir: Path) -> str:
+    """The planted cell of a model with no norm a norm adapter reads: the norm types it has
+    that an operator stands for but whose scale it lacks, or the ones no operator stands for."""
     from numalign.replay.swap import meta_model
 
-    model = meta_model(model_dir)
-    op = OPERATORS[operator]
-    return [n for n, m in model.named_modules() if n and op.stands_for_module(m)]
+    modules = dict(meta_model(model_dir).named_modules())
+    for op in NORM_OPERATORS:
+        unread = sorted({type(modules[n]).__name__ for n in norm_names(model_dir, op)})
+        if unread:
+            return (f"not planted: its norms ({', '.join(unread)}) have no scale, which the "
+                    f"adapter of {op} reads; a scale-free form is not taught yet")  # fmt: skip
+    norms = sorted({type(m).__name__ for m in modules.values() if "Norm" in type(m).__name__})
+    if norms:
+        return (f"not planted: its norms ({', '.join(norms)}) are no module rms_norm or "
+                "layer_norm stands for")  # fmt: skip
+    return "not planted: no norm module"
 
 
 def sweep_type(model_type: str, work: Path, suites: Path) -> SweepRow:
