@@ -11,6 +11,7 @@ import torch
 from transformers import masking_utils
 from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.llama import modeling_llama
+from transformers.models.qwen2_vl import modeling_qwen2_vl
 
 PLANT = os.environ.get("NUMALIGN_PLANT", "")
 
@@ -65,6 +66,33 @@ def _no_softcap(self, *args, **kwargs):
         self.config.final_logit_softcapping = cap
 
 
+_mrope_recompose = modeling_qwen2_vl.Qwen2VLRotaryEmbedding.recomposition_frequencies
+
+
+def _mrope_sections_swapped(self, freq):
+    """M-RoPE's sections taken in reverse order (sizes [3, 3, 2] for [2, 3, 3]): a text
+    token, whose temporal, height and width positions agree, rotates as before; an image
+    token rotates some frequencies by the wrong axis."""
+    sections, self.mrope_section = self.mrope_section, list(reversed(self.mrope_section))
+    try:
+        return _mrope_recompose(self, freq)
+    finally:
+        self.mrope_section = sections
+
+
+_gemma2_attention = modeling_gemma2.Gemma2Attention.forward
+
+
+def _no_attention_softcap(self, *args, **kwargs):
+    """Gemma 2's attention-logit soft-capping (50) left out: the zoo's logits are far below
+    the cap, so the scores change by a few parts in ten thousand, all one way (larger)."""
+    cap, self.attn_logit_softcapping = self.attn_logit_softcapping, None
+    try:
+        return _gemma2_attention(self, *args, **kwargs)
+    finally:
+        self.attn_logit_softcapping = cap
+
+
 if PLANT == "padding_attended":
     masking_utils.padding_mask_function = _padding_attended
 elif PLANT == "window_one_wider":
@@ -75,5 +103,9 @@ elif PLANT == "norm_low_precision_path":
     modeling_llama.LlamaRMSNorm.forward = _norm_low_precision_path
 elif PLANT == "no_softcap":
     modeling_gemma2.Gemma2ForCausalLM.forward = _no_softcap
+elif PLANT == "mrope_sections_swapped":
+    modeling_qwen2_vl.Qwen2VLRotaryEmbedding.recomposition_frequencies = _mrope_sections_swapped
+elif PLANT == "no_attention_softcap":
+    modeling_gemma2.Gemma2Attention.forward = _no_attention_softcap
 elif PLANT:
     raise ValueError(f"NUMALIGN_PLANT={PLANT!r}: no such planted bug")
