@@ -11,7 +11,9 @@ import torch
 from transformers import masking_utils
 from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.llama import modeling_llama
+from transformers.models.mixtral import modeling_mixtral
 from transformers.models.qwen2_vl import modeling_qwen2_vl
+from transformers.models.qwen3_next import modeling_qwen3_next
 
 PLANT = os.environ.get("NUMALIGN_PLANT", "")
 
@@ -93,6 +95,39 @@ def _no_attention_softcap(self, *args, **kwargs):
         self.attn_logit_softcapping = cap
 
 
+_chunk_rule = modeling_qwen3_next.torch_chunk_gated_delta_rule
+
+
+def _state_decay_short(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                       output_final_state=False, **kwargs):  # fmt: skip
+    """The gated delta rule's state carried from one chunk to the next misses the decay of
+    the chunk's last token (an off-by-one in the chunk's cumulative decay): the first chunk's
+    outputs are right, every later chunk reads a state too large, and so does decode."""
+    outputs, state = [], initial_state
+    for start in range(0, query.shape[1], chunk_size):
+        part = slice(start, start + chunk_size)
+        out, state = _chunk_rule(
+            query[:, part], key[:, part], value[:, part], g[:, part], beta[:, part],
+            chunk_size=chunk_size, initial_state=state, output_final_state=True, **kwargs,
+        )  # fmt: skip
+        last = g[:, min(start + chunk_size, query.shape[1]) - 1]  # [batch, value heads]
+        state = state / last.exp()[..., None, None].to(state.dtype)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), state if output_final_state else None
+
+
+def _router_softmax_low_precision(self, hidden_states):
+    """Mixtral's router softmax computed in the hidden states' dtype (bfloat16 in a bfloat16
+    run; the reference computes it in float32): each token's routing weights round once more,
+    and near ties in the rounded probabilities may choose another expert."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight)
+    probs = torch.nn.functional.softmax(router_logits, dim=-1)
+    top, indices = torch.topk(probs, self.top_k, dim=-1)
+    top = top / top.sum(dim=-1, keepdim=True)
+    return router_logits, top.float(), indices
+
+
 if PLANT == "padding_attended":
     masking_utils.padding_mask_function = _padding_attended
 elif PLANT == "window_one_wider":
@@ -107,5 +142,9 @@ elif PLANT == "mrope_sections_swapped":
     modeling_qwen2_vl.Qwen2VLRotaryEmbedding.recomposition_frequencies = _mrope_sections_swapped
 elif PLANT == "no_attention_softcap":
     modeling_gemma2.Gemma2Attention.forward = _no_attention_softcap
+elif PLANT == "linear_attention_state_decay":
+    modeling_qwen3_next.torch_chunk_gated_delta_rule = _state_decay_short
+elif PLANT == "router_softmax_low_precision":
+    modeling_mixtral.MixtralTopKRouter.forward = _router_softmax_low_precision
 elif PLANT:
     raise ValueError(f"NUMALIGN_PLANT={PLANT!r}: no such planted bug")

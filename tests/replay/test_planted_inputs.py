@@ -167,3 +167,44 @@ def test_attention_soft_capping_left_out_fails_at_the_attention_in_float32(
     # most; the leans are judged (and recorded) all the same
     leans = [r for r in records if r.dtype == "bfloat16" and r.request == "all requests"]
     assert {r.point for r in leans} >= {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+
+
+def test_a_linear_attention_state_wrong_across_chunks_fails_on_the_long_requests(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = run_planted(
+        pytester, monkeypatch, "linear_attention_state_decay", "-k",
+        "tiny-qwen3-next and (test_model or linear_attn or test_decode)",
+        "--cache-implementation", "dynamic",
+    )  # fmt: skip
+    found = divergences(records)
+    expected = {"point": "model.layers.0.linear_attn", "kind": "local", "request": "long-leftpad"}
+    assert found == {"float32": expected, "bfloat16": expected}, found
+    alone = {(r.request, r.point) for r in records if r.mode == "isolated" and
+             r.verdict == "failed" and r.request != "all requests"}  # fmt: skip
+    # the first chunk (64 tokens) is right: only the long requests (3 x 64 + 8 tokens, past
+    # three chunks) reach a later chunk, in each linear-attention layer
+    assert alone == {(req, f"model.layers.{i}.linear_attn") for req in
+                     ("long-leftpad", "long-rightpad") for i in (0, 2)}, alone  # fmt: skip
+    # decode reads the prefill's final state, carried wrong too
+    decoded = {r.dtype for r in records if r.mode == "decode" and r.verdict == "failed"}
+    assert decoded == {"float32", "bfloat16"}, decoded
+
+
+def test_a_router_softmax_in_bfloat16_fails_at_the_moe_block_in_bfloat16(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = run_planted(
+        pytester, monkeypatch, "router_softmax_low_precision", "-k",
+        "tiny-mixtral and (test_model or mlp)",
+    )  # fmt: skip
+    found = divergences(records)
+    # the float32 path is right; in bfloat16 the rounded probabilities tie (about 1% of
+    # tokens on this router) and the top-k chooses another expert: the block errs by tens of
+    # its budget on the long requests (which layer and request depend on where the ties
+    # fall, so neither is pinned)
+    assert set(found) == {"bfloat16"}, found
+    assert found["bfloat16"]["kind"] == "local", found
+    assert found["bfloat16"]["point"] in ("model.layers.0.mlp", "model.layers.1.mlp"), found
+    failed = {r.point for r in records if r.mode == "isolated" and r.verdict == "failed"}
+    assert failed and failed <= {"model.layers.0.mlp", "model.layers.1.mlp"}, failed
