@@ -202,3 +202,73 @@ def test_an_override_of_a_nested_config_keeps_its_shrunk_keys() -> None:
 def test_a_type_the_generic_rules_fixed_builds_and_runs(model_type: str, tmp_path: Path) -> None:
     assert model_type in causal_lm_types()
     assert build_tiny(model_type, tmp_path).joinpath("config.json").is_file()  # and ran
+
+
+def test_mrope_sections_follow_the_tiny_head_named_or_from_the_models_code() -> None:
+    # Qwen2-VL's config names no sections: its rotary embedding falls back to [16, 24, 24],
+    # the rotary half of a head of 128; a tiny head of 16 rotates 8 frequencies
+    qwen2_vl = {"model_type": "qwen2_vl_text", "hidden_size": 8192, "num_attention_heads": 64,
+                "head_dim": None, "rope_parameters": {"rope_type": "default"}}  # fmt: skip
+    assert shrink(qwen2_vl)["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    # named, with a partial rotary factor of one half (GLM-4V-MoE): a quarter of the head
+    rope = {"partial_rotary_factor": 0.5, "mrope_section": [8, 12, 12]}
+    glm = {"model_type": "glm4v_moe_text", "hidden_size": 4096, "num_attention_heads": 32,
+           "rope_parameters": rope}  # fmt: skip
+    assert sum(shrink(glm)["rope_parameters"]["mrope_section"]) == SIZES["head_dim"] // 4
+    # a latent head's rotary part is its own size (HY-V4-VL: qk_rope_head_dim)
+    latent = {"model_type": "hy_v4_vl_text", "kv_lora_rank": 512, "num_attention_heads": 64,
+              "qk_rope_head_dim": 64, "qk_nope_head_dim": 192, "head_dim": 64,
+              "rope_parameters": {"mrope_section": [12, 10, 10]}}  # fmt: skip
+    out = shrink(latent)
+    assert sum(out["rope_parameters"]["mrope_section"]) == out["qk_rope_head_dim"] // 2
+
+
+def test_special_token_ids_past_the_vocabulary_move_inside_it() -> None:
+    # Qwen3-VL's image token 151655 indexed past a vocabulary of 512, and its capture's image
+    # request crashed the embedding; each special token gets an id of its own at the top
+    composite = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id":
+                 151652, "vision_end_token_id": 151653, "text_config": {"model_type":
+                 "qwen3_vl_text", "vocab_size": 151936}}  # fmt: skip
+    out = shrink(composite)
+    vocab = out["text_config"]["vocab_size"]
+    ids = [out[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                            "video_token_id")]  # fmt: skip
+    assert ids == [vocab - 1, vocab - 2, vocab - 3, vocab - 4]
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl", "glm4v", "hy_v4_vl"])
+def test_an_mrope_image_text_type_builds_and_runs(model_type: str, tmp_path: Path) -> None:
+    assert model_type in causal_lm_types(image_text=True)
+    assert build_tiny(model_type, tmp_path).joinpath("config.json").is_file()  # and ran
+
+
+def test_the_image_request_is_cut_in_the_models_own_patches(tmp_path: Path) -> None:
+    """Qwen3-VL's vision tower takes patches of 16 pixels, Qwen2-VL's of 14: the image request
+    was cut for 14 alone, and Qwen3-VL's capture crashed on the patches' size."""
+    from numalign.golden.requests import image_request
+    from numalign.sweep.build import tiny_config
+
+    config = tiny_config("qwen3_vl")
+    request = image_request(tmp_path, config, None)
+    assert request is not None
+    vision = config.vision_config
+    patch = 3 * vision.temporal_patch_size * vision.patch_size**2  # channels x time x 16 x 16
+    assert request.inputs["pixel_values"].shape[-1] == patch == 1536
+    # the image tokens are the patches after the 2 x 2 merge, inside the tiny vocabulary
+    grid = request.inputs["image_grid_thw"]
+    tokens = int(grid.prod()) // vision.spatial_merge_size**2
+    ids = request.inputs["input_ids"]
+    assert int((ids == config.image_token_id).sum()) == tokens
+    assert int(ids.max()) < config.text_config.vocab_size
+
+
+def test_a_vision_towers_output_is_the_text_width() -> None:
+    # Qwen3-VL's defaults disagree (out_hidden_size 3584 beside a text width of 4096), so no
+    # width rule maps it, and its capture's image request failed ("Image features and image
+    # tokens do not match"): a projection that feeds the text model takes its tiny width
+    composite = {
+        "text_config": {"model_type": "qwen3_vl_text", "hidden_size": 4096},
+        "vision_config": {"model_type": "qwen3_vl", "hidden_size": 1152, "out_hidden_size": 3584},
+    }
+    out = shrink(composite)
+    assert out["vision_config"]["out_hidden_size"] == out["text_config"]["hidden_size"] == 64

@@ -245,10 +245,16 @@ def image_request(model_dir: Path, config: Any, image_path: str | None) -> Captu
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     image = Image.open(image_path).convert("RGB") if image_path else test_image()
-    side = 56
-    processor = Qwen2VLImageProcessorPil(min_pixels=side * side, max_pixels=side * side)
+    vision = config.vision_config
+    patch = int(getattr(vision, "patch_size", 14))  # Qwen3-VL's patches are 16 pixels
+    temporal = int(getattr(vision, "temporal_patch_size", 2))
+    merge = int(getattr(vision, "spatial_merge_size", 2))
+    side = 2 * patch * merge  # 4 x 4 patches, 2 x 2 tokens after the merge (56 px at 14)
+    processor = Qwen2VLImageProcessorPil(
+        min_pixels=side * side, max_pixels=side * side, patch_size=patch,
+        temporal_patch_size=temporal, merge_size=merge,
+    )  # fmt: skip
     pixels = processor(images=[image.resize((side, side))], return_tensors="pt")
-    merge = int(getattr(config.vision_config, "spatial_merge_size", 2))
     count = int(pixels["image_grid_thw"].prod()) // (merge * merge)
     text = [5, 17, 33]
     ids = torch.tensor(

@@ -9,14 +9,19 @@ layer count) keep one layer of each distinct kind in the default's order (at lea
 ``LAYERS``), so a hybrid model keeps its attention and its mixer layers.
 
 Keys that depend on the shrunk sizes follow them: a width under another name (an embedding's
-or an adapter's, of the config or of the config it is nested in or beside), a part of the
-vocabulary, latent attention's head sums, a mixture of experts' counts left None, a size given
-per layer, and the layers that reuse an earlier layer's cache (kept with a producer of each
-kind).
+or an adapter's, of the config or of the config it is nested in or beside), a vision tower's
+output width (the text model's), a part of the vocabulary, special token ids (moved inside
+it), latent attention's head sums, M-RoPE sections (the rotary half of the tiny head), a
+mixture of experts' counts left None, a size given per layer, and the layers that reuse an
+earlier layer's cache (kept with a producer of each kind).
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import json
+import re
 from typing import Any, TypeGuard
 
 #: The layers a shrunk model keeps when its layers are all of one kind.
@@ -130,6 +135,13 @@ WIDTH_ENDINGS = ("_dim", "_width", "hidden_size", "embedding_size", "input_size"
 VOCAB_PART = 0.9
 #: Token ids beyond the shrunk vocabulary are moved inside it.
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+#: The endings of the other special tokens' keys (an image's, a video's, a vision span's
+#: start and end): an id past the tiny vocabulary is moved to its top, one id each, below
+#: which the ids the capture draws for text rarely fall.
+SPECIAL_TOKEN_ENDINGS = ("_token_id", "_token_index")
+#: The M-RoPE sections a model's code falls back to where its config names none
+#: (``rope_parameters.get("mrope_section", [16, 24, 24])`` in Qwen2-VL's rotary embedding).
+_MROPE_FALLBACK = re.compile(r"""["']mrope_section["']\s*,\s*(\[[\d,\s]+\])""")
 
 #: Qwen4-Exp's token indexer (QSA): one key head, a budget of 2 blocks of 2 tokens.
 _QSA = {
@@ -300,6 +312,77 @@ def _latent(defaults: dict[str, Any], out: dict[str, Any]) -> None:
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
 
 
+def _head_dim(config: dict[str, Any]) -> int | None:
+    head, hidden, heads = (
+        config.get(k) for k in ("head_dim", "hidden_size", "num_attention_heads")
+    )
+    if _int(head):
+        return head
+    return hidden // heads if _int(hidden) and _int(heads) and heads else None
+
+
+def _mrope_sections(defaults: dict[str, Any], out: dict[str, Any]) -> None:
+    """M-RoPE's sections (temporal, height, width frequencies) sum to the rotary half of the
+    tiny head (its head dim times the partial rotary factor, or a latent head's rotary part,
+    over 2): scaled to it
+    proportionally (Qwen2-VL's [16, 24, 24] become [2, 3, 3] of a head of 16), whether the
+    config names them or the model's code falls back to them."""
+    rope = defaults.get("rope_parameters")
+    if (
+        not isinstance(rope, dict)
+        or not rope
+        or any(isinstance(v, dict) for v in rope.values())  # one per layer type: not M-RoPE's
+        or not isinstance(defaults.get("model_type"), str)
+    ):
+        return
+    sections = rope.get("mrope_section") or _code_mrope_sections(defaults["model_type"])
+    tiny = {**defaults, **out}
+    head = tiny["qk_rope_head_dim"] if _int(tiny.get("qk_rope_head_dim")) else _head_dim(tiny)
+    if not sections or not head:
+        return
+    # a latent head's rotary part is its own size (HY-V4's qk_rope_head_dim); another head
+    # rotates the share its partial rotary factor names
+    factor = rope.get("partial_rotary_factor", defaults.get("partial_rotary_factor")) or 1.0
+    if _int(tiny.get("qk_rope_head_dim")):
+        factor = 1.0
+    total = max(len(sections), int(head * factor) // 2)
+    if total == sum(sections):
+        return
+    shares = [s * total / sum(sections) for s in sections]
+    scaled = [max(1, int(x)) for x in shares]
+    # largest remainders first, until the sections sum to the total again
+    for i in sorted(range(len(shares)), key=lambda i: int(shares[i]) - shares[i]):
+        if sum(scaled) >= total:
+            break
+        scaled[i] += 1
+    out["rope_parameters"] = {**rope, **out.get("rope_parameters", {}), "mrope_section": scaled}
+
+
+def _code_mrope_sections(model_type: str) -> list[int] | None:
+    """The M-RoPE sections the modeling code of ``model_type`` falls back to, if any."""
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        module = CONFIG_MAPPING[model_type].__module__.replace(".configuration_", ".modeling_")
+        found = _MROPE_FALLBACK.search(inspect.getsource(importlib.import_module(module)))
+    except Exception:  # a type without modeling code of that shape has no fallback
+        return None
+    return [int(x) for x in json.loads(found.group(1))] if found else None
+
+
+def _special_tokens(defaults: dict[str, Any], out: dict[str, Any], vocab: Any) -> None:
+    """Special token ids (not bos, eos, pad) past the tiny vocabulary (Qwen3-VL's image token
+    151655 of 512), each moved to an id of its own at the vocabulary's top, in the order of
+    their defaults."""
+    if not _int(vocab):
+        return
+    keys = [k for k, v in defaults.items() if _int(v) and v >= vocab and k not in TOKEN_KEYS
+            and k.endswith(SPECIAL_TOKEN_ENDINGS)]  # fmt: skip
+    keys.sort(key=lambda k: defaults[k])
+    for i, key in enumerate(keys):
+        out[key] = vocab - 1 - i
+
+
 def shrink(
     defaults: dict[str, Any],
     model_type: str | None = None,
@@ -378,6 +461,18 @@ def shrink(
             out[key] = TOKEN_KEYS.index(key)
         elif isinstance(token, list):
             out[key] = [t if t < (vocab or t + 1) else 2 for t in token]
+    # a vision tower's projection feeds the text model: its output is the text width, which a
+    # type's defaults may not agree with (Qwen3-VL's out_hidden_size 3584 beside 4096)
+    text = out.get("text_config")
+    if isinstance(text, dict) and _int(text.get("hidden_size")):
+        for config in out.values():
+            if isinstance(config, dict) and _int(config.get("out_hidden_size")):
+                config["out_hidden_size"] = text["hidden_size"]
+    # a composite config's special tokens index its text model's vocabulary
+    text_vocab = next((c.get("vocab_size") for c in (out.get("text_config"), out) if
+                       isinstance(c, dict) and _int(c.get("vocab_size"))), vocab)  # fmt: skip
+    _special_tokens(defaults, out, text_vocab)
+    _mrope_sections(defaults, out)
     for key, value in OVERRIDES.get(model_type or "", ({}, ""))[0].items():
         # a nested config's entry sets its keys, the shrunk others kept
         merge = isinstance(value, dict) and isinstance(out.get(key), dict)
