@@ -136,8 +136,9 @@ VOCAB_PART = 0.9
 #: Token ids beyond the shrunk vocabulary are moved inside it.
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 #: The endings of the other special tokens' keys (an image's, a video's, a vision span's
-#: start and end): an id past the tiny vocabulary is moved to its top, one id each, below
-#: which the ids the capture draws for text rarely fall.
+#: start and end): an id past the tiny vocabulary is moved to its top, one id each. (The
+#: capture's seeded text rows may hold such an id, as any other: without an image, the
+#: models swept embed it as text.)
 SPECIAL_TOKEN_ENDINGS = ("_token_id", "_token_index")
 #: The M-RoPE sections a model's code falls back to where its config names none
 #: (``rope_parameters.get("mrope_section", [16, 24, 24])`` in Qwen2-VL's rotary embedding).
@@ -324,9 +325,8 @@ def _head_dim(config: dict[str, Any]) -> int | None:
 def _mrope_sections(defaults: dict[str, Any], out: dict[str, Any]) -> None:
     """M-RoPE's sections (temporal, height, width frequencies) sum to the rotary half of the
     tiny head (its head dim times the partial rotary factor, or a latent head's rotary part,
-    over 2): scaled to it
-    proportionally (Qwen2-VL's [16, 24, 24] become [2, 3, 3] of a head of 16), whether the
-    config names them or the model's code falls back to them."""
+    over 2): scaled to it proportionally (Qwen2-VL's [16, 24, 24] become [2, 3, 3] of a head
+    of 16), whether the config names them or the model's code falls back to them."""
     rope = defaults.get("rope_parameters")
     if (
         not isinstance(rope, dict)
