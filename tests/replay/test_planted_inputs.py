@@ -44,6 +44,11 @@ def divergences(records: list) -> dict[str, dict]:
             r.mode in ("accumulated", "logits")}  # fmt: skip
 
 
+def failed_alone(records: list) -> list:
+    """The records of points that failed replayed alone (layer replay)."""
+    return [r for r in records if r.mode == "isolated" and r.verdict == "failed"]
+
+
 @pytest.mark.parametrize(
     ("plant", "model"), [("padding_attended", "tiny-llama"), ("window_one_wider", "tiny-mistral")]
 )
@@ -142,8 +147,7 @@ def test_mrope_sections_swapped_fail_at_the_rotary_module_on_image_tokens(
     )  # fmt: skip
     expected = {"point": "model.language_model.rotary_emb", "kind": "local", "request": "image"}
     assert divergences(records) == {"float32": expected, "bfloat16": expected}
-    alone = {(r.dtype, r.request) for r in records if r.mode == "isolated" and
-             r.verdict == "failed"}  # fmt: skip
+    alone = {(r.dtype, r.request) for r in failed_alone(records)}
     # a text token's three positions agree, so only the image request's tables are wrong
     assert alone == {("float32", "image"), ("bfloat16", "image")}, alone
 
@@ -158,8 +162,7 @@ def test_attention_soft_capping_left_out_fails_at_the_attention_in_float32(
     found = divergences(records)
     assert found["float32"] == {"point": "model.layers.0.self_attn", "kind": "local",
                                 "request": "text-leftpad"}, found  # fmt: skip
-    failed = {r.point for r in records if r.dtype == "float32" and r.mode == "isolated" and
-              r.verdict == "failed"}  # fmt: skip
+    failed = {r.point for r in failed_alone(records) if r.dtype == "float32"}
     assert failed == {"model.layers.0.self_attn", "model.layers.0.self_attn.1",
                       "model.layers.1.self_attn", "model.layers.1.self_attn.1"}, failed  # fmt: skip
     # bfloat16 does not resolve it at the zoo's sizes (docs/resolution.md): the scores far
@@ -180,8 +183,7 @@ def test_a_linear_attention_state_wrong_across_chunks_fails_on_the_long_requests
     found = divergences(records)
     expected = {"point": "model.layers.0.linear_attn", "kind": "local", "request": "long-leftpad"}
     assert found == {"float32": expected, "bfloat16": expected}, found
-    alone = {(r.request, r.point) for r in records if r.mode == "isolated" and
-             r.verdict == "failed" and r.request != "all requests"}  # fmt: skip
+    alone = {(r.request, r.point) for r in failed_alone(records) if r.request != "all requests"}
     # the first chunk (64 tokens) is right: only the long requests (3 x 64 + 8 tokens, past
     # three chunks) reach a later chunk, in each linear-attention layer
     assert alone == {(req, f"model.layers.{i}.linear_attn") for req in
@@ -206,5 +208,5 @@ def test_a_router_softmax_in_bfloat16_fails_at_the_moe_block_in_bfloat16(
     assert set(found) == {"bfloat16"}, found
     assert found["bfloat16"]["kind"] == "local", found
     assert found["bfloat16"]["point"] in ("model.layers.0.mlp", "model.layers.1.mlp"), found
-    failed = {r.point for r in records if r.mode == "isolated" and r.verdict == "failed"}
+    failed = {r.point for r in failed_alone(records)}
     assert failed and failed <= {"model.layers.0.mlp", "model.layers.1.mlp"}, failed

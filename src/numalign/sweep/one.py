@@ -17,6 +17,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from numalign.sweep.table import SweepRow
 
@@ -86,8 +87,10 @@ def planted(row: SweepRow, suites: Path, golden: Path, reports: Path, model_dir:
     load_catalogue()
     # by what the modules compute, not their names (CpmAnt's "LayerNorm" is an RMSNorm), and
     # only where the adapter reads a norm's arguments (a norm without a scale keeps its own)
-    operator = next((op for op in NORM_OPERATORS if norm_names(model_dir, op, readable=True)),
-                    None)  # fmt: skip
+    from numalign.replay.swap import meta_model
+
+    built = meta_model(model_dir, device="cpu")  # an adapter probes the module: not on meta
+    operator = next((op for op in NORM_OPERATORS if _norms(built, op, readable=True)), None)
     if operator is None:
         row.planted = why_not_planted(model_dir)
         return
@@ -129,10 +132,17 @@ def norm_names(model_dir: Path, operator: str, *, readable: bool = False) -> lis
     on the CPU, since an adapter probes the module; the sweep's models are tiny), with
     ``readable`` only those whose arguments the operator's adapter reads (the ones a swap
     replaces)."""
-    from numalign.registry import OPERATORS
-    from numalign.replay.swap import adapts, meta_model
+    from numalign.replay.swap import meta_model
 
     model = meta_model(model_dir, device="cpu" if readable else "meta")
+    return _norms(model, operator, readable=readable)
+
+
+def _norms(model: Any, operator: str, *, readable: bool = False) -> list[str]:
+    """``norm_names`` of a model already built."""
+    from numalign.registry import OPERATORS
+    from numalign.replay.swap import adapts
+
     op = OPERATORS[operator]
     return [n for n, m in model.named_modules()
             if n and op.stands_for_module(m) and (not readable or adapts(op, m))]  # fmt: skip
@@ -143,9 +153,10 @@ def why_not_planted(model_dir: Path) -> str:
     that an operator stands for but whose scale it lacks, or the ones no operator stands for."""
     from numalign.replay.swap import meta_model
 
-    modules = dict(meta_model(model_dir).named_modules())
+    model = meta_model(model_dir)
+    modules = dict(model.named_modules())
     for op in NORM_OPERATORS:
-        unread = sorted({type(modules[n]).__name__ for n in norm_names(model_dir, op)})
+        unread = sorted({type(modules[n]).__name__ for n in _norms(model, op)})
         if unread:
             return (f"not planted: its norms ({', '.join(unread)}) have no scale, which the "
                     f"adapter of {op} reads; a scale-free form is not taught yet")  # fmt: skip

@@ -337,15 +337,16 @@ def _mrope_sections(defaults: dict[str, Any], out: dict[str, Any]) -> None:
         return
     sections = rope.get("mrope_section") or _code_mrope_sections(defaults["model_type"])
     tiny = {**defaults, **out}
-    head = tiny["qk_rope_head_dim"] if _int(tiny.get("qk_rope_head_dim")) else _head_dim(tiny)
-    if not sections or not head:
-        return
     # a latent head's rotary part is its own size (HY-V4's qk_rope_head_dim); another head
     # rotates the share its partial rotary factor names
-    factor = rope.get("partial_rotary_factor", defaults.get("partial_rotary_factor")) or 1.0
-    if _int(tiny.get("qk_rope_head_dim")):
-        factor = 1.0
-    total = max(len(sections), int(head * factor) // 2)
+    rotary = tiny.get("qk_rope_head_dim")
+    if not _int(rotary):
+        head = _head_dim(tiny)
+        factor = rope.get("partial_rotary_factor", defaults.get("partial_rotary_factor")) or 1.0
+        rotary = int(head * factor) if head else None
+    if not sections or not rotary:
+        return
+    total = max(len(sections), rotary // 2)
     if total == sum(sections):
         return
     shares = [s * total / sum(sections) for s in sections]
