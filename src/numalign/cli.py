@@ -159,6 +159,7 @@ def _capture_set(args: argparse.Namespace, prompts: Any, members: Any, placement
         trust_remote_code=args.trust_remote_code,
         placement=placement,
         force=args.force,
+        probes=not args.no_probes,
     )
 
 
@@ -524,6 +525,12 @@ def _add_capture_requests(cap: argparse.ArgumentParser) -> None:
         metavar="POSITIONS",
         help="the position range the far-position request spans (default: the config's "
         "max_position_embeddings; lower it where a model is served with fewer)",
+    )
+    cap.add_argument(
+        "--no-probes",
+        action="store_true",
+        help="record no probe calls (by default each norm is also fed rows at its epsilon and "
+        "each kind of activation its gating tail, replayed alone: docs/resolution.md)",
     )
 
 

@@ -57,6 +57,14 @@ def test_blocks_map_by_name_and_the_fused_projections_are_reported() -> None:
         )
 
 
+def test_a_fused_activation_is_not_the_activation_alone() -> None:
+    # vLLM's SiluAndMul multiplies the activation of one half of its input by the other: the
+    # activation probe's point (the reference's act_fn alone) has no module there
+    modules = {**LLAMA, "model.layers.0.mlp.act_fn": "SiluAndMul"}
+    (mapped,) = map_points("LlamaForCausalLM", ["model.layers.0.mlp.act_fn"], modules, Config())
+    assert mapped.module is None and "SiluAndMul" in (mapped.reason or "")
+
+
 def test_renamed_blocks_follow_the_table() -> None:
     modules = {"model.layers.0.block_sparse_moe": "MixtralMoE", "model.layers.0": "X"}
     assert RENAMES["MixtralForCausalLM"]["mlp"] == "block_sparse_moe"

@@ -38,6 +38,7 @@ from numalign.golden.manifest import (
     ReferenceInfo,
     Request,
 )
+from numalign.golden.probes import activation_points, record_probes
 from numalign.golden.reference import (
     Placement,
     append_token,
@@ -281,6 +282,7 @@ def capture(
     finish: Callable[[GoldenSet, Callable[[str], None]], None] | None = None,
     finish_steps: int = 0,
     force: bool = False,
+    probes: bool = True,
 ) -> GoldenSet:
     """Captures a golden set of the model in ``model_dir`` into ``out`` (replaced atomically:
     an interrupted capture leaves any previous set untouched and no partial folder).
@@ -292,6 +294,8 @@ def capture(
     ``far``: tokens per row of the far-position request (0: none), whose rows start a
     quarter, half and all the way into ``max_position`` (None: the config's
     ``max_position_embeddings``), ``requests.far_request``.
+
+    ``probes``: record each point's probe calls (``golden.probes``; False: none).
 
     ``out`` must not exist, be empty or hold a set of this model (``folders.check_target``);
     ``force`` replaces a set of another model, kept under ``<sets>/.versions/``.
@@ -328,7 +332,7 @@ def capture(
         manifest = _manifest(model, model_dir, out, reference_dtype, model_hash)
         _record_all(model, requests, point_names, manifest, ShardWriter(tmp, max_shard_bytes),
                     bar, continuation=continuation,
-                    decode_steps=decode_steps if decoder else 0)  # fmt: skip
+                    decode_steps=decode_steps if decoder else 0, probes=probes)  # fmt: skip
         write_manifest(tmp, manifest)
         del model
         if finish is not None:
@@ -388,10 +392,13 @@ def _record_all(
     *,
     continuation: int,
     decode_steps: int,
+    probes: bool = True,
 ) -> None:
     """Runs every request through the model with the points hooked, writing their tensors
     through ``writer`` and filling ``manifest`` (tensors, shards, decode steps of the requests
-    that generate, and the points in forward order with their calls)."""
+    that generate, and the points in forward order with their calls); then, with ``probes``,
+    each probe of a point (``golden.probes``: a norm on rows at its epsilon, an activation on
+    its gating tail) as a call of the request ``probe``."""
     recorder = _Recorder(writer)
     for request in requests:
         bar.step(f"request {request.name}")
@@ -400,14 +407,30 @@ def _record_all(
             manifest.decode[request.name] = record_decode(
                 model, request, point_names, writer, decode_steps
             )
+    probed = _probe_points(model, recorder, point_names) if probes else {}
+    recorder.mask = None
+    record_probes(model, probed, recorder.on_call)
     writer.flush()
     manifest.tensors, manifest.shards = dict(writer.tensors), dict(writer.shards)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     manifest.points = [
         Point(n, type(model.get_submodule(n)).__name__, order[n], recorder.calls[n])
-        for n in sorted(point_names, key=lambda n: order[n])
+        for n in sorted({*point_names, *probed}, key=lambda n: order[n])
         if recorder.calls.get(n)
     ]
+
+
+def _probe_points(model: Any, recorder: _Recorder, point_names: list[str]) -> dict[str, int | None]:
+    """The points a probe may be recorded for (``golden.probes``): each recorded point with
+    how many tensors its first call took, and the activation points (None: no call yet)."""
+    points: dict[str, int | None] = {}
+    for name in point_names:
+        first = next((c for calls in recorder.calls.get(name, {}).values() for c in calls), None)
+        if first is not None:
+            points[name] = sum(k is not None for k in first.args) + len(first.kwargs)
+    for name in activation_points(model):
+        points.setdefault(name, None)
+    return points
 
 
 def _progress_mode(progress: bool | None) -> str:

@@ -5,8 +5,11 @@ so that no reader touches the JSON itself and a renamed key has one place to cha
 Format 2 adds ``decode``: per request, the cached decode the reference ran after its prefill
 (``Decode``). Format 3 calibrates over an ensemble of honest members (``ensemble``: per dtype,
 the members' descriptions; each statistic the ensemble's worst, with ``<stat>_spread`` and
-``members`` beside it). Format 1 and 2 sets are read as they are: they have no decode steps
-(1), their calibration is one member's (1, 2), and they are judged as before.
+``members`` beside it). A point's ``calls`` may hold calls under ``probe``
+(``PROBE_REQUEST``), which is no request: inputs of the point alone that no request makes
+(``golden.probes``); sets without it are read as before. Format 1 and 2 sets are read as
+they are: they have no decode steps (1), their calibration is one member's (1, 2), and they
+are judged as before.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ FORMAT = "numalign.golden/3"
 #: calibration of one member.
 READ_FORMATS = ("numalign.golden/1", "numalign.golden/2", FORMAT)
 MANIFEST = "manifest.json"
+#: The request name of a point's probe calls (``golden.probes``): inputs no request makes,
+#: recorded with the point's calls but not a request of the set (no model inputs; the
+#: whole-model replays never run it; layer replay replays it alone like any call).
+PROBE_REQUEST = "probe"
 
 
 class GoldenSetError(RuntimeError):

@@ -25,6 +25,7 @@ from numalign.golden.manifest import (
     FORMAT,
     MANIFEST,
     OUTPUT_POINT,
+    PROBE_REQUEST,
     Calibration,
     Call,
     Continuation,
@@ -252,6 +253,10 @@ class GoldenSet:
         return list(self.manifest.requests)
 
     def request(self, name: str) -> Request:
+        """The request ``name``; the probe calls' pseudo-request (``PROBE_REQUEST``) has no
+        model inputs, hence no mask."""
+        if name == PROBE_REQUEST:
+            return Request(PROBE_REQUEST, {})
         for r in self.manifest.requests:
             if r.name == name:
                 return r

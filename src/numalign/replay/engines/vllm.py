@@ -726,7 +726,7 @@ def _isolated(
                     f"vLLM's {module_name} does not run alone on its input "
                     f"({type(exc).__name__}: {exc})"
                 )
-            expected = kept_positions(golden.tensor(call.outputs["0"]), mask)
+            expected = _tokens(golden.tensor(call.outputs["0"]), mask)
             control = control_for(
                 golden, dtype, point.name, "0", "isolated", hidden, depth, thresholds_of(policy)
             )
@@ -818,8 +818,11 @@ class _LogitsOf:
 
 def _tokens(tensor: Any, mask: Any) -> Any:
     """A golden input as vLLM's flattened tokens: the kept positions of [batch, seq, ...]
-    (token ids [batch, seq] too), rows one after another."""
-    if mask is not None and tensor.dim() == 2 and tuple(tensor.shape) == tuple(mask.shape):
+    (token ids [batch, seq] too), rows one after another; without a mask (a probe's
+    [1, rows, hidden]) every row."""
+    if mask is None:
+        return tensor.flatten(0, -2) if tensor.dim() > 2 else tensor
+    if tensor.dim() == 2 and tuple(tensor.shape) == tuple(mask.shape):
         return tensor[mask.bool()]
     return kept_positions(tensor, mask)
 

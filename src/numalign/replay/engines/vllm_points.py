@@ -66,7 +66,14 @@ def map_points(
             continue
         parent, _, last = point.rpartition(".")
         name = f"{parent}.{renames[last]}" if last in renames and parent else point
-        if name in modules:
+        if name in modules and modules[name].endswith("AndMul"):
+            # vLLM's SiluAndMul / GeluAndMul take gate and up side by side and multiply them:
+            # no module of it computes the reference's activation alone (its probe's point)
+            out.append(PointMap(point, None, (
+                f"vLLM's {name} is a fused {modules[name]} (the activation times the up "
+                "projection, on both side by side): the activation alone is not its output"
+            )))  # fmt: skip
+        elif name in modules:
             out.append(PointMap(point, name))
         else:
             siblings = sorted(
