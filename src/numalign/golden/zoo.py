@@ -6,8 +6,10 @@ would teach the wrong tolerances. The weights are therefore rescaled to the magn
 real checkpoints: projections keep activations of order one (std 1/sqrt(fan_in)), a few
 hidden channels of the embedding are 20x larger (the outlier channels real models carry
 through the residual stream), and the LM head gives logits with a standard deviation of
-about 4, so that they span tens. Gemma 2 and GPT-2 tie their LM head to the embedding; here
-they do not, so that the embedding's outlier channels do not saturate the logits.
+about 4, so that they span tens. Gemma 2's attention logits are ten times larger than the
+others' (``score_gain``), spanning tens, where its cap of 50 engages. Gemma 2 and GPT-2 tie
+their LM head to the embedding; here they do not, so that the embedding's outlier channels do
+not saturate the logits.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class ZooModel:
     #: hidden channels that an early layer's MLP writes massive activations into (the few
     #: channels of hundreds to thousands that real LLMs carry through the residual stream)
     massive_channels: tuple[int, ...] = ()
+    #: attention logits this many times larger (query and key projections each scaled by its
+    #: square root): logits spanning tens, where a soft-capping of them engages, as in the
+    #: pretrained checkpoints that cap them (the projections above give logits of order one)
+    score_gain: float = 1.0
 
 
 #: A deep model's massive channels come from this layer's MLP, this many times larger than
@@ -58,7 +64,7 @@ ZOO: tuple[ZooModel, ...] = (
         "num_hidden_layers": 2, "sliding_window": 8, "final_logit_softcapping": 30.0,
         "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 16,
         "tie_word_embeddings": False,
-    }, "sliding-window and global layers, logit soft-capping (Gemma 2)"),
+    }, "sliding-window and global layers, logit soft-capping (Gemma 2)", score_gain=10.0),
     ZooModel("tiny-qwen3-moe", "Qwen3MoeConfig", _TEXT | {
         "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": [],
@@ -176,6 +182,19 @@ def _deepen(model: Any, growth: float, massive: tuple[int, ...]) -> None:
             down[channel] = down[channel].sign() * down.abs().mean() * MASSIVE_SCALE
 
 
+def _sharpen(model: Any, gain: float) -> None:
+    """Attention logits ``gain`` times larger: every query and key projection (and its bias)
+    scaled by sqrt(gain)."""
+    import torch
+
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith((".q_proj", ".k_proj")):
+                for tensor in (module.weight, module.bias):
+                    if tensor is not None:
+                        tensor.mul_(gain**0.5)
+
+
 def _save_tokenizer(folder: Path) -> None:
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -212,6 +231,8 @@ def build_model(spec: ZooModel, out_dir: Path) -> Path:
     rescale(model, gemma_norms=spec.config_class.startswith("Gemma"))
     if spec.growth != 1.0 or spec.massive_channels:
         _deepen(model, spec.growth, spec.massive_channels)
+    if spec.score_gain != 1.0:
+        _sharpen(model, spec.score_gain)
     model.eval()
     target = out_dir / spec.name
     tmp = out_dir / f".{spec.name}.build"

@@ -4,6 +4,7 @@ session's settings ask for."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -136,7 +137,12 @@ def _unexplained(
         if lg.passed or lg.values is None or lg.stats is None:
             continue
         signature = errors.get((lg.request, lg.step or 0, OUTPUT_POINT, "logits", 0))
-        kl_ok = signature is not None and abs(lg.stats.kl_max - signature[2]) <= lg.kl_budget
+        # to second order a KL divergence is a squared distance (half the chi-squared of the
+        # log-ratio), so the engine's and the signature's distances from the reference differ
+        # by at most the distance between them: within the budget's when they agree
+        kl_ok = signature is not None and abs(
+            math.sqrt(max(lg.stats.kl_max, 0.0)) - math.sqrt(max(signature[2], 0.0))
+        ) <= math.sqrt(lg.kl_budget)
         if signature is None or not (_within(lg.values, signature[:2]) and kl_ok):
             out.append(f"the logits at step {lg.step}, request {lg.request}")
     return out
