@@ -335,13 +335,22 @@ def replay_model(
     verdict.divergence = locate(golden, model, verdict.points, dtype, device, policy)
     failing_logits = [lg for lg in verdict.logits if not lg.passed and lg.values is not None]
     if verdict.divergence is None and failing_logits:
-        # every point within budget and the logits not: after the last capture point
+        # every point within budget and the logits not: a point that fails alone (its error,
+        # within its budget in the whole model, carried on to the logits), else after the
+        # last capture point (the model's logit transform)
         first = failing_logits[0]
         assert first.values is not None
-        verdict.divergence = Divergence(
-            OUTPUT_POINT, "output", first.request, first.values,
-            why_unlocated=logit_transform(model.config),
-        )  # fmt: skip
+        named = _failing_upstream(golden, model, verdict.points, len(verdict.points), dtype,
+                                  device, policy)  # fmt: skip
+        if named:
+            verdict.divergence = Divergence(
+                OUTPUT_POINT, "accumulated", first.request, first.values, named=named
+            )
+        else:
+            verdict.divergence = Divergence(
+                OUTPUT_POINT, "output", first.request, first.values,
+                why_unlocated=logit_transform(model.config),
+            )  # fmt: skip
     return verdict
 
 
@@ -388,7 +397,7 @@ def locate(
     if keywords:
         return Divergence(failing.point, "input", failing.request, failing.result,
                           inputs=tuple((f.name, f.differs) for f in keywords))  # fmt: skip
-    named = _failing_upstream(golden, model, results, failing, dtype, device, policy)
+    named = _failing_upstream(golden, model, results, failing.finished, dtype, device, policy)
     return Divergence(failing.point, "accumulated", failing.request, failing.result,
                       named=named)  # fmt: skip
 
@@ -402,18 +411,18 @@ def _failing_upstream(
     golden: GoldenSet,
     model: Any,
     results: list[PointResult],
-    failing: PointResult,
+    finished: int,
     dtype: str,
     device: torch.device,
     policy: Any,
 ) -> str | None:
-    """The latest of the ``UPSTREAM_POINTS`` points before ``failing`` (in the order the
-    forward called them) that fails alone on the golden inputs, its pooled lean included:
-    the module whose error, within its own budget in the whole model, the failing point
-    carries on."""
+    """The latest of the ``UPSTREAM_POINTS`` points that finished before the ``finished``-th
+    result (in the order the forward called them) that fails alone on the golden inputs, its
+    pooled lean included: the module whose error, within its own budget in the whole model,
+    the failing point (or the logits) carries on."""
     first: dict[str, int] = {}
     for r in results:
-        if r.finished < failing.finished:
+        if r.finished < finished:
             first[r.point] = min(first.get(r.point, r.finished), r.finished)
     before = sorted(first.items(), key=lambda item: item[1])
     for point, _ in reversed(before[-UPSTREAM_POINTS:]):
