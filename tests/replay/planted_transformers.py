@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import masking_utils
+from transformers import activations, masking_utils
 from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.llama import modeling_llama
 from transformers.models.mixtral import modeling_mixtral
@@ -128,6 +128,19 @@ def _router_softmax_low_precision(self, hidden_states):
     return router_logits, top.float(), indices
 
 
+_llama_norm_init = modeling_llama.LlamaRMSNorm.__init__
+
+
+def _norm_epsilon_1e5(self, hidden_size, eps=1e-6):
+    """An RMSNorm built with 1e-5, a port's hard-coded default, where the config says 1e-6."""
+    _llama_norm_init(self, hidden_size, eps=1e-5)
+
+
+def _gelu_exact(self, input):
+    """The exact (erf) GELU where the config asks for the tanh form (gelu_pytorch_tanh)."""
+    return torch.nn.functional.gelu(input)
+
+
 if PLANT == "padding_attended":
     masking_utils.padding_mask_function = _padding_attended
 elif PLANT == "window_one_wider":
@@ -146,5 +159,9 @@ elif PLANT == "linear_attention_state_decay":
     modeling_qwen3_next.torch_chunk_gated_delta_rule = _state_decay_short
 elif PLANT == "router_softmax_low_precision":
     modeling_mixtral.MixtralTopKRouter.forward = _router_softmax_low_precision
+elif PLANT == "norm_epsilon_1e5":
+    modeling_llama.LlamaRMSNorm.__init__ = _norm_epsilon_1e5
+elif PLANT == "gelu_exact":
+    activations.GELUTanh.forward = _gelu_exact
 elif PLANT:
     raise ValueError(f"NUMALIGN_PLANT={PLANT!r}: no such planted bug")
