@@ -332,7 +332,8 @@ def capture(
         manifest = _manifest(model, model_dir, out, reference_dtype, model_hash)
         _record_all(model, requests, point_names, manifest, ShardWriter(tmp, max_shard_bytes),
                     bar, continuation=continuation,
-                    decode_steps=decode_steps if decoder else 0, probes=probes)  # fmt: skip
+                    decode_steps=decode_steps if decoder else 0, probes=probes,
+                    activations=not points)  # fmt: skip
         write_manifest(tmp, manifest)
         del model
         if finish is not None:
@@ -393,12 +394,14 @@ def _record_all(
     continuation: int,
     decode_steps: int,
     probes: bool = True,
+    activations: bool = True,
 ) -> None:
     """Runs every request through the model with the points hooked, writing their tensors
     through ``writer`` and filling ``manifest`` (tensors, shards, decode steps of the requests
     that generate, and the points in forward order with their calls); then, with ``probes``,
     each probe of a point (``golden.probes``: a norm on rows at its epsilon, an activation on
-    its gating tail) as a call of the request ``probe``."""
+    its gating tail, with ``activations`` a point of its own) as a call of the request
+    ``probe``."""
     recorder = _Recorder(writer)
     for request in requests:
         bar.step(f"request {request.name}")
@@ -407,7 +410,7 @@ def _record_all(
             manifest.decode[request.name] = record_decode(
                 model, request, point_names, writer, decode_steps
             )
-    probed = _probe_points(model, recorder, point_names) if probes else {}
+    probed = _probe_points(model, recorder, point_names, activations) if probes else {}
     recorder.mask = None
     record_probes(model, probed, recorder.on_call)
     writer.flush()
@@ -420,15 +423,18 @@ def _record_all(
     ]
 
 
-def _probe_points(model: Any, recorder: _Recorder, point_names: list[str]) -> dict[str, int | None]:
+def _probe_points(
+    model: Any, recorder: _Recorder, point_names: list[str], activations: bool
+) -> dict[str, int | None]:
     """The points a probe may be recorded for (``golden.probes``): each recorded point with
-    how many tensors its first call took, and the activation points (None: no call yet)."""
+    how many tensors its first call took, and with ``activations`` (the default points, not
+    ``--points`` patterns) the activation points (None: no call yet)."""
     points: dict[str, int | None] = {}
     for name in point_names:
         first = next((c for calls in recorder.calls.get(name, {}).values() for c in calls), None)
         if first is not None:
             points[name] = sum(k is not None for k in first.args) + len(first.kwargs)
-    for name in activation_points(model):
+    for name in activation_points(model) if activations else ():
         points.setdefault(name, None)
     return points
 

@@ -130,16 +130,16 @@ def probe_calls(
         x = probe_inputs(model, name, tensors)
         if x is None:
             continue
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        # fed on the CPU, as the requests' inputs are (an offloaded model's hooks move it)
         try:
             with torch.no_grad():
-                output = model.get_submodule(name)(x.to(device))
-        except Exception:
+                output = model.get_submodule(name)(x)
+            first = next((t for _, t in flatten(output) if isinstance(t, torch.Tensor)), None)
+            finite = first is not None and bool(torch.isfinite(first).all())
+        except Exception:  # a module that takes more than its hidden states: no probe
             continue
-        first = next((t for _, t in flatten(output) if isinstance(t, torch.Tensor)), None)
-        if first is None or not bool(torch.isfinite(first).all()):
-            continue
-        yield name, x, output
+        if finite:
+            yield name, x, output
 
 
 def record_probes(
