@@ -9,6 +9,7 @@ import os
 
 import torch
 from transformers import activations, masking_utils
+from transformers.models.deepseek_v3 import modeling_deepseek_v3
 from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.llama import modeling_llama
 from transformers.models.mixtral import modeling_mixtral
@@ -141,6 +142,26 @@ def _gelu_exact(self, input):
     return torch.nn.functional.gelu(input)
 
 
+def _routing_bias_in_combine(self, hidden_states):
+    """DeepSeek-V3's router weighs the chosen experts by the bias-corrected scores (the
+    correction bias only chooses experts; the combine weights are the plain scores)."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states.float(), self.weight.float())
+    scores = router_logits.sigmoid() + self.e_score_correction_bias
+    groups = scores.view(-1, self.num_group, self.num_experts // self.num_group)
+    group_idx = torch.topk(groups.topk(2, dim=-1)[0].sum(dim=-1), k=self.topk_group, dim=-1,
+                           sorted=False)[1]  # fmt: skip
+    group_mask = torch.zeros(scores.shape[0], self.num_group, device=scores.device)
+    group_mask.scatter_(1, group_idx, 1)
+    keep = group_mask.repeat_interleave(self.num_experts // self.num_group, dim=-1).bool()
+    indices = torch.topk(scores.masked_fill(~keep, float("-inf")), k=self.top_k, dim=-1,
+                         sorted=False)[1]  # fmt: skip
+    weights = scores.gather(1, indices)
+    if self.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return router_logits, weights * self.routed_scaling_factor, indices
+
+
 if PLANT == "padding_attended":
     masking_utils.padding_mask_function = _padding_attended
 elif PLANT == "window_one_wider":
@@ -163,5 +184,7 @@ elif PLANT == "norm_epsilon_1e5":
     modeling_llama.LlamaRMSNorm.__init__ = _norm_epsilon_1e5
 elif PLANT == "gelu_exact":
     activations.GELUTanh.forward = _gelu_exact
+elif PLANT == "routing_bias_in_combine":
+    modeling_deepseek_v3.DeepseekV3TopkRouter.forward = _routing_bias_in_combine
 elif PLANT:
     raise ValueError(f"NUMALIGN_PLANT={PLANT!r}: no such planted bug")

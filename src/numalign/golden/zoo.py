@@ -25,6 +25,11 @@ from typing import Any
 OUTLIER_STRIDE, OUTLIER_SCALE = 17, 20.0
 #: Embedding std and LM-head scale (std = LM_HEAD_GAIN / sqrt(hidden)).
 EMBED_STD, LM_HEAD_GAIN = 0.5, 4.0
+#: A router's score-correction bias (DeepSeek-V3's auxiliary-loss-free load balancing, added
+#: to the expert scores to choose experts, not to weigh them): transformers initialises it at
+#: zero, which a trained router's is not; drawn with this std (a few percent of a sigmoid
+#: score), so a port that weighs the experts by the corrected scores errs.
+ROUTER_BIAS_STD = 0.02
 
 _TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)  # fmt: skip
@@ -139,6 +144,10 @@ def rescale(model: Any, gemma_norms: bool | None) -> None:
     import torch
 
     embedding = model.get_input_embeddings().weight
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(ROUTER_BIAS_STD * torch.randn_like(buffer))
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and module.weight is embedding:
             continue  # an LM head tied to the embedding keeps the embedding's scale
