@@ -162,29 +162,28 @@ def _routing_bias_in_combine(self, hidden_states):
     return router_logits, weights * self.routed_scaling_factor, indices
 
 
-if PLANT == "padding_attended":
-    masking_utils.padding_mask_function = _padding_attended
-elif PLANT == "window_one_wider":
-    masking_utils.sliding_window_overlay = _window_one_wider
-elif PLANT == "rotary_bfloat16":
-    modeling_llama.LlamaRotaryEmbedding.forward = _rotary_in_bfloat16
-elif PLANT == "norm_low_precision_path":
-    modeling_llama.LlamaRMSNorm.forward = _norm_low_precision_path
-elif PLANT == "no_softcap":
-    modeling_gemma2.Gemma2ForCausalLM.forward = _no_softcap
-elif PLANT == "mrope_sections_swapped":
-    modeling_qwen2_vl.Qwen2VLRotaryEmbedding.recomposition_frequencies = _mrope_sections_swapped
-elif PLANT == "no_attention_softcap":
-    modeling_gemma2.Gemma2Attention.forward = _no_attention_softcap
-elif PLANT == "linear_attention_state_decay":
-    modeling_qwen3_next.torch_chunk_gated_delta_rule = _state_decay_short
-elif PLANT == "router_softmax_low_precision":
-    modeling_mixtral.MixtralTopKRouter.forward = _router_softmax_low_precision
-elif PLANT == "norm_epsilon_1e5":
-    modeling_llama.LlamaRMSNorm.__init__ = _norm_epsilon_1e5
-elif PLANT == "gelu_exact":
-    activations.GELUTanh.forward = _gelu_exact
-elif PLANT == "routing_bias_in_combine":
-    modeling_deepseek_v3.DeepseekV3TopkRouter.forward = _routing_bias_in_combine
-elif PLANT:
-    raise ValueError(f"NUMALIGN_PLANT={PLANT!r}: no such planted bug")
+#: Each planted bug: the attribute of transformers it replaces, and with what.
+PLANTS = {
+    "padding_attended": (masking_utils, "padding_mask_function", _padding_attended),
+    "window_one_wider": (masking_utils, "sliding_window_overlay", _window_one_wider),
+    "rotary_bfloat16": (modeling_llama.LlamaRotaryEmbedding, "forward", _rotary_in_bfloat16),
+    "norm_low_precision_path": (modeling_llama.LlamaRMSNorm, "forward", _norm_low_precision_path),
+    "no_softcap": (modeling_gemma2.Gemma2ForCausalLM, "forward", _no_softcap),
+    "mrope_sections_swapped": (modeling_qwen2_vl.Qwen2VLRotaryEmbedding,
+                               "recomposition_frequencies", _mrope_sections_swapped),
+    "no_attention_softcap": (modeling_gemma2.Gemma2Attention, "forward", _no_attention_softcap),
+    "linear_attention_state_decay": (modeling_qwen3_next, "torch_chunk_gated_delta_rule",
+                                     _state_decay_short),
+    "router_softmax_low_precision": (modeling_mixtral.MixtralTopKRouter, "forward",
+                                     _router_softmax_low_precision),
+    "norm_epsilon_1e5": (modeling_llama.LlamaRMSNorm, "__init__", _norm_epsilon_1e5),
+    "gelu_exact": (activations.GELUTanh, "forward", _gelu_exact),
+    "routing_bias_in_combine": (modeling_deepseek_v3.DeepseekV3TopkRouter, "forward",
+                                _routing_bias_in_combine),
+}  # fmt: skip
+
+if PLANT:
+    if PLANT not in PLANTS:
+        raise ValueError(f"NUMALIGN_PLANT={PLANT!r}: no such planted bug; one of {sorted(PLANTS)}")
+    owner, attribute, replacement = PLANTS[PLANT]
+    setattr(owner, attribute, replacement)
