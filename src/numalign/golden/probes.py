@@ -38,7 +38,8 @@ NORM_ROWS = 64
 #: 1e-12) is probed at 1e-6, where it no longer shows.
 MIN_VARIANCE = 1e-6
 #: The activation probe's inputs: the gating tail, where the output is small against the
-#: input (GELU's forms part by up to 10% of the output at -3, SiLU's and GELU's by tens).
+#: input (exact and tanh GELU part there by up to 10% of the output, at -3; SiLU and GELU by
+#: tens of percent).
 ACTIVATION_TAIL = (-4.0, -1.0)
 #: Its values, as [1, 128, 128]: 16384 values resolve the mean of exact GELU against the
 #: tanh form at 2.3x the lean's limit in bfloat16 (4096 only at 1.6x; measured on the grid).
