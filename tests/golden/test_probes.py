@@ -18,7 +18,7 @@ from numalign.golden.probes import (
     MIN_VARIANCE,
     NORM_ROWS,
     norm_epsilon,
-    probe_inputs,
+    norm_probe,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,21 +67,13 @@ def test_a_norms_epsilon_is_read_from_its_attribute() -> None:
     assert norm_epsilon(torch.nn.Linear(8, 8)) is None  # not a norm
 
 
-class _Holder(torch.nn.Module):
-    """A model of one module, for ``probe_inputs``."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.norm = module
-
-
 def test_an_epsilon_too_small_for_float16_is_probed_at_the_floor() -> None:
     # BERT's 1e-12: rows of that variance hold values of 1e-6, below float16's normal numbers
-    x = probe_inputs(_Holder(torch.nn.LayerNorm(16, eps=1e-12)), "norm", 1)
+    x = norm_probe(torch.nn.LayerNorm(16, eps=1e-12), torch.float32, tensors=1)
     variance = x.double().var(dim=-1, unbiased=False)
     assert torch.allclose(variance, torch.full_like(variance, MIN_VARIANCE), rtol=1e-5)
 
 
 def test_a_norm_that_takes_more_than_its_hidden_states_has_no_probe() -> None:
     # a gated norm (hidden states and a gate): the probe feeds one tensor only
-    assert probe_inputs(_Holder(torch.nn.LayerNorm(16)), "norm", 2) is None
+    assert norm_probe(torch.nn.LayerNorm(16), torch.float32, tensors=2) is None

@@ -38,7 +38,7 @@ from numalign.golden.manifest import (
     ReferenceInfo,
     Request,
 )
-from numalign.golden.probes import activation_points, record_probes
+from numalign.golden.probes import record_probes
 from numalign.golden.reference import (
     Placement,
     append_token,
@@ -410,9 +410,9 @@ def _record_all(
             manifest.decode[request.name] = record_decode(
                 model, request, point_names, writer, decode_steps
             )
-    probed = _probe_points(model, recorder, point_names, activations) if probes else {}
     recorder.mask = None
-    record_probes(model, probed, recorder.on_call)
+    recorded = {n: recorder.calls[n] for n in point_names if recorder.calls.get(n)}
+    probed = record_probes(model, recorded, activations, recorder.on_call) if probes else []
     writer.flush()
     manifest.tensors, manifest.shards = dict(writer.tensors), dict(writer.shards)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
@@ -421,22 +421,6 @@ def _record_all(
         for n in sorted({*point_names, *probed}, key=lambda n: order[n])
         if recorder.calls.get(n)
     ]
-
-
-def _probe_points(
-    model: Any, recorder: _Recorder, point_names: list[str], activations: bool
-) -> dict[str, int | None]:
-    """The points a probe may be recorded for (``golden.probes``): each recorded point with
-    how many tensors its first call took, and with ``activations`` (the default points, not
-    ``--points`` patterns) the activation points (None: no call yet)."""
-    points: dict[str, int | None] = {}
-    for name in point_names:
-        first = next((c for calls in recorder.calls.get(name, {}).values() for c in calls), None)
-        if first is not None:
-            points[name] = sum(k is not None for k in first.args) + len(first.kwargs)
-    for name in activation_points(model) if activations else ():
-        points.setdefault(name, None)
-    return points
 
 
 def _progress_mode(progress: bool | None) -> str:

@@ -23,10 +23,11 @@ Two places where a port's error hides below every dtype's rounding on a request'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from numalign.golden.manifest import PROBE_REQUEST
+from numalign.golden.manifest import PROBE_REQUEST, Call
+from numalign.golden.reference import flatten
 
 if TYPE_CHECKING:
     import torch
@@ -81,28 +82,28 @@ def _is_activation(module: Any) -> bool:
     return any(isinstance(c, type) and isinstance(module, c) for c in classes)
 
 
-def probe_inputs(model: Any, name: str, first_call_tensors: int | None) -> Any:
-    """The probe input of point ``name`` (a tensor in the model's dtype), or None where the
-    point has no probe (``first_call_tensors``: how many tensors its first recorded call
-    took, None for a point with no recorded call, such as an activation)."""
+def norm_probe(module: Any, dtype: torch.dtype, tensors: int) -> torch.Tensor | None:
+    """A norm's probe: ``NORM_ROWS`` rows whose variance is its epsilon (at least
+    ``MIN_VARIANCE``), in ``dtype``; None for a module that is no norm with a float epsilon
+    or whose recorded call took other than one tensor (``tensors``: a gated norm takes two)."""
     import torch
 
-    module = model.get_submodule(name)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    if first_call_tensors is None:
-        if not _is_activation(module):
-            return None
-        low, high = ACTIVATION_TAIL
-        side = int(ACTIVATION_GRID**0.5)
-        return torch.linspace(low, high, ACTIVATION_GRID, dtype=dtype).reshape(1, side, side)
-    eps = norm_epsilon(module)
-    width = _width(module)
-    if eps is None or width is None or first_call_tensors != 1:
+    eps, width = norm_epsilon(module), _width(module)
+    if eps is None or width is None or tensors != 1:
         return None
+    generator = torch.Generator().manual_seed(0)
     rows = torch.randn(1, NORM_ROWS, width, generator=generator, dtype=torch.float64)
     variance = rows.var(dim=-1, unbiased=False, keepdim=True)
     return (rows * (max(eps, MIN_VARIANCE) / variance).sqrt()).to(dtype)
+
+
+def activation_probe(dtype: torch.dtype) -> torch.Tensor:
+    """An activation's probe: ``ACTIVATION_GRID`` values of its gating tail, in ``dtype``."""
+    import torch
+
+    low, high = ACTIVATION_TAIL
+    side = int(ACTIVATION_GRID**0.5)
+    return torch.linspace(low, high, ACTIVATION_GRID, dtype=dtype).reshape(1, side, side)
 
 
 def _width(module: Any) -> int | None:
@@ -116,39 +117,41 @@ def _width(module: Any) -> int | None:
     return None
 
 
-def probe_calls(
-    model: Any, points: dict[str, int | None]
-) -> Iterator[tuple[str, torch.Tensor, Any]]:
-    """(point, input, output) of each point's probe (``points``: name -> how many tensors its
-    first recorded call took, None for an activation point); a module that cannot run its
-    probe, or gives a non-finite output, has none (the probe is an addition: never a reason
-    a capture fails)."""
+def record_probes(
+    model: Any,
+    calls: Mapping[str, Mapping[str, Sequence[Call]]],
+    activations: bool,
+    on_call: Callable[[str, str, tuple[Any, ...], dict[str, Any], Any], None],
+) -> list[str]:
+    """Each probe through ``on_call(request, point, args, kwargs, output)``, the capture's
+    recorder, under ``PROBE_REQUEST``: of every recorded point (``calls``: point -> request
+    -> its calls) that is a norm, and with ``activations`` of each ``activation_points``
+    module; the names of the points probed. A module that cannot run its probe, or gives a
+    non-finite output, has none (the probe is an addition: never a reason a capture fails)."""
     import torch
 
-    from numalign.golden.reference import flatten
-
-    for name, tensors in points.items():
-        x = probe_inputs(model, name, tensors)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    probes: dict[str, torch.Tensor | None] = {}
+    for name, requests in calls.items():
+        first = next((c for recorded in requests.values() for c in recorded), None)
+        if first is not None:
+            tensors = sum(k is not None for k in first.args) + len(first.kwargs)
+            probes[name] = norm_probe(model.get_submodule(name), dtype, tensors)
+    for name in activation_points(model) if activations else ():
+        probes.setdefault(name, activation_probe(dtype))
+    probed = []
+    for name, x in probes.items():
         if x is None:
             continue
         # fed on the CPU, as the requests' inputs are (an offloaded model's hooks move it)
         try:
             with torch.no_grad():
                 output = model.get_submodule(name)(x)
-            first = next((t for _, t in flatten(output) if isinstance(t, torch.Tensor)), None)
-            finite = first is not None and bool(torch.isfinite(first).all())
+            first_out = next((t for _, t in flatten(output) if isinstance(t, torch.Tensor)), None)
+            finite = first_out is not None and bool(torch.isfinite(first_out).all())
         except Exception:  # a module that takes more than its hidden states: no probe
             continue
         if finite:
-            yield name, x, output
-
-
-def record_probes(
-    model: Any,
-    points: dict[str, int | None],
-    on_call: Callable[[str, str, tuple[Any, ...], dict[str, Any], Any], None],
-) -> None:
-    """Each probe through ``on_call(request, point, args, kwargs, output)``, the capture's
-    recorder, under ``PROBE_REQUEST``."""
-    for name, x, output in probe_calls(model, points):
-        on_call(PROBE_REQUEST, name, (x,), {}, output)
+            on_call(PROBE_REQUEST, name, (x,), {}, output)
+            probed.append(name)
+    return probed

@@ -92,7 +92,7 @@ def planted(row: SweepRow, suites: Path, golden: Path, reports: Path, model_dir:
     built = meta_model(model_dir, device="cpu")  # an adapter probes the module: not on meta
     operator = next((op for op in NORM_OPERATORS if _norms(built, op, readable=True)), None)
     if operator is None:
-        row.planted = why_not_planted(model_dir)
+        row.planted = why_not_planted(built)
         return
     swap = f"{operator}=sweep_scaled_2pct"
     code, output = _pytest(
@@ -148,12 +148,10 @@ def _norms(model: Any, operator: str, *, readable: bool = False) -> list[str]:
             if n and op.stands_for_module(m) and (not readable or adapts(op, m))]  # fmt: skip
 
 
-def why_not_planted(model_dir: Path) -> str:
-    """The planted cell of a model with no norm a norm adapter reads: the norm types it has
-    that an operator stands for but whose scale it lacks, or the ones no operator stands for."""
-    from numalign.replay.swap import meta_model
-
-    model = meta_model(model_dir)
+def why_not_planted(model: Any) -> str:
+    """The planted cell of a model (built) with no norm a norm adapter reads: the norm types
+    it has that an operator stands for but whose scale it lacks, or the ones no operator
+    stands for."""
     modules = dict(model.named_modules())
     for op in NORM_OPERATORS:
         unread = sorted({type(modules[n]).__name__ for n in _norms(model, op)})
