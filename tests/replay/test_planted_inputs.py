@@ -50,16 +50,24 @@ def failed_alone(records: list) -> list:
 
 
 @pytest.mark.parametrize(
-    ("plant", "model"), [("padding_attended", "tiny-llama"), ("window_one_wider", "tiny-mistral")]
-)
-def test_a_mask_the_model_builds_wrong_is_named_the_input_at_fault(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, plant: str, model: str
+    ("plant", "model", "point"),
+    [("padding_attended", "tiny-llama", "model.create_causal_mask"),
+     ("window_one_wider", "tiny-mistral", "model.create_sliding_window_causal_mask")],
+)  # fmt: skip
+def test_a_mask_the_model_builds_wrong_fails_at_its_mask_point(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, plant: str, model: str, point: str
 ) -> None:
-    records = run_planted(pytester, monkeypatch, plant, "-k", f"test_model and {model}")
+    records = run_planted(pytester, monkeypatch, plant, "-k", f"{model} and (test_model or mask)")
     found = divergences(records)
-    expected = {"point": "model.layers.0.self_attn", "kind": "input",
-                "request": "text-leftpad", "inputs": ["attention_mask"]}  # fmt: skip
+    expected = {"point": point, "kind": "local", "request": "text-leftpad"}
     assert found == {"float32": expected, "bfloat16": expected}, found
+    # alone, on the golden inputs, the mask is judged exactly: where each position attends
+    alone = failed_alone(records)
+    assert {(r.point, r.dtype, r.rule) for r in alone} == {
+        (point, "float32", "exact"), (point, "bfloat16", "exact")}, alone  # fmt: skip
+    # never the far rows: unpadded, and of 8 tokens, no longer than tiny-mistral's window
+    assert {r.request for r in alone} <= {"text-leftpad", "text-rightpad", "long-leftpad",
+                                          "long-rightpad"}  # fmt: skip
 
 
 def test_rotary_angles_in_bfloat16_fail_at_the_rotary_module(
@@ -85,18 +93,21 @@ def test_rotary_angles_in_bfloat16_fail_at_the_rotary_module(
     assert decoded == {"float32", "bfloat16"}, decoded
 
 
-def test_soft_capping_left_out_is_named_after_the_head(
+def test_soft_capping_left_out_fails_at_the_logit_transform(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    records = run_planted(pytester, monkeypatch, "no_softcap", "-k", "test_model and gemma2")
+    records = run_planted(pytester, monkeypatch, "no_softcap", "-k",
+                          "gemma2 and (test_model or logit_transform)")  # fmt: skip
     found = divergences(records)
-    assert {d: v["kind"] for d, v in found.items()} == {"float32": "output", "bfloat16": "output"}
-    # every capture point passes; only the logits fail
+    expected = {"point": "logit_transform", "kind": "local", "request": "text-leftpad"}
+    assert found == {"float32": expected, "bfloat16": expected}, found
+    # every capture point of the forward passes; only the logits fail, and the transform
+    # after the head, replayed alone on the head's golden output
     assert not [r for r in records if r.mode == "accumulated" and r.verdict == "failed"]
     assert {r.dtype for r in records if r.mode == "logits" and r.verdict == "failed"} == {
         "float32", "bfloat16"}  # fmt: skip
-    assert all("final logit transform (final_logit_softcapping 30.0)" in v["why"]
-               for v in found.values())  # fmt: skip
+    assert {(r.point, r.dtype) for r in failed_alone(records)} == {
+        ("logit_transform", "float32"), ("logit_transform", "bfloat16")}  # fmt: skip
 
 
 def test_a_scale_below_one_bfloat16_rounding_is_caught_at_its_norm(

@@ -102,9 +102,9 @@ TINY_LLAMA = ("--dtype", "float32", "-k", "tiny-llama and not deep")
 def test_an_honest_tensor_parallel_replay_passes(pytester: pytest.Pytester, on_path: None) -> None:
     result = run_suite(pytester, "--tp", "2", *TINY_LLAMA)
     out = result.stdout.str()
-    # 15 capture points (the rotary embedding and the activation's probe point among them),
-    # the model, decode with the dynamic cache
-    result.assert_outcomes(passed=17)
+    # 16 capture points (the mask, the rotary embedding and the activation's probe point
+    # among them), the model, decode with the dynamic cache
+    result.assert_outcomes(passed=18)
     recorded = records(pytester)
     assert {r.swap for r in recorded} == {"tp=2", "tp=2,cache=dynamic"}, out[-2000:]
     assert all(r.verdict == "passed" for r in recorded)
@@ -132,7 +132,7 @@ def test_an_all_reduce_done_twice_is_caught_at_its_module(
 
     # the same plugin on one process: nothing is sharded, nothing is reduced, all pass
     single = run_suite(pytester, "--tp", "1", *plant, *TINY_LLAMA)
-    single.assert_outcomes(passed=17)
+    single.assert_outcomes(passed=18)
 
 
 def test_a_rank_that_dies_is_a_crashed_record_and_the_session_goes_on(

@@ -65,12 +65,15 @@ def test_honest_vllm_passes(engine: VllmEngine, dtype: str) -> None:
     assert model.passed, model.message("tiny-mistral")
     assert decode.passed, decode.message("tiny-mistral")
     # every block numalign captures is mapped (only eager's attention weights, the
-    # model-level rotary embedding, which vLLM applies inside each attention, and the
-    # activation's probe point, which vLLM fuses with the up projection, have no
-    # counterpart; the far request's explicit positions are not served), the residual stream
-    # of every fused add + norm is judged, and the decode judged every step's points and logits
+    # model-level rotary embedding, which vLLM applies inside each attention, the masks,
+    # which vLLM never builds, and the activation's probe point, which vLLM fuses with the
+    # up projection, have no counterpart; the far request's explicit positions are not
+    # served), the residual stream of every fused add + norm is judged, and the decode
+    # judged every step's points and logits
     assert set(model.unmapped) <= {f"{LAYER}.self_attn.1", "model.layers.0.self_attn.1",
                                    "model.rotary_emb", "model.layers.0.mlp.act_fn",
+                                   "model.create_causal_mask",
+                                   "model.create_sliding_window_causal_mask",
                                    "request far-positions"}  # fmt: skip
     assert any(r.path == "residual" for r in model.points)
     assert {r.step for r in decode.points} == {1, 2, 3, 4}

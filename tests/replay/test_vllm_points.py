@@ -65,6 +65,16 @@ def test_a_fused_activation_is_not_the_activation_alone() -> None:
     assert mapped.module is None and "SiluAndMul" in (mapped.reason or "")
 
 
+def test_a_mask_the_reference_builds_has_no_vllm_counterpart() -> None:
+    # vLLM's attention reads sequence lengths from its metadata: no module builds a mask
+    points = ["model.create_causal_mask", "model.create_sliding_window_causal_mask"]
+    for mapped in map_points("LlamaForCausalLM", points, LLAMA, Config()):
+        assert mapped.module is None and "builds no mask" in (mapped.reason or ""), mapped
+    # nor the logit transform alone: vLLM's logits processor applies it with the head
+    (mapped,) = map_points("Gemma2ForCausalLM", ["logit_transform"], LLAMA, Config())
+    assert mapped.module is None and "logits processor" in (mapped.reason or "")
+
+
 def test_renamed_blocks_follow_the_table() -> None:
     modules = {"model.layers.0.block_sparse_moe": "MixtralMoE", "model.layers.0": "X"}
     assert RENAMES["MixtralForCausalLM"]["mlp"] == "block_sparse_moe"

@@ -16,6 +16,19 @@ if TYPE_CHECKING:
     import torch
 
 
+def attends(mask: torch.Tensor) -> torch.Tensor:
+    """Where an attention mask lets attention through: a boolean mask as it is, an additive
+    float mask's entries above its dtype's most negative half (a masked entry is the minimum
+    or -inf), an integer one's nonzero entries (a padding mask of ones and zeros)."""
+    import torch
+
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point():
+        return mask > torch.finfo(mask.dtype).min / 2
+    return mask != 0
+
+
 def judge_exact(
     actual: torch.Tensor,
     expected: torch.Tensor,

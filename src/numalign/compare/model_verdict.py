@@ -11,12 +11,13 @@ models and hands the tensors here; it turns these results into drift records
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from numalign import dtypes
 from numalign.compare.calibration import Control
 from numalign.compare.core import compare
+from numalign.compare.exact import attends
 from numalign.compare.logits import LogitsStats, kl_budget, logits_stats, near_tie
 from numalign.compare.metrics import ControlErrors
 from numalign.compare.result import CompareResult
@@ -47,14 +48,17 @@ def compare_point(
     actual: torch.Tensor, expected: torch.Tensor, name: str, control: Control, policy: Any
 ) -> CompareResult:
     """One output of a point (whole: a tensor-parallel rank's shard gathered first) against
-    the golden one within its control's budget; exact for boolean outputs, and for integer
-    ones as a selection: each row's values, in any order (a top-k's order is its kernel's:
-    GLM-DSA's indexer returns its masked keys, tied at -inf, in any order). Uncalibrated
-    where the control is not calibrated."""
+    the golden one within its control's budget; exact for boolean outputs (a mask point's
+    golden output is where each position attends: ``exact.attends`` of the mask in whatever
+    form the candidate built it), and for integer ones as a selection: each row's values,
+    in any order (a top-k's order is its kernel's: GLM-DSA's indexer returns its masked
+    keys, tied at -inf, in any order). Uncalibrated where the control is not calibrated."""
     import torch
 
-    if expected.dtype == torch.bool:
-        return compare(actual, expected, name=name)
+    if expected.dtype == torch.bool:  # a mask the model builds is judged as where it attends
+        # recorded in the dtype it was built in (an additive mask: the replay's)
+        return replace(compare(attends(actual), expected, name=name),
+                       dtype=dtypes.dtype_name(actual.dtype))  # fmt: skip
     if not expected.is_floating_point():
         if actual.shape == expected.shape and actual.dim() > 0:
             actual, expected = actual.sort(-1).values, expected.sort(-1).values

@@ -20,7 +20,8 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from numalign.golden.decode import DEFAULT_DECODE_STEPS, record_decode
 from numalign.golden.fingerprint import fingerprint_and_files
 from numalign.golden.folders import clear_temporary, remove_abandoned, temporary_folder
 from numalign.golden.manifest import (
+    LOGIT_TRANSFORM,
     Call,
     Continuation,
     KeyTree,
@@ -89,10 +91,15 @@ _POSITION_TYPES = re.compile(r"RotaryEmbedding$")
 
 # -- what to capture --------------------------------------------------------------------------
 def default_points(model: torch.nn.Module) -> list[str]:
-    """Embeddings, the position embeddings (rotary cos/sin) the model computes outside its
-    blocks, every block (decoder or vision) with its attention, MLP or MoE and norms, the
-    final norm, the LM head, and the vision patch embedding and merger."""
+    """Embeddings, the masks (``golden.mask_points``) and position embeddings (rotary
+    cos/sin) the model computes outside its blocks, every block (decoder or vision) with its
+    attention, MLP or MoE and norms, the final norm, the LM head and the logit transform
+    after it (``golden.logit_transform``, where the model has one), and the vision patch
+    embedding and merger."""
     import torch
+
+    from numalign.golden.logit_transform import LogitTransform
+    from numalign.golden.mask_points import MaskFunction
 
     blocks = {
         name
@@ -107,6 +114,10 @@ def default_points(model: torch.nn.Module) -> list[str]:
 
     def wanted(name: str, module: torch.nn.Module) -> bool:
         kind = type(module).__name__
+        if isinstance(module, MaskFunction):  # a mask the model builds, where it calls one
+            return True
+        if isinstance(module, LogitTransform):  # after the head, where the model does something
+            return module.changes_logits()
         if name and _POSITION_TYPES.search(kind):
             return not in_block(name) and ".visual" not in name
         if not name or _SKIP_TYPES.search(kind):
@@ -158,6 +169,9 @@ class _Recorder:
     #: the current request's attention mask ([batch, sequence]): padded positions may hold
     #: NaN (a query row with every key masked) and are never compared
     mask: Any = None
+    #: the points that are masks the model builds (``golden.mask_points``): their outputs are
+    #: stored as where each position may attend, whatever form the attention takes them in
+    mask_points: frozenset[str] = frozenset()
 
     def on_call(
         self, request: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -183,6 +197,10 @@ class _Recorder:
         arg_json = tuple(
             None if k is not None else jsonable(a) for a, k in zip(args, arg_keys, strict=True)
         )
+        if name in self.mask_points and isinstance(output, torch.Tensor):
+            from numalign.compare.exact import attends
+
+            output = attends(output)
         outputs = {
             p: put(f"{base}/out/{p}", t) for p, t in flatten(output) if isinstance(t, torch.Tensor)
         }
@@ -402,7 +420,10 @@ def _record_all(
     each probe of a point (``golden.probes``: a norm on rows at its epsilon, an activation on
     its gating tail, with ``activations`` a point of its own) as a call of the request
     ``probe``."""
-    recorder = _Recorder(writer)
+    from numalign.golden.mask_points import MaskFunction
+
+    recorder = _Recorder(writer, mask_points=frozenset(
+        n for n in point_names if isinstance(model.get_submodule(n), MaskFunction)))  # fmt: skip
     for request in requests:
         bar.step(f"request {request.name}")
         _record_request(model, request, point_names, recorder, manifest, continuation)
@@ -520,8 +541,11 @@ def _record_request(
         recorder.on_call(name, point, args, kwargs, output)
 
     recorder.mask = request.inputs.get("attention_mask")
-    with torch.no_grad(), hooks(model, point_names, on_call):
+    with torch.no_grad(), hooks(model, point_names, on_call), _head_output(model) as head:
         finals = model_outputs(model(**request.inputs, **forward_kwargs(model)))
+        if LOGIT_TRANSFORM in point_names and head:  # the forward does not call it: once here
+            model.get_submodule(LOGIT_TRANSFORM)(head[-1])
+        head.clear()
     _refuse_nonfinite(recorder, name, finals)
     if "logits" in finals:
         manifest.logits[name] = writer.put(f"{name}/logits", finals["logits"])
@@ -533,6 +557,23 @@ def _record_request(
     if request.generate and continuation > 0 and name in manifest.logits:
         manifest.continuation[name] = _greedy(model, request, continuation, writer)
     manifest.requests.append(Request(name, inputs))
+
+
+@contextmanager
+def _head_output(model: Any) -> Iterator[list[Any]]:
+    """The LM head's outputs while the model runs (the logit transform's input), where the
+    model has a logit transform point."""
+    transform = getattr(model, LOGIT_TRANSFORM, None)
+    outputs: list[Any] = []
+    if transform is None:
+        yield outputs
+        return
+    head = model.get_submodule(transform.head)
+    handle = head.register_forward_hook(lambda module, args, output: outputs.append(output))
+    try:
+        yield outputs
+    finally:
+        handle.remove()
 
 
 class NonFiniteReferenceError(ValueError):

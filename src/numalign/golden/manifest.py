@@ -33,6 +33,9 @@ MANIFEST = "manifest.json"
 #: recorded with the point's calls but not a request of the set (no model inputs; the
 #: whole-model replays never run it; layer replay replays it alone like any call).
 PROBE_REQUEST = "probe"
+#: The point of what a language model does to its logits after the LM head
+#: (``golden.logit_transform``), where it does something.
+LOGIT_TRANSFORM = "logit_transform"
 
 
 class GoldenSetError(RuntimeError):

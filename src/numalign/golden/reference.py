@@ -157,6 +157,13 @@ def load_model(
             "safe_serialization=True)"
         ) from None
     model.eval()
+    from numalign.golden.logit_transform import attach_logit_transform
+    from numalign.golden.mask_points import attach_mask_points
+
+    # what the model computes outside its modules, as modules (capture points): the masks it
+    # builds, what it does to its logits after the LM head
+    attach_mask_points(model)
+    attach_logit_transform(model)
     return model
 
 

@@ -169,6 +169,8 @@ def _accumulated(
         }
 
         def on_output(point: str, path: str, actual: Any, expected: Any, call: int) -> None:
+            if not expected.is_floating_point():
+                return  # judged exactly (a mask, indices): no budget
             # every call of a point shares its calibration (the worst of them)
             stats = _stats(actual, expected)
             accumulated[(point, path)] = _worst(accumulated.get((point, path)), stats)
@@ -211,14 +213,14 @@ def _isolated(
                 except AloneUnsupported:
                     continue  # no isolated calibration: its layer replay skips with the reason
                 for path, key in call.outputs.items():
-                    if path in outputs:
+                    if path in outputs and golden.tensor(key).is_floating_point():
                         expected = kept_positions(golden.tensor(key), mask)
                         actual = kept_positions(outputs[path], mask)
                         stats = _stats(actual, expected)
                         isolated[(point.name, path)] = _worst(
                             isolated.get((point.name, path)), stats
                         )
-                        if actual.is_floating_point() and expected.is_floating_point():
+                        if actual.is_floating_point():
                             slot = (point.name, path, "isolated")
                             leans.setdefault(slot, LeanSums()).add(actual, expected)
     return isolated

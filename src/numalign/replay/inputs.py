@@ -6,18 +6,16 @@ call, and replays the point on the golden inputs with one of them replaced by th
 at a time: the inputs whose replacement alone makes the point fail are at fault. When none
 does, the error came in with the hidden states (``None``: accumulated).
 
-Masks are judged as the model builds them, too (``judged_masks``): every distinct mask a
-request's points are fed (one per layer type: full, sliding, chunked) is compared exactly,
-as where each position may attend, with the golden one the point was fed in the capture.
+The masks a model builds through transformers' mask functions are capture points of their
+own (``golden.mask_points``); a mask built any other way is named here, as an input.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from numalign.compare.exact import attends
 from numalign.golden.reference import forward_kwargs
 from numalign.replay.layer import (
     CallOrder,
@@ -152,7 +150,7 @@ def _difference(own: Any, golden_value: Any) -> str:
         if a.shape != e.shape:
             parts.append(f"shape {tuple(a.shape)} where the golden one is {tuple(e.shape)}")
         elif _is_mask(a) or _is_mask(e):
-            differ = int((_attends(a) != _attends(e.to(a.device))).sum())
+            differ = int((attends(a) != attends(e.to(a.device))).sum())
             parts.append(f"{differ} of {a.numel()} mask entries attend differently")
         else:
             diff = (a.double() - e.to(a.device).double()).abs().max()
@@ -164,19 +162,6 @@ def _is_mask(t: torch.Tensor) -> bool:
     import torch
 
     return t.dtype == torch.bool or (t.is_floating_point() and bool((t < -1e30).any()))
-
-
-def _attends(t: torch.Tensor) -> torch.Tensor:
-    """Where a mask lets attention through: True entries of a boolean mask, entries of an
-    additive float mask above the dtype's most negative half (a masked entry is its minimum
-    or -inf), nonzero entries of an integer one."""
-    import torch
-
-    if t.dtype == torch.bool:
-        return t
-    if t.is_floating_point():
-        return t > torch.finfo(t.dtype).min / 2
-    return t != 0
 
 
 def _leaves(value: Any) -> list[Any]:
@@ -217,78 +202,3 @@ def _tensor_outputs(output: Any) -> list[tuple[str, Any]]:
     from numalign.golden.reference import flatten
 
     return [(p, t) for p, t in flatten(output) if isinstance(t, torch.Tensor)]
-
-
-#: The output path under which a point's judged mask input is recorded.
-MASK_PATH = "in:{}"
-
-
-@contextmanager
-def judged_masks(
-    model: Any,
-    golden: GoldenSet,
-    request: str,
-    on_mask: Callable[[str, str, torch.Tensor, torch.Tensor, int], None],
-) -> Iterator[None]:
-    """While the model runs ``request``, calls ``on_mask(point, path, actual, expected,
-    call)`` once per distinct golden mask (a keyword input whose name holds "mask"), the first
-    time a point that uses it (the innermost point fed it: the attention, not its block) is
-    fed it: where each position may attend, the model's against the golden
-    one. A mask the replay's attention takes in another form (None for a causal SDPA, another
-    shape) is not judged: that is the implementation's choice, not the model's masking."""
-    points = [p for p in golden.points if any(
-        _mask_keys(c) for c in p.calls.get(request, []))]  # fmt: skip
-    fed: dict[str, set[str]] = {}
-    for p in points:
-        for c in p.calls.get(request, []):
-            for key in _mask_keys(c).values():
-                fed.setdefault(key, set()).add(p.name)
-    # a block passes its mask on to its attention: judged where it is used, the innermost
-    innermost = {
-        (name, key)
-        for key, names in fed.items()
-        for name in names
-        if not any(other.startswith(name + ".") for other in names)
-    }
-    judged: set[str] = set()
-    handles = []
-    for point in points:
-        module = model.get_submodule(point.name)
-        order = CallOrder(point.calls.get(request, []))
-
-        def pre(
-            mod: Any,
-            args: Any,
-            kwargs: dict[str, Any],
-            point: Any = point,
-            order: CallOrder = order,
-        ) -> None:
-            number = order.index(args, kwargs)
-            if number is None:
-                return
-            calls = point.calls.get(request, [])
-            for name, key in _mask_keys(calls[number]).items():
-                own = kwargs.get(name)
-                if (point.name, key) not in innermost or key in judged:
-                    continue
-                if own is None or not hasattr(own, "shape"):
-                    continue
-                expected = golden.tensor(key)
-                if tuple(own.shape) != tuple(expected.shape):
-                    continue
-                judged.add(key)
-                on_mask(point.name, MASK_PATH.format(name), _attends(own.detach()).cpu(),
-                        _attends(expected), number)  # fmt: skip
-
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _mask_keys(call: Call) -> dict[str, str]:
-    return {
-        name: key for name, key in call.kwargs.items() if "mask" in name and isinstance(key, str)
-    }

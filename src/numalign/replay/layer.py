@@ -235,13 +235,15 @@ def replay_call(
     dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
     """Runs ``module`` on the golden inputs of ``call`` (in ``input_dtype``); its tensor
-    outputs by output path."""
+    outputs by output path. A module that says how it runs alone (``alone``: a mask point,
+    ``golden.mask_points``, which then always builds its mask) is called that way."""
     import torch
 
     args, kwargs = call_inputs(golden, call, device=device, dtype=input_dtype(module, dtype))
+    run = getattr(module, "alone", module)
     try:
         with torch.no_grad():
-            output = module(*args, **kwargs)
+            output = run(*args, **kwargs)
     except Exception as exc:
         shared = shared_inputs(call)
         if not shared:

@@ -7,14 +7,13 @@ of ``numalign.compare.model_verdict``, judged there against controls from
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from numalign import dtypes
-from numalign.compare import CompareResult, compare
+from numalign.compare import CompareResult
 from numalign.compare.calibration import control_for
 from numalign.compare.logits import near_tie
 from numalign.compare.model_verdict import (
@@ -30,15 +29,15 @@ from numalign.compare.model_verdict import (
     logit_transform,
 )
 from numalign.compare.tolerances import thresholds_of
-from numalign.golden.manifest import OUTPUT_POINT, Continuation, GoldenSetError
+from numalign.golden.manifest import LOGIT_TRANSFORM, OUTPUT_POINT, Continuation, GoldenSetError
 from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import DEFAULT_SETS, discover_sets
-from numalign.replay.inputs import MASK_PATH, input_at_fault, judged_masks
+from numalign.replay.inputs import input_at_fault
 from numalign.replay.layer import AloneUnsupported, kept_positions, replay_call, request_mask
 from numalign.replay.leans import PointLeans
 from numalign.replay.observe import observe
 from numalign.replay.shards import whole
-from numalign.runtime.compiled import CompiledModel, compile_model, take_stats
+from numalign.runtime.compiled import compile_model, take_stats
 from numalign.runtime.variant import Variant
 
 if TYPE_CHECKING:
@@ -286,19 +285,7 @@ def replay_model(
                             finished=len(verdict.points), call=call)
             )  # fmt: skip
 
-        def on_mask(point: str, path: str, actual: Any, expected: Any, call: int,
-                    name: str = name) -> None:  # fmt: skip
-            # exact, as booleans; recorded in the replay's dtype like every point
-            result = replace(compare(actual, expected, name=label(point, path)), dtype=dtype)
-            verdict.points.append(PointResult(point, points[point].order, name, path, result,
-                                              finished=len(verdict.points), call=call))  # fmt: skip
-
-        masks = judged_masks if not isinstance(model, CompiledModel) else _no_masks
-        with (
-            torch.no_grad(),
-            observe(model, golden, name, on_output),
-            masks(model, golden, name, on_mask),
-        ):
+        with torch.no_grad(), observe(model, golden, name, on_output):
             out = model(**inputs, **forward_kwargs(model))
         mask = request_mask(golden, name)
         finals = model_outputs(out)
@@ -335,11 +322,15 @@ def replay_model(
     verdict.divergence = locate(golden, model, verdict.points, dtype, device, policy)
     failing_logits = [lg for lg in verdict.logits if not lg.passed and lg.values is not None]
     if verdict.divergence is None and failing_logits:
-        # every point within budget and the logits not: a point that fails alone (its error,
-        # within its budget in the whole model, carried on to the logits), else after the
-        # last capture point (the model's logit transform)
+        # every point within budget and the logits not: the model's logit transform where it
+        # is a point and fails alone; else a point that fails alone (its error, within its
+        # budget in the whole model, carried on to the logits); else after the last capture
+        # point (the logit transform the config names)
         first = failing_logits[0]
         assert first.values is not None
+        if _fails_alone(golden, model, LOGIT_TRANSFORM, dtype, device, policy):
+            verdict.divergence = Divergence(LOGIT_TRANSFORM, "local", first.request, first.values)
+            return verdict
         named = _failing_upstream(golden, model, verdict.points, len(verdict.points), dtype,
                                   device, policy)  # fmt: skip
         if named:
@@ -368,14 +359,6 @@ def locate(
     failing = first_divergence(results)
     if failing is None:
         return None
-    if failing.path.startswith(MASK_PATH.format("")):  # a mask the model built, judged exactly
-        differs = (
-            f"{failing.result.metrics.mismatch_count} of {failing.result.metrics.numel} "
-            "mask entries attend differently"
-        )
-        mask = failing.path.removeprefix(MASK_PATH.format(""))
-        return Divergence(failing.point, "input", failing.request, failing.result,
-                          inputs=((mask, differs),))  # fmt: skip
     try:
         alone = replay_layer(golden, model, golden.point(failing.point), dtype, device, policy)
     except AloneUnsupported as exc:  # the whole model's verdict stands; only not located
@@ -426,21 +409,23 @@ def _failing_upstream(
             first[r.point] = min(first.get(r.point, r.finished), r.finished)
     before = sorted(first.items(), key=lambda item: item[1])
     for point, _ in reversed(before[-UPSTREAM_POINTS:]):
-        if point == OUTPUT_POINT:
-            continue
-        try:
-            alone = replay_layer(golden, model, golden.point(point), dtype, device, policy)
-        except AloneUnsupported:  # needs the model's shared state: not judged alone
-            continue
-        if any(not r.result.passed for r in alone):
+        if point != OUTPUT_POINT and _fails_alone(golden, model, point, dtype, device, policy):
             return point
     return None
 
 
-@contextmanager
-def _no_masks(*args: Any) -> Iterator[None]:
-    """A compiled model's masks are inside its graph: not judged."""
-    yield
+def _fails_alone(
+    golden: GoldenSet, model: Any, point: str, dtype: str, device: torch.device, policy: Any
+) -> bool:
+    """Whether the set's ``point`` fails replayed alone on the golden inputs, its pooled lean
+    included (False where the set has no such point, or it cannot run alone)."""
+    if point not in {p.name for p in golden.points}:
+        return False
+    try:
+        alone = replay_layer(golden, model, golden.point(point), dtype, device, policy)
+    except AloneUnsupported:  # needs the model's shared state: not judged alone
+        return False
+    return any(not r.result.passed for r in alone)
 
 
 def later_positions_budget(

@@ -20,6 +20,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from numalign.golden.manifest import LOGIT_TRANSFORM
+from numalign.golden.mask_points import MASK_FUNCTION
+
 #: Where vLLM's model names a captured block otherwise than transformers does, per
 #: architecture: the point's last name -> vLLM's (every entry has a test).
 RENAMES: dict[str, dict[str, str]] = {
@@ -64,9 +67,20 @@ def map_points(
             else:
                 out.append(PointMap(point, LM_HEAD))
             continue
+        if point == LOGIT_TRANSFORM:
+            out.append(PointMap(point, None, (
+                "vLLM applies the logit transform inside its logits processor, with the head: "
+                "judged in the logits"
+            )))  # fmt: skip
+            continue
         parent, _, last = point.rpartition(".")
         name = f"{parent}.{renames[last]}" if last in renames and parent else point
-        if name in modules and modules[name].endswith("AndMul"):
+        if MASK_FUNCTION.match(last) and name not in modules:
+            out.append(PointMap(point, None, (
+                f"vLLM builds no mask ({last} is transformers' own): its attention backends "
+                "take each sequence's length and positions in their metadata"
+            )))  # fmt: skip
+        elif name in modules and modules[name].endswith("AndMul"):
             # vLLM's SiluAndMul / GeluAndMul take gate and up side by side and multiply them:
             # no module of it computes the reference's activation alone (its probe's point)
             out.append(PointMap(point, None, (
