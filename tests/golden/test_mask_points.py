@@ -4,10 +4,12 @@ with ``from_pretrained``, routed per model, recorded by the capture and replayed
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import masking_utils
 from transformers.models.llama import modeling_llama
 
 from numalign.golden.logit_transform import LogitTransform
@@ -42,6 +44,16 @@ def test_each_model_s_mask_calls_go_through_its_own_point() -> None:
     assert next(iter(first.model.named_children()))[0] == "create_causal_mask"
 
 
+def _cache_names() -> tuple[str, str]:
+    """The cache argument's name in this transformers' mask functions, and the other
+    version's (5.24: ``cache``; 5.19, vLLM's pin: ``past_key_values``)."""
+    names = ("cache", "past_key_values")
+    own = next(
+        n for n in names if n in inspect.signature(masking_utils.create_causal_mask).parameters
+    )
+    return own, next(n for n in names if n != own)
+
+
 def test_a_call_with_a_config_no_attached_model_holds_builds_the_mask_as_before() -> None:
     model = _load("tiny-llama")
     config = type(model.config).from_dict(model.config.to_dict())
@@ -50,8 +62,9 @@ def test_a_call_with_a_config_no_attached_model_holds_builds_the_mask_as_before(
     mask = torch.tensor([[0, 1, 1, 1]])
     routed = modeling_llama.create_causal_mask  # what the modeling file now holds
     plain = routed.__wrapped__
-    built = routed(config=config, inputs_embeds=embeds, attention_mask=mask, cache=None)
-    expected = plain(config=config, inputs_embeds=embeds, attention_mask=mask, cache=None)
+    cache = {_cache_names()[0]: None}
+    built = routed(config=config, inputs_embeds=embeds, attention_mask=mask, **cache)
+    expected = plain(config=config, inputs_embeds=embeds, attention_mask=mask, **cache)
     assert torch.equal(built, expected)
 
 
@@ -61,11 +74,12 @@ def test_a_mask_replayed_alone_is_always_built_and_takes_another_version_s_argum
     point = model.get_submodule("model.create_causal_mask")
     embeds = torch.zeros(1, 4, model.config.hidden_size)
     ones = torch.ones(1, 4, dtype=torch.long)
+    own, other = _cache_names()
     # SDPA needs no mask for a causal row without padding: the model's call returns None
-    assert point(inputs_embeds=embeds, attention_mask=ones, cache=None) is None
+    assert point(inputs_embeds=embeds, attention_mask=ones, **{own: None}) is None
     # alone, the shortcut is off, and a None argument the function does not take (another
-    # transformers' name for the cache) is dropped
-    alone = point.alone(inputs_embeds=embeds, attention_mask=ones, past_key_values=None)
+    # transformers' name for the cache) is dropped, the one it requires given None
+    alone = point.alone(inputs_embeds=embeds, attention_mask=ones, **{other: None})
     assert alone.dtype == torch.bool and alone.shape == (1, 1, 4, 4)
     assert torch.equal(alone[0, 0], torch.ones(4, 4, dtype=torch.bool).tril())
 
