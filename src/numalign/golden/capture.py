@@ -541,9 +541,14 @@ def _record_request(
         recorder.on_call(name, point, args, kwargs, output)
 
     recorder.mask = request.inputs.get("attention_mask")
-    with torch.no_grad(), hooks(model, point_names, on_call), _head_output(model) as head:
+    transform = LOGIT_TRANSFORM in point_names
+    with (
+        torch.no_grad(),
+        hooks(model, point_names, on_call),
+        _head_output(model, transform) as head,
+    ):
         finals = model_outputs(model(**request.inputs, **forward_kwargs(model)))
-        if LOGIT_TRANSFORM in point_names and head:  # the forward does not call it: once here
+        if head:  # the forward does not call the logit transform: once here, on its input
             model.get_submodule(LOGIT_TRANSFORM)(head[-1])
         head.clear()
     _refuse_nonfinite(recorder, name, finals)
@@ -560,15 +565,14 @@ def _record_request(
 
 
 @contextmanager
-def _head_output(model: Any) -> Iterator[list[Any]]:
+def _head_output(model: Any, wanted: bool) -> Iterator[list[Any]]:
     """The LM head's outputs while the model runs (the logit transform's input), where the
-    model has a logit transform point."""
-    transform = getattr(model, LOGIT_TRANSFORM, None)
+    logit transform is a point (``wanted``); else nothing is hooked."""
     outputs: list[Any] = []
-    if transform is None:
+    if not wanted:
         yield outputs
         return
-    head = model.get_submodule(transform.head)
+    head = model.get_submodule(model.get_submodule(LOGIT_TRANSFORM).head)
     handle = head.register_forward_hook(lambda module, args, output: outputs.append(output))
     try:
         yield outputs
