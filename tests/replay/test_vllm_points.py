@@ -119,3 +119,15 @@ def test_dual_residual_stream() -> None:
 def test_other_tuples_give_their_first_tensor(shapes: list[tuple[int, int]]) -> None:
     outputs = tuple(torch.randn(s) for s in shapes)
     assert reference_output(LlamaDecoderLayer(), outputs) is outputs[0]
+
+
+def test_a_router_is_reported_unmapped_with_the_reason() -> None:
+    # vLLM's Qwen3-MoE has a module of the router's name (a linear giving the logits), but its
+    # fused MoE kernel chooses and weighs the experts: the routing has no counterpart
+    modules = {**LLAMA, "model.layers.0.mlp.gate": "ReplicatedLinear"}
+    point = "model.layers.0.mlp.gate"
+    (mapped,) = map_points("Qwen3MoeForCausalLM", [point], modules, Config(), {point})
+    assert mapped.module is None and "fused MoE kernel" in (mapped.reason or "")
+    # a module of that name that is no router (its outputs hold no routing) maps by name
+    (plain,) = map_points("Qwen3MoeForCausalLM", [point], modules, Config())
+    assert plain.module == point

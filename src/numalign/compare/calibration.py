@@ -63,6 +63,9 @@ class ControlStats:
     offset_high: float | None = None
     channel_scale: float | None = None
     channel_offset: float | None = None
+    #: a router's routing (``compare.routing``): the largest fraction of tokens whose chosen
+    #: experts differ from the golden ones
+    flips: float | None = None
     #: the ensemble: the worst over the smallest member's, and the members' count
     max_abs_spread: float | None = None
     rel_l2_spread: float | None = None
@@ -134,6 +137,8 @@ class Control:
     #: the point runs inside the whole model (accumulated, decode, the model's outputs):
     #: honest differences upstream reach it
     propagated: bool = False
+    #: a routing's control: the fraction of tokens the honest ensemble routes apart
+    flips: float | None = None
 
 
 def control_for(
@@ -174,8 +179,9 @@ def control_for(
         candidates.append(borrowed)
     if not candidates:
         return Control(ControlErrors(max_abs=0.0, rel_l2=0.0), reduction, calibrated=False)
-    errors = [c for c, _ in candidates]
-    kls = [kl for _, kl in candidates if kl is not None]
+    errors = [c.errors for c in candidates]
+    kls = [c.kl for c in candidates if c.kl is not None]
+    flips = [c.flips for c in candidates if c.flips is not None]
     norms = [e.norm_ratio for e in errors if e.norm_ratio is not None]
     zeros = [e.zero_fraction for e in errors if e.zero_fraction is not None]
     return Control(
@@ -189,12 +195,13 @@ def control_for(
         reduction,
         kl_max=max(kls) if kls else None,
         propagated=propagated,
+        flips=max(flips) if flips else None,
     )
 
 
 def _borrowed(
     golden: Calibrated, dtype: str, point: str, path: str, mode: str, hidden: int, power: float
-) -> tuple[ControlErrors, float | None] | None:
+) -> _Scaled | None:
     """The closest 16-bit calibration scaled to ``dtype`` (see ``control_for``), for dtypes
     finer than it; None for the 16-bit dtypes themselves or where neither is calibrated."""
     if dtype not in FLOAT_FORMATS or dtype in BORROWED_CALIBRATIONS:
@@ -209,8 +216,19 @@ def _borrowed(
     return None
 
 
-def _scaled(stats: ControlStats, scale: float) -> tuple[ControlErrors, float | None]:
-    """A calibration's statistics as the control's errors (scaled by ``scale``) and KL."""
+@dataclass(frozen=True)
+class _Scaled:
+    """A calibration's statistics as a control's: errors, KL and a routing's flips."""
+
+    errors: ControlErrors
+    kl: float | None
+    flips: float | None
+
+
+def _scaled(stats: ControlStats, scale: float) -> _Scaled:
+    """A calibration's statistics as the control's errors (scaled by ``scale``), KL (by its
+    square) and a routing's flips (by ``scale``: flips are the near ties an error of that
+    size moves across, as many as the error is large where the scores spread smoothly)."""
     norm_ratio, kl = stats.norm_ratio, stats.kl_max
     errors = ControlErrors(
         max_abs=float(stats.max_abs) * scale,  # type: ignore[arg-type]
@@ -219,7 +237,8 @@ def _scaled(stats: ControlStats, scale: float) -> tuple[ControlErrors, float | N
         norm_ratio=None if norm_ratio is None else 1.0 + (float(norm_ratio) - 1.0) * scale,
         zero_fraction=stats.zero_fraction,
     )
-    return errors, None if kl is None else float(kl) * scale**2
+    flips = None if stats.flips is None else min(1.0, float(stats.flips) * scale)
+    return _Scaled(errors, None if kl is None else float(kl) * scale**2, flips)
 
 
 def _calibration(

@@ -21,6 +21,7 @@ from numalign.compare.exact import attends
 from numalign.compare.logits import LogitsStats, kl_budget, logits_stats, near_tie
 from numalign.compare.metrics import ControlErrors
 from numalign.compare.result import CompareResult
+from numalign.compare.routing import agreeing, is_routing, judge_flips
 from numalign.compare.tolerances import (
     DEFAULT_POLICY,
     FLOAT_FORMATS,
@@ -52,7 +53,9 @@ def compare_point(
     golden output is where each position attends: ``exact.attends`` of the mask in whatever
     form the candidate built it), and for integer ones as a selection: each row's values,
     in any order (a top-k's order is its kernel's: GLM-DSA's indexer returns its masked
-    keys, tied at -inf, in any order). Uncalibrated where the control is not calibrated."""
+    keys, tied at -inf, in any order). A router's routing (``compare.routing``) is judged on
+    the tokens whose chosen experts agree, and the others by their count. Uncalibrated where
+    the control is not calibrated."""
     import torch
 
     if expected.dtype == torch.bool:  # a mask the model builds is judged as where it attends
@@ -71,6 +74,19 @@ def compare_point(
             "would be one ulp and the tolerance table is not made for whole modules; capture "
             f"it again with --calibrate {dtype}"
         )
+    if is_routing(name) and actual.shape == expected.shape:
+        # a router's weights per expert: on the tokens choosing the same experts, and the
+        # others counted (``compare.routing``)
+        actual, expected, flips, tokens = agreeing(actual, expected)
+        result = _within_control(actual, expected, name, control, policy)
+        return judge_flips(result, flips, tokens, control.flips, thresholds_of(policy))
+    return _within_control(actual, expected, name, control, policy)
+
+
+def _within_control(
+    actual: torch.Tensor, expected: torch.Tensor, name: str, control: Control, policy: Any
+) -> CompareResult:
+    """A floating output against the golden one within its calibrated control's budget."""
     reach = chance_zero_reach(control.errors, expected, dtypes.dtype_name(actual.dtype),
                               thresholds_of(policy))  # fmt: skip
     return compare(actual, expected, control_errors=control.errors,

@@ -173,6 +173,17 @@ LEAN_SPREAD = 1.0
 #: and a planted 0.1% scale (a quarter rounding) still fails.
 LEAN_FLOOR_ROUNDOFFS = 0.125
 LEAN_MIN_ELEMENTS = 256
+
+#: A router's tokens that choose other experts than the reference (``compare.routing``) fail
+#: beyond the honest ensemble's worst fraction of them by more than FLIP_Z standard
+#: deviations of a Poisson count of that mean (one flip more in its variance, so that a
+#: calibration that met no near tie still allows one). Flips come from near ties the
+#: candidate's rounding moves across, independent token by token: a Poisson count. A router
+#: is judged per request, call and dtype, a few hundred counts per set, and at 8 the tail
+#: stays below 1e-6 per count for the small means routers have (an honest bfloat16 router of
+#: the zoo flips 0 to 3 of 480 tokens, the ensemble the same ones); a router that chooses by
+#: other scores (a bias left out of the choice) flips a good share of its tokens.
+FLIP_Z = 8.0
 #: Rows (tokens) per channel before per-channel leans are judged: the mean of fewer rounds
 #: too coarsely for its standard error to be trusted in the maximum over channels.
 LEAN_CHANNEL_ROWS = 16
@@ -286,8 +297,9 @@ class Thresholds:
     ``[tool.numalign.thresholds]`` of pyproject.toml (the constants above give the defaults
     and their reasons): the logits' near tie and KL budget, the baseline diff's noise floor
     (read by the session's report and ``numalign report``), the model verdict's zero reach
-    and borrowing walk, and the lean rule's z-score, spread and floor. A policy carries them
-    (``TolerancePolicy.thresholds``) to every verdict it reaches. SWAP_PROBE_EPS is not among
+    and borrowing walk, the lean rule's z-score, spread and floor, and the routing's flips'
+    z-score. A policy carries them (``TolerancePolicy.thresholds``) to every verdict it
+    reaches. SWAP_PROBE_EPS is not among
     them: it checks numalign's own adapter against the module it stands for, not a
     candidate, and loosening it would only hide an adapter that tests the wrong thing."""
 
@@ -301,6 +313,7 @@ class Thresholds:
     lean_z: float = LEAN_Z
     lean_spread: float = LEAN_SPREAD
     lean_floor_roundoffs: float = LEAN_FLOOR_ROUNDOFFS
+    flip_z: float = FLIP_Z
 
 
 def _threshold(value: Any, where: str) -> float:

@@ -63,6 +63,7 @@ from numalign.golden.requests import (
     long_requests,
     text_requests,
 )
+from numalign.golden.routing import point_tensors
 from numalign.golden.store import (
     DEFAULT_SHARD_BYTES,
     GoldenSet,
@@ -87,15 +88,19 @@ _SKIP_TYPES = re.compile(r"(RotaryEmbedding|Dropout|Activation|ModuleList|Module
 #: to every attention): capture points outside the blocks, so a fault in what the attention is
 #: fed is judged where it is made.
 _POSITION_TYPES = re.compile(r"RotaryEmbedding$")
+#: An MoE block's router (transformers 5's ``...TopKRouter``, remote code's ``MoEGate``):
+#: a capture point inside the block, so that what it chooses and weighs is judged where it
+#: is computed (``golden.routing``).
+_ROUTER_TYPES = re.compile(r"(Router|MoEGate)$")
 
 
 # -- what to capture --------------------------------------------------------------------------
 def default_points(model: torch.nn.Module) -> list[str]:
     """Embeddings, the masks (``golden.mask_points``) and position embeddings (rotary
     cos/sin) the model computes outside its blocks, every block (decoder or vision) with its
-    attention, MLP or MoE and norms, the final norm, the LM head and the logit transform
-    after it (``golden.logit_transform``, where the model has one), and the vision patch
-    embedding and merger."""
+    attention, MLP or MoE (and the MoE's router, ``golden.routing``) and norms, the final
+    norm, the LM head and the logit transform after it (``golden.logit_transform``, where
+    the model has one), and the vision patch embedding and merger."""
     import torch
 
     from numalign.golden.logit_transform import LogitTransform
@@ -126,6 +131,8 @@ def default_points(model: torch.nn.Module) -> list[str]:
             return True
         if name.rpartition(".")[0] in blocks:  # a block's attention, MLP, MoE or norm
             return bool(_BLOCK_PARTS.search(kind))
+        if _ROUTER_TYPES.search(kind):  # an MoE block's router
+            return in_block(name)
         if isinstance(module, torch.nn.Embedding):
             return not in_block(name)
         # the final norm: outside every block and outside the vision tower
@@ -201,12 +208,11 @@ class _Recorder:
             from numalign.compare.exact import attends
 
             output = attends(output)
-        outputs = {
-            p: put(f"{base}/out/{p}", t) for p, t in flatten(output) if isinstance(t, torch.Tensor)
-        }
+        tensors = point_tensors(output)  # a router's as its logits and routing
+        outputs = {p: put(f"{base}/out/{p}", t) for p, t in tensors}
         # the point's main output (hidden states; not attention weights, whose padded query
         # rows are NaN where every key is masked), at the positions the mask keeps
-        first = next(((p, t) for p, t in flatten(output) if isinstance(t, torch.Tensor)), None)
+        first = tensors[0] if tensors else None
         if self.nonfinite is None and first is not None:
             bad = _nonfinite(first[1], self.mask)
             if bad:

@@ -28,6 +28,7 @@ from numalign import dtypes
 from numalign.compare import compute_metrics
 from numalign.compare.lean import LeanSums
 from numalign.compare.logits import logits_stats
+from numalign.compare.routing import agreeing, is_routing
 from numalign.golden.decode import REFERENCE_CACHE, limit_message
 from numalign.golden.manifest import OUTPUT_POINT, CalibrationJson
 from numalign.golden.reference import Placement, forward_kwargs, load_model, model_outputs
@@ -55,7 +56,13 @@ STATS = ("max_abs", "rel_l2", "mean_abs", "ulp_p99", "max_expected")
 LOGITS_STATS = ("kl_max", "top1_unexplained", "top5_unexplained")
 
 
-def _stats(actual: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
+def _stats(actual: torch.Tensor, expected: torch.Tensor, path: str = "") -> dict[str, float]:
+    """The errors of one output (``STATS``, the distribution's); a router's routing
+    (``compare.routing``) on the tokens whose chosen experts agree, with the fraction of
+    tokens that choose differently (``flips``)."""
+    if is_routing(path) and actual.shape == expected.shape:
+        actual, expected, flips, tokens = agreeing(actual, expected)
+        return _stats(actual, expected) | {"flips": flips / max(tokens, 1)}
     m = compute_metrics(actual, expected)
     out = {name: float(getattr(m, name)) for name in STATS}
     out["cosine"] = float(m.cosine)
@@ -172,7 +179,7 @@ def _accumulated(
             if not expected.is_floating_point():
                 return  # judged exactly (a mask, indices): no budget
             # every call of a point shares its calibration (the worst of them)
-            stats = _stats(actual, expected)
+            stats = _stats(actual, expected, path)
             accumulated[(point, path)] = _worst(accumulated.get((point, path)), stats)
 
         with torch.no_grad(), golden_outputs(model, golden, name, on_output):
@@ -216,11 +223,11 @@ def _isolated(
                     if path in outputs and golden.tensor(key).is_floating_point():
                         expected = kept_positions(golden.tensor(key), mask)
                         actual = kept_positions(outputs[path], mask)
-                        stats = _stats(actual, expected)
+                        stats = _stats(actual, expected, path)
                         isolated[(point.name, path)] = _worst(
                             isolated.get((point.name, path)), stats
                         )
-                        if actual.is_floating_point():
+                        if actual.is_floating_point() and not is_routing(path):
                             slot = (point.name, path, "isolated")
                             leans.setdefault(slot, LeanSums()).add(actual, expected)
     return isolated
@@ -234,7 +241,7 @@ def _decoded(golden: GoldenSet, model: Any, device: str, torch_dtype: torch.dtyp
     def on_pair(
         request: str, step: int, point: str, path: str, actual: Any, expected: Any, call: int = 0
     ) -> None:
-        stats = _stats(actual, expected)
+        stats = _stats(actual, expected, path)
         if point == OUTPUT_POINT:
             agreement = logits_stats(actual, expected, 0.0)
             stats |= {k: float(getattr(agreement, k)) for k in LOGITS_STATS}

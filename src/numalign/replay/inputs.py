@@ -197,8 +197,6 @@ def detached(value: Any) -> Any:
 
 
 def _tensor_outputs(output: Any) -> list[tuple[str, Any]]:
-    import torch
+    from numalign.golden.routing import point_tensors
 
-    from numalign.golden.reference import flatten
-
-    return [(p, t) for p, t in flatten(output) if isinstance(t, torch.Tensor)]
+    return point_tensors(output)

@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from numalign.golden.reference import flatten, hooks, jsonable
+from numalign.golden.reference import hooks, jsonable
+from numalign.golden.routing import point_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -94,9 +95,14 @@ def kept_positions(tensor: torch.Tensor, mask: torch.Tensor | None) -> torch.Ten
     not defined (the reference itself gives NaN there in bfloat16), so it is not compared.
     Outputs laid out [batch, ..., seq, ...] keep the positions of the first dimension after
     the batch that has the sequence's length ([batch, seq, hidden]; attention weights
-    [batch, heads, query, key]). Other layouts, and [batch, features] outputs (an encoder's
-    pooled output), are returned whole."""
-    if mask is None or tensor.dim() < 3 or tensor.shape[0] != mask.shape[0]:
+    [batch, heads, query, key]), and outputs of the tokens flattened, [batch * seq, ...]
+    (a router's logits and routing), keep their rows. Other layouts, and [batch, features]
+    outputs (an encoder's pooled output), are returned whole."""
+    if mask is None:
+        return tensor
+    if tensor.dim() == 2 and tensor.shape[0] == mask.numel() > mask.shape[0]:  # tokens flattened
+        return tensor[mask.to(tensor.device).flatten().bool()]
+    if tensor.dim() < 3 or tensor.shape[0] != mask.shape[0]:
         return tensor
     seq_dims = [d for d in range(1, tensor.dim()) if tensor.shape[d] == mask.shape[1]]
     if not seq_dims:
@@ -197,16 +203,15 @@ class CallMatcher:
         self.orders: dict[str, CallOrder] = {}
 
     def __call__(self, point: str, args: Any, kwargs: Any, output: Any) -> None:
-        import torch
 
         calls = self.points[point].calls.get(self.request, [])
         order = self.orders.setdefault(point, CallOrder(calls))
         number = order.index(args, kwargs)
         if number is None:
             return
-        for path, tensor in flatten(output):
+        for path, tensor in point_tensors(output):
             key = calls[number].outputs.get(path)
-            if key is not None and isinstance(tensor, torch.Tensor):
+            if key is not None:
                 expected = kept_positions(self.golden.tensor(key), self.mask)
                 actual = kept_positions(tensor.detach(), self.mask)
                 self.on_output(point, path, actual, expected, number)
@@ -254,4 +259,4 @@ def replay_call(
             f"between its layers, which a replay of one module does not have ({type(exc).__name__}"
             f": {exc}); the whole-model and decode replays judge it within the model"
         ) from exc
-    return {path: t for path, t in flatten(output) if isinstance(t, torch.Tensor)}
+    return dict(point_tensors(output))

@@ -39,6 +39,7 @@ from numalign.compare.model_verdict import (
     judge_logits,
     label,
 )
+from numalign.compare.routing import ROUTING
 from numalign.compare.tolerances import thresholds_of
 from numalign.golden.manifest import OUTPUT_POINT
 from numalign.golden.requests import unservable
@@ -354,7 +355,13 @@ class VllmEngine:
         model = runner.get_model()
         modules = {n: type(m).__name__ for n, m in model.named_modules()}
         config = getattr(model, "config", None)
-        mapping = map_points(type(model).__name__, [p.name for p in golden.points], modules, config)
+        routers = {
+            p.name
+            for p in golden.points
+            if any(ROUTING in c.outputs for calls in p.calls.values() for c in calls)
+        }
+        mapping = map_points(type(model).__name__, [p.name for p in golden.points], modules,
+                             config, routers)  # fmt: skip
         if self.settings.compile_backend is not None:
             mapping = [_compiled(pm) for pm in mapping]
         return _Running((str(golden.path), dtype), llm, model, runner, mapping,

@@ -16,7 +16,7 @@ transformers' separate projections) is reported unmapped with the reason, never 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,10 +50,12 @@ def map_points(
     points: Iterable[str],
     modules: Mapping[str, str],
     config: Any = None,
+    routers: Collection[str] = (),
 ) -> list[PointMap]:
     """Each golden point's vLLM module (``modules``: vLLM's module names -> class names),
     by name after ``RENAMES``; the LM head from the engine's logits where the model applies
-    no transform after its head (a final soft-capping changes them)."""
+    no transform after its head (a final soft-capping changes them). ``routers``: the
+    points that are MoE routers (their outputs hold a routing, ``golden.routing``)."""
     renames = RENAMES.get(architecture, {})
     out = []
     for point in points:
@@ -71,6 +73,13 @@ def map_points(
             out.append(PointMap(point, None, (
                 "vLLM applies the logit transform inside its logits processor, with the head: "
                 "judged in the logits"
+            )))  # fmt: skip
+            continue
+        if point in routers:
+            out.append(PointMap(point, None, (
+                "vLLM's router is a linear layer giving the router logits; its fused MoE "
+                "kernel chooses and weighs the experts inside: the routing is judged in the "
+                "MoE block's output"
             )))  # fmt: skip
             continue
         parent, _, last = point.rpartition(".")
