@@ -7,11 +7,12 @@ dtype``)."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from numalign.golden.capture import capture
-from numalign.replay.layer import input_dtype, replay_call
+from numalign.replay.layer import fed_dtypes, input_dtype, replay_call
 from numalign.sweep.build import build_tiny
 
 
@@ -21,6 +22,32 @@ def test_the_input_dtype_is_the_one_dtype_a_module_keeps() -> None:
     mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).bfloat16())
     assert input_dtype(mixed, torch.bfloat16) == torch.bfloat16  # the run's: no one dtype
     assert input_dtype(torch.nn.GELU(), torch.float16) == torch.float16  # no parameters
+
+
+class CastsItsInput(torch.nn.Module):
+    """DeepSeek-V3's router on transformers 5.24: a float32 weight, and the input cast to
+    float32 inside, so that the model feeds it the hidden states in the run's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.fed = hidden.dtype
+        return torch.nn.functional.linear(hidden.float(), self.weight)
+
+
+def test_a_module_kept_in_float32_is_fed_the_runs_dtype_where_it_takes_it() -> None:
+    router = CastsItsInput()
+    assert fed_dtypes(router, torch.bfloat16) == [torch.bfloat16, torch.float32]
+    assert fed_dtypes(torch.nn.Linear(4, 4).bfloat16(), torch.bfloat16) == [torch.bfloat16]
+    # the model feeds it bfloat16 in a bfloat16 run: alone it is fed so too (fed float32, its
+    # isolated budget would be float32's, which another honest router in bfloat16 exceeds)
+    hidden = torch.randn(3, 8)  # the one golden input, under the key "h"
+    golden = SimpleNamespace(tensor=lambda key, device=None: hidden)
+    call = SimpleNamespace(args=("h",), args_json=(None,), kwargs={}, kwargs_json={})
+    replay_call(router, golden, call, device="cpu", dtype=torch.bfloat16)
+    assert router.fed == torch.bfloat16
 
 
 def test_a_module_kept_in_float32_replays_alone_in_a_bfloat16_model(tmp_path: Path) -> None:

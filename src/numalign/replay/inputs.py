@@ -20,7 +20,6 @@ from numalign.golden.reference import forward_kwargs
 from numalign.replay.layer import (
     CallOrder,
     call_inputs,
-    input_dtype,
     kept_positions,
     request_mask,
 )
@@ -97,10 +96,9 @@ def input_at_fault(
     module = model.get_submodule(point)
     mask = request_mask(golden, request)
     faulty = []
+    fed_dtype = _fed_dtype((fed_args, fed_kwargs), dtype)
     for name, replace in _replaceable(recorded, fed_args, fed_kwargs):
-        args, kwargs = call_inputs(
-            golden, recorded, device=device, dtype=input_dtype(module, dtype)
-        )
+        args, kwargs = call_inputs(golden, recorded, device=device, dtype=fed_dtype)
         golden_value = args[replace] if isinstance(replace, int) else kwargs.get(replace)
         own = fed_args[replace] if isinstance(replace, int) else fed_kwargs[replace]
         if isinstance(replace, int):
@@ -194,6 +192,17 @@ def detached(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: detached(v) for k, v in value.items()}
     return value
+
+
+def _fed_dtype(fed: Any, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the model fed a point's floating inputs in (its first floating one's), which
+    the golden inputs beside the model's own are fed in; ``dtype`` where none is floating."""
+    import torch
+
+    from numalign.golden.reference import flatten
+
+    return next((t.dtype for _, t in flatten(fed)
+                 if isinstance(t, torch.Tensor) and t.is_floating_point()), dtype)  # fmt: skip
 
 
 def _tensor_outputs(output: Any) -> list[tuple[str, Any]]:

@@ -66,11 +66,24 @@ def call_inputs(
 
 
 def input_dtype(module: torch.nn.Module, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a module replayed alone is fed in: ``dtype``, except for a module whose
-    floating parameters are all kept in one other dtype (a model's ``_keep_in_fp32_modules``:
-    HY-V4's float32 LM head and router, which the model feeds float32 in a bfloat16 run)."""
+    """The one dtype a module's floating parameters are all kept in (a model's
+    ``_keep_in_fp32_modules``: HY-V4's float32 LM head and router, DeepSeek-V3's router
+    weight on transformers 5.24); ``dtype`` where they are in several or none."""
     kept = {p.dtype for p in module.parameters() if p.is_floating_point()}
     return kept.pop() if len(kept) == 1 else dtype
+
+
+def fed_dtypes(module: torch.nn.Module, dtype: torch.dtype) -> list[torch.dtype]:
+    """The dtypes a module replayed alone is fed in, in the order tried: the run's, then,
+    for a module kept in another dtype (``input_dtype``), that one where the run's is
+    refused. The model feeds a module what it takes: HY-V4's float32 head cannot take
+    bfloat16 (``expected m1 and m2 to have the same dtype``), so its model feeds it float32;
+    DeepSeek-V3's router casts its input to float32 itself, and its model feeds it the
+    hidden states in the run's dtype (on transformers 5.19 its weight is not kept in float32
+    at all: fed float32 alone, its isolated budget was float32's, which 5.19's honest
+    bfloat16 router exceeded 2000-fold)."""
+    kept = input_dtype(module, dtype)
+    return [dtype] if kept == dtype else [dtype, kept]
 
 
 def within_range(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -239,13 +252,21 @@ def replay_call(
     device: torch.device | str,
     dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
-    """Runs ``module`` on the golden inputs of ``call`` (in ``input_dtype``); its tensor
+    """Runs ``module`` on the golden inputs of ``call`` (in ``fed_dtypes``); its tensor
     outputs by output path. A module that says how it runs alone (``alone``: a mask point,
     ``golden.mask_points``, which then always builds its mask) is called that way."""
     import torch
 
-    args, kwargs = call_inputs(golden, call, device=device, dtype=input_dtype(module, dtype))
     run = getattr(module, "alone", module)
+    *first, last = fed_dtypes(module, dtype)
+    for fed in first:  # the run's dtype, for a module kept in another
+        args, kwargs = call_inputs(golden, call, device=device, dtype=fed)
+        try:
+            with torch.no_grad():
+                return dict(point_tensors(run(*args, **kwargs)))
+        except Exception:  # it takes only the dtype it keeps: fed that one below
+            continue
+    args, kwargs = call_inputs(golden, call, device=device, dtype=last)
     try:
         with torch.no_grad():
             output = run(*args, **kwargs)
