@@ -180,9 +180,11 @@ LEAN_MIN_ELEMENTS = 256
 #: calibration that met no near tie still allows one). Flips come from near ties the
 #: candidate's rounding moves across, independent token by token: a Poisson count. A router
 #: is judged per request, call and dtype, a few hundred counts per set, and at 8 the tail
-#: stays below 1e-6 per count for the small means routers have (an honest bfloat16 router of
-#: the zoo flips 0 to 3 of 480 tokens, the ensemble the same ones); a router that chooses by
-#: other scores (a bias left out of the choice) flips a good share of its tokens.
+#: stays below 1e-6 per count for the small means routers have (the zoo's honest bfloat16
+#: routers flip none alone and up to 12 of a long request's 350 tokens in the whole model,
+#: allowed 41 there; no variant of the honest matrix used more than a third of a routing's
+#: budget); a router that chooses by other scores (a bias left out of the choice) flips a
+#: good share of its tokens.
 FLIP_Z = 8.0
 #: Rows (tokens) per channel before per-channel leans are judged: the mean of fewer rounds
 #: too coarsely for its standard error to be trusted in the maximum over channels.
@@ -299,9 +301,9 @@ class Thresholds:
     (read by the session's report and ``numalign report``), the model verdict's zero reach
     and borrowing walk, the lean rule's z-score, spread and floor, and the routing's flips'
     z-score. A policy carries them (``TolerancePolicy.thresholds``) to every verdict it
-    reaches. SWAP_PROBE_EPS is not among
-    them: it checks numalign's own adapter against the module it stands for, not a
-    candidate, and loosening it would only hide an adapter that tests the wrong thing."""
+    reaches. SWAP_PROBE_EPS is not among them: it checks numalign's own adapter against the
+    module it stands for, not a candidate, and loosening it would only hide an adapter that
+    tests the wrong thing."""
 
     near_tie_multiplier: float = NEAR_TIE_MULTIPLIER
     kl_spread_power: float = KL_SPREAD_POWER
