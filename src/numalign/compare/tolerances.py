@@ -181,7 +181,7 @@ LEAN_MIN_ELEMENTS = 256
 #: candidate's rounding moves across, independent token by token: a Poisson count. A router
 #: is judged per request, call and dtype, a few hundred counts per set, and at 8 the tail
 #: stays below 1e-6 per count for the small means routers have (the zoo's honest bfloat16
-#: routers flip none alone and up to 12 of a long request's 350 tokens in the whole model,
+#: routers flip up to 3 tokens alone and up to 12 of a long request's 350 in the whole model,
 #: allowed 41 there; no variant of the honest matrix used more than a third of a routing's
 #: budget); a router that chooses by other scores (a bias left out of the choice) flips a
 #: good share of its tokens.
