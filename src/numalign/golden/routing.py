@@ -33,10 +33,10 @@ def point_tensors(output: Any) -> list[tuple[str, torch.Tensor]]:
     import torch
 
     tensors = [(p, t) for p, t in flatten(output) if isinstance(t, torch.Tensor)]
-    routing = routing_of([t for _, t in tensors])
-    if routing is None or [p for p, _ in tensors] != ["0", "1", "2"]:
+    if [p for p, _ in tensors] != ["0", "1", "2"]:  # a router returns a triple
         return tensors
-    return [("0", tensors[0][1]), (ROUTING, routing)]
+    routing = routing_of([t for _, t in tensors])
+    return tensors if routing is None else [("0", tensors[0][1]), (ROUTING, routing)]
 
 
 def routing_of(tensors: list[torch.Tensor]) -> torch.Tensor | None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from numalign.compare.exact import attends
 from numalign.golden.reference import forward_kwargs
+from numalign.golden.routing import point_tensors
 from numalign.replay.layer import (
     CallOrder,
     call_inputs,
@@ -106,7 +107,7 @@ def input_at_fault(
         else:
             kwargs[replace] = own
         with torch.no_grad():
-            outputs = dict(_tensor_outputs(module(*args, **kwargs)))
+            outputs = dict(point_tensors(module(*args, **kwargs)))
         failed = None
         for path, key in recorded.outputs.items():
             if path not in outputs:
@@ -203,9 +204,3 @@ def _fed_dtype(fed: Any, dtype: torch.dtype) -> torch.dtype:
 
     return next((t.dtype for _, t in flatten(fed)
                  if isinstance(t, torch.Tensor) and t.is_floating_point()), dtype)  # fmt: skip
-
-
-def _tensor_outputs(output: Any) -> list[tuple[str, Any]]:
-    from numalign.golden.routing import point_tensors
-
-    return point_tensors(output)

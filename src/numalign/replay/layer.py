@@ -258,26 +258,23 @@ def replay_call(
     import torch
 
     run = getattr(module, "alone", module)
-    *first, last = fed_dtypes(module, dtype)
-    for fed in first:  # the run's dtype, for a module kept in another
+    tried = fed_dtypes(module, dtype)
+    for attempt, fed in enumerate(tried, 1):
         args, kwargs = call_inputs(golden, call, device=device, dtype=fed)
         try:
             with torch.no_grad():
                 return dict(point_tensors(run(*args, **kwargs)))
-        except Exception:  # it takes only the dtype it keeps: fed that one below
-            continue
-    args, kwargs = call_inputs(golden, call, device=device, dtype=last)
-    try:
-        with torch.no_grad():
-            output = run(*args, **kwargs)
-    except Exception as exc:
-        shared = shared_inputs(call)
-        if not shared:
-            raise
-        raise AloneUnsupported(
-            f"{type(module).__name__} cannot run alone: its call took "
-            f"{', '.join(f'{n} ({t})' for n, t in shared.items())}, state the model shares "
-            f"between its layers, which a replay of one module does not have ({type(exc).__name__}"
-            f": {exc}); the whole-model and decode replays judge it within the model"
-        ) from exc
-    return dict(point_tensors(output))
+        except Exception as exc:
+            if attempt < len(tried):  # it takes only the dtype it keeps: fed that one next
+                continue
+            shared = shared_inputs(call)
+            if not shared:
+                raise
+            raise AloneUnsupported(
+                f"{type(module).__name__} cannot run alone: its call took "
+                f"{', '.join(f'{n} ({t})' for n, t in shared.items())}, state the model "
+                "shares between its layers, which a replay of one module does not have "
+                f"({type(exc).__name__}: {exc}); the whole-model and decode replays judge it "
+                "within the model"
+            ) from exc
+    raise AssertionError("fed_dtypes names at least the run's dtype")
