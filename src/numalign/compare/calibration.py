@@ -14,9 +14,9 @@ closest of those, scaled (``BORROWED_CALIBRATIONS``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Protocol
+from typing import Literal, Protocol
 
 from numalign.compare.metrics import ControlErrors
 from numalign.compare.tolerances import (
@@ -27,6 +27,80 @@ from numalign.compare.tolerances import (
 
 #: The modes a point is calibrated in.
 MODES = ("isolated", "accumulated", "decode")
+
+#: Where a statistic's worst lies: its largest value, its smallest, or farthest from one.
+Worst = Literal["largest", "smallest", "farthest_from_one"]
+
+#: The errors a calibration measures per point output (the worst over requests and calls).
+ERROR_STATISTICS = ("max_abs", "rel_l2", "mean_abs", "ulp_p99", "max_expected")
+#: The logits' agreement measured beside the errors of the model's outputs.
+LOGITS_STATISTICS = ("kl_max", "top1_unexplained", "top5_unexplained")
+#: The honest range of the errors' leans (``compare.lean``) a pooled lean is judged against.
+LEAN_STATISTICS = ("scale_low", "scale_high", "offset_low", "offset_high", "channel_scale",
+                   "channel_offset")  # fmt: skip
+#: The ensemble's statistics of its members (``replay.ensemble``).
+SPREAD_STATISTICS = ("max_abs_spread", "rel_l2_spread")
+
+#: Every calibration statistic, declared once, with the direction of its worst. Merging
+#: samples (requests, calls, steps, the ensemble's members) keeps each one's worst, so a
+#: merge does not depend on the samples' order. ``ControlStats`` has one field per entry.
+STATISTICS: dict[str, Worst] = {
+    **dict.fromkeys(ERROR_STATISTICS, "largest"),
+    # the distribution: the lowest cosine, the norm ratio farthest from 1, the largest
+    # fraction of exact zeros, the most non-finite values beyond the golden ones
+    "cosine": "smallest",
+    "norm_ratio": "farthest_from_one",
+    "zero_fraction": "largest",
+    "nonfinite": "largest",
+    **dict.fromkeys(LOGITS_STATISTICS, "largest"),
+    # a lean's range widens both ways: its low end is the smallest, its high end the largest;
+    # a channel's lean is a magnitude
+    "scale_low": "smallest",
+    "scale_high": "largest",
+    "offset_low": "smallest",
+    "offset_high": "largest",
+    "channel_scale": "largest",
+    "channel_offset": "largest",
+    # a routing's fraction of tokens whose chosen experts differ from the golden ones
+    "flips": "largest",
+    **dict.fromkeys(SPREAD_STATISTICS, "largest"),
+    # the fewest members a merged entry rests on is the weakest claim it makes
+    "members": "smallest",
+}
+
+
+def worst_of(name: str, values: Iterable[float]) -> float | None:
+    """The worst of ``values`` of the statistic ``name`` (``STATISTICS``; one this numalign
+    does not know: the largest, so that a merge never depends on the order). NaN is not a
+    measurement (a calibration stores it as None) and is left out; None where nothing is
+    left."""
+    finite_or_inf = [float(v) for v in values if not math.isnan(v)]
+    if not finite_or_inf:
+        return None
+    worst = STATISTICS.get(name, "largest")
+    if worst == "smallest":
+        return min(finite_or_inf)
+    if worst == "farthest_from_one":
+        # ties (1 - d and 1 + d) go to the larger, whatever their order
+        return max(finite_or_inf, key=lambda v: (abs(v - 1.0), v))
+    return max(finite_or_inf)
+
+
+def merge_statistics(samples: Iterable[Mapping[str, float | None]]) -> dict[str, float | None]:
+    """Every statistic any sample has, at its worst over the samples that measured it (None
+    where none did): the one merge of calibration samples (requests, calls and decode steps
+    in ``replay.calibrate``, the ensemble's members in ``replay.ensemble``). Statistics come
+    in ``STATISTICS``' order, then unknown ones sorted, whatever the samples' order."""
+    pooled: dict[str, list[float]] = {}
+    for sample in samples:
+        for name, value in sample.items():
+            values = pooled.setdefault(name, [])
+            if value is not None:
+                values.append(float(value))
+    order = [n for n in STATISTICS if n in pooled] + sorted(set(pooled) - set(STATISTICS))
+    return {name: worst_of(name, pooled[name]) for name in order}
+
+
 #: The calibration's name for the model's own outputs (logits, an encoder's hidden states).
 OUTPUT_POINT = "(output)"
 #: The calibration's name for the KV cache's contents (per layer: keys, values, states).
@@ -179,23 +253,24 @@ def control_for(
         candidates.append(borrowed)
     if not candidates:
         return Control(ControlErrors(max_abs=0.0, rel_l2=0.0), reduction, calibrated=False)
-    errors = [c.errors for c in candidates]
-    kls = [c.kl for c in candidates if c.kl is not None]
-    flips = [c.flips for c in candidates if c.flips is not None]
-    norms = [e.norm_ratio for e in errors if e.norm_ratio is not None]
-    zeros = [e.zero_fraction for e in errors if e.zero_fraction is not None]
+    worst = merge_statistics(
+        {"max_abs": c.errors.max_abs, "rel_l2": c.errors.rel_l2, "cosine": c.errors.cosine,
+         "norm_ratio": c.errors.norm_ratio, "zero_fraction": c.errors.zero_fraction,
+         "kl_max": c.kl, "flips": c.flips}
+        for c in candidates
+    )  # fmt: skip
     return Control(
         ControlErrors(
-            max_abs=max(e.max_abs for e in errors),
-            rel_l2=max(e.rel_l2 for e in errors),
-            cosine=min(e.cosine for e in errors),
-            norm_ratio=max(norms, key=lambda v: abs(v - 1.0)) if norms else None,
-            zero_fraction=max(zeros) if zeros else None,
+            max_abs=float(worst["max_abs"] or 0.0),
+            rel_l2=float(worst["rel_l2"] or 0.0),
+            cosine=1.0 if worst["cosine"] is None else float(worst["cosine"]),
+            norm_ratio=worst["norm_ratio"],
+            zero_fraction=worst["zero_fraction"],
         ),
         reduction,
-        kl_max=max(kls) if kls else None,
+        kl_max=worst["kl_max"],
         propagated=propagated,
-        flips=max(flips) if flips else None,
+        flips=worst["flips"],
     )
 
 

@@ -26,6 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 from numalign import dtypes
 from numalign.compare import compute_metrics
+from numalign.compare.calibration import (
+    ERROR_STATISTICS,
+    LOGITS_STATISTICS,
+    merge_statistics,
+)
 from numalign.compare.lean import LeanSums
 from numalign.compare.logits import logits_stats
 from numalign.compare.routing import agreeing, is_routing
@@ -50,21 +55,16 @@ _Worst = dict[tuple[str, str], dict[str, float]]
 #: Pooled leans per (point, output path, mode).
 _Leans = dict[tuple[str, str, str], LeanSums]
 
-#: The error statistics kept per point and output: the worst (largest) over requests and calls.
-STATS = ("max_abs", "rel_l2", "mean_abs", "ulp_p99", "max_expected")
-#: Logits statistics of the control kept beside the errors (the worst over requests).
-LOGITS_STATS = ("kl_max", "top1_unexplained", "top5_unexplained")
-
 
 def _stats(actual: torch.Tensor, expected: torch.Tensor, path: str = "") -> dict[str, float]:
-    """The errors of one output (``STATS``, the distribution's); a router's routing
+    """The errors of one output (``ERROR_STATISTICS``, the distribution's); a router's routing
     (``compare.routing``) on the tokens whose chosen experts agree, with the fraction of
     tokens that choose differently (``flips``)."""
     if is_routing(path) and actual.shape == expected.shape:
         actual, expected, flips, tokens = agreeing(actual, expected)
         return _stats(actual, expected) | {"flips": flips / max(tokens, 1)}
     m = compute_metrics(actual, expected)
-    out = {name: float(getattr(m, name)) for name in STATS}
+    out = {name: float(getattr(m, name)) for name in ERROR_STATISTICS}
     out["cosine"] = float(m.cosine)
     out["norm_ratio"] = float(m.norm_ratio)
     out["zero_fraction"] = float(m.zero_fraction_actual)
@@ -73,14 +73,10 @@ def _stats(actual: torch.Tensor, expected: torch.Tensor, path: str = "") -> dict
 
 
 def _worst(into: dict[str, float] | None, new: dict[str, float]) -> dict[str, float]:
-    """The worst of two samples: the largest error, lowest cosine, norm ratio farthest from
-    1."""
+    """The worst of two samples, statistic by statistic (``merge_statistics``)."""
     if into is None:
         return new
-    merged = {k: max(into[k], new[k]) for k in into if k not in ("cosine", "norm_ratio")}
-    merged["cosine"] = min(into["cosine"], new["cosine"])
-    merged["norm_ratio"] = max(into["norm_ratio"], new["norm_ratio"], key=lambda v: abs(v - 1.0))
-    return merged
+    return {k: math.nan if v is None else v for k, v in merge_statistics([into, new]).items()}
 
 
 def _json_safe(stats: dict[str, float]) -> dict[str, float | None]:
@@ -193,7 +189,7 @@ def _accumulated(
             if output == "logits":
                 # the control's own agreement, near ties not allowed: what rounding does
                 agreement = logits_stats(kept_a.flatten(0, -2), kept_e.flatten(0, -2), 0.0)
-                stats |= {k: float(getattr(agreement, k)) for k in LOGITS_STATS}
+                stats |= {k: float(getattr(agreement, k)) for k in LOGITS_STATISTICS}
             slot = (OUTPUT_POINT, output)
             accumulated[slot] = _worst(accumulated.get(slot), stats)
     return accumulated
@@ -244,7 +240,7 @@ def _decoded(golden: GoldenSet, model: Any, device: str, torch_dtype: torch.dtyp
         stats = _stats(actual, expected, path)
         if point == OUTPUT_POINT:
             agreement = logits_stats(actual, expected, 0.0)
-            stats |= {k: float(getattr(agreement, k)) for k in LOGITS_STATS}
+            stats |= {k: float(getattr(agreement, k)) for k in LOGITS_STATISTICS}
         decoded[(point, path)] = _worst(decoded.get((point, path)), stats)
 
     for request_name in golden.decode_requests:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from numalign.compare.calibration import merge_statistics
 from numalign.golden.capture import capture
 from numalign.golden.manifest import CalibrationJson, calibration_from_json
 from numalign.replay.ensemble_member import (
@@ -67,12 +68,6 @@ ATEN_CAPABILITIES = (("default", ""), ("avx2", "avx2"), ("avx512", "avx512f"))
 _CODE = code_fingerprint()
 #: Member keys that are not environment variables.
 _KEYS = ("onednn", "aten", "threads", "attn", "dtypes")
-#: Statistics whose worst is the largest value; cosine and norm_ratio are handled apart.
-_LARGEST = ("max_abs", "rel_l2", "mean_abs", "ulp_p99", "max_expected", "zero_fraction",
-            "nonfinite", "kl_max", "top1_unexplained", "top5_unexplained", "scale_high",
-            "offset_high", "channel_scale", "channel_offset")  # fmt: skip
-#: Statistics whose worst is the smallest value (the low end of a lean's range).
-_SMALLEST = ("scale_low", "offset_low")
 #: Statistics whose spread over the members is kept beside the worst.
 SPREAD_STATS = ("max_abs", "rel_l2")
 
@@ -218,21 +213,9 @@ def describe(member: Member) -> str:
 
 # -- merging -----------------------------------------------------------------------------------
 def _merge_stats(samples: Sequence[dict[str, float | None]]) -> dict[str, float | None]:
-    merged: dict[str, float | None] = {}
-    for key in {k for s in samples for k in s}:
-        values = [float(v) for s in samples if (v := s.get(key)) is not None]
-        if not values:
-            merged[key] = None
-        elif key == "cosine":
-            merged[key] = min(values)
-        elif key == "norm_ratio":
-            merged[key] = max(values, key=lambda v: abs(v - 1.0))
-        elif key in _LARGEST:
-            merged[key] = max(values)
-        elif key in _SMALLEST:
-            merged[key] = min(values)
-        else:  # a statistic this numalign does not know: the first member's
-            merged[key] = values[0]
+    """The members' worst of every statistic (``compare.calibration.merge_statistics``),
+    the spread of ``SPREAD_STATS`` beside it, and the members' count."""
+    merged = merge_statistics(samples)
     for key in SPREAD_STATS:
         values = [float(v) for s in samples if (v := s.get(key)) is not None]
         positive = [v for v in values if v > 0 and math.isfinite(v)]

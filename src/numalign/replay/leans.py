@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from numalign.compare import CompareResult, Metrics
-from numalign.compare.calibration import ControlStats
+from numalign.compare.calibration import LEAN_STATISTICS, ControlStats
 from numalign.compare.lean import Lean, LeanSums, judge_lean, lean_uses
 from numalign.compare.model_verdict import PointResult, label
 from numalign.compare.tolerances import Thresholds
@@ -67,11 +67,6 @@ class PointLeans:
         return out
 
 
-#: The calibration's leans a pooled result reports as its budget.
-_RANGE = ("scale_low", "scale_high", "offset_low", "offset_high", "channel_scale",
-          "channel_offset")  # fmt: skip
-
-
 def lean_result(
     name: str,
     dtype: str,
@@ -85,7 +80,7 @@ def lean_result(
     significant lean beyond the range as the reason."""
     finding = judge_lean(measured, calibration, dtype, reduction, thresholds)
     used = max(lean_uses(measured, calibration, dtype, reduction, thresholds), default=0.0)
-    budget = {k: float(v) for k in _RANGE if (v := getattr(calibration, k)) is not None}
+    budget = {k: float(v) for k in LEAN_STATISTICS if (v := getattr(calibration, k)) is not None}
     budget |= {
         "lean_scale": measured.scale, "lean_scale_se": measured.scale_se,
         "lean_offset": measured.offset, "lean_offset_se": measured.offset_se,
