@@ -59,6 +59,10 @@ register_operator(
     Operator(
         name="logit_softcap",
         aten=("tanh",),
+        hf_config_check=lambda config: bool(
+            getattr(config, "final_logit_softcapping", None)
+            or getattr(config, "attn_logit_softcapping", None)
+        ),
         op_class="elementwise",
         reference=logit_softcap_reference,
         make_inputs=softcap_inputs,

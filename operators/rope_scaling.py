@@ -182,6 +182,8 @@ register_operator(
         make_inputs=rope_scaling_inputs,
         cases=ROPE_SCALING_CASES,
         hf_modules=("*RotaryEmbedding",),
+        # a rotary embedding is scaled only where its config names a scaling (rope_type)
+        hf_module_check=lambda m: getattr(m, "rope_type", "default") != "default",
         description="scaled rotary (linear, dynamic NTK, YaRN, Llama 3.1) beyond the context",
     )
 )

@@ -4,6 +4,7 @@ missing says so exactly (a gated RMSNorm is a form of rms_norm the catalogue lac
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -35,3 +36,36 @@ def test_only_a_depthwise_causal_conv1d_is_causal_conv1d() -> None:
     assert conv.stands_for_module(torch.nn.Conv1d(8, 8, 4, groups=8, padding=3))
     assert not conv.stands_for_module(torch.nn.Conv1d(8, 16, 3, padding=1))  # an audio stem
     assert not conv.stands_for_module(torch.nn.Conv1d(8, 8, 4, groups=8, padding=0))
+
+
+ZOO = QWEN3_NEXT.parent
+
+
+def _operators(model: str | Path) -> dict[str, dict[str, object]]:
+    return {row["operator"]: row for row in inventory(ZOO / model if isinstance(model, str)
+                                                      else model).rows}  # fmt: skip
+
+
+def test_a_default_rope_is_not_a_scaled_rope() -> None:
+    rows = _operators("tiny-llama")
+    assert rows["rope_neox"]["where"] == ["model.rotary_emb"]
+    assert "rope_scaled" not in rows
+
+
+def test_a_rope_whose_config_names_a_scaling_is_a_scaled_rope(tmp_path: Path) -> None:
+    config = json.loads((ZOO / "tiny-llama" / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    config.pop("rope_scaling", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert _operators(tmp_path)["rope_scaled"]["where"] == ["model.rotary_emb"]
+
+
+def test_tanh_is_logit_softcapping_only_where_the_config_soft_caps() -> None:
+    assert "logit_softcap" not in _operators("tiny-bert")  # its pooler's tanh
+    assert _operators("tiny-gemma2")["logit_softcap"]["where"] == ["aten.tanh"]
+
+
+def test_layers_are_listed_in_their_order() -> None:
+    where = _operators("tiny-deep-llama")["rms_norm"]["where"]
+    layers = [int(n.split(".")[2]) for n in where if n.startswith("model.layers.")]
+    assert layers == sorted(layers) and layers[-1] >= 10  # a deep model: two-digit layers

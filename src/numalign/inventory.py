@@ -12,7 +12,9 @@ missing: the list a bring-up starts from.
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,19 +156,21 @@ def _rows(model: Any, types: dict[str, list[str]], counts: dict[str, int]) -> li
     where: dict[str, set[str]] = defaultdict(set)
     for op in OPERATORS.values():
         for kind, names in types.items():
-            if op.stands_for(kind):
-                where[op.name].update(
-                    n for n in names if op.stands_for_module(model.get_submodule(n))
-                )
+            used = [n for n in names if op.stands_for_module(model.get_submodule(n))]
+            if op.stands_for(kind) and used:
+                where[op.name].update(used)
     aten_map = aten_to_operators()
     for aten, op_names in aten_map.items():
         if aten in counts:
             for op_name in op_names:
+                check = OPERATORS[op_name].hf_config_check
+                if check is not None and not check(model.config):
+                    continue
                 if not any(op_covers(op_name, t) for t in types):
                     where[op_name].add(f"aten.{aten}")
     for name in sorted(where):
         status = "covered by candidates" if len(candidates(name)) else "reference only"
-        rows.append({"operator": name, "where": sorted(where[name]), "status": status})
+        rows.append({"operator": name, "where": natural_sorted(where[name]), "status": status})
     mapped = {n for names in where.values() for n in names}
     absorbing = {n for op_name in ABSORBS_CHILDREN for n in where.get(op_name, ())}
     for kind, names in sorted(types.items()):
@@ -178,13 +182,19 @@ def _rows(model: Any, types: dict[str, list[str]], counts: dict[str, int]) -> li
         module = model.get_submodule(names[0])
         has_params = any(p.numel() for p in module.parameters(recurse=False))
         if has_params and uncovered:
-            rows.append(
-                {"operator": f"(module {kind})", "where": uncovered, "status": _missing(kind)}
-            )
+            rows.append({"operator": f"(module {kind})", "where": natural_sorted(uncovered),
+                         "status": _missing(kind)})  # fmt: skip
     for aten in sorted(counts):
         if aten not in aten_map and aten not in GLUE:
             rows.append({"operator": f"(aten.{aten})", "where": ["forward"], "status": "missing"})
     return rows
+
+
+def natural_sorted(names: Iterable[str]) -> list[str]:
+    """Module names in the model's order of layers: numbers compared as numbers
+    (``layers.2`` before ``layers.10``), the rest as text."""
+    return sorted(names, key=lambda n: [(0, int(p), "") if p.isdigit() else (1, 0, p)
+                                        for p in re.split(r"(\d+)", n)])  # fmt: skip
 
 
 def _missing(kind: str) -> str:

@@ -179,6 +179,10 @@ class Operator:
     #: Where only some modules of an ``hf_modules`` type are this operator: whether a module
     #: is (a depthwise causal Conv1d is ``causal_conv1d``, any other Conv1d is not)
     hf_module_check: Callable[[Any], bool] | None = field(default=None, compare=False)
+    #: Where a model runs this operator's ``aten`` operators only when its config asks for
+    #: it: whether the config does (``tanh`` is Gemma 2's final-logit soft-capping only where
+    #: ``final_logit_softcapping`` is set; BERT's pooler runs it too)
+    hf_config_check: Callable[[Any], bool] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.op_class not in OP_CLASSES:
