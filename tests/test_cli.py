@@ -191,3 +191,15 @@ def test_capture_on_a_full_disk_says_so_and_leaves_nothing(monkeypatch, tmp_path
     assert message.startswith("numalign capture: the disk is full (No space left on device")
     assert "free space there, or give another --out" in message
     assert not out.exists() and list((tmp_path / "sets").iterdir()) == []
+
+
+def test_golden_show_and_verify_take_a_name_as_ls_prints_it() -> None:
+    root = Path(__file__).resolve().parents[1]
+    listed = subprocess.run([sys.executable, "-m", "numalign.cli", "golden", "ls"], cwd=root,
+                            capture_output=True, text=True).stdout  # fmt: skip
+    name = listed.split()[0]  # the first set's name, as ls prints it
+    for action in ("show", "verify"):
+        out = subprocess.run([sys.executable, "-m", "numalign.cli", "golden", action, name],
+                             cwd=root, capture_output=True, text=True)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert f"golden/sets/{name}" in out.stdout

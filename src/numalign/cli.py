@@ -225,7 +225,7 @@ def _golden(args: argparse.Namespace) -> int:
     if not args.target:
         print(f"numalign golden {args.action}: give a golden set folder", file=sys.stderr)
         return 2
-    g = GoldenSet.open(args.target)
+    g = GoldenSet.open(_set_folder(args.target))
     if args.action == "verify":
         g.verify(contents=True)
         g.check_fresh()
@@ -256,6 +256,17 @@ def _golden(args: argparse.Namespace) -> int:
         )
         print(f"  {point.name:52} {point.type:28} {outputs or '(no calls)'}")
     return 0
+
+
+def _set_folder(target: str) -> Path:
+    """A set's folder from what ``golden show|verify`` was given: a folder, or the name of a
+    set under the default sets folder as ``golden ls`` prints it (a folder of that name
+    where the command runs comes first)."""
+    folder = Path(target)
+    named = Path(DEFAULT_SETS) / target
+    if not folder.is_dir() and folder.parent == Path(".") and named.is_dir():
+        return named
+    return folder
 
 
 def _described(info: object) -> str:
@@ -722,7 +733,8 @@ def _add_golden(commands: Any) -> None:
     )  # fmt: skip
     golden.add_argument(
         "target", nargs="?",
-        help=f"a set folder (ls: a folder of sets, none: {DEFAULT_SETS})",
+        help=f"a set folder or a set's name under {DEFAULT_SETS} (ls: a folder of sets, "
+        f"none: {DEFAULT_SETS})",
     )  # fmt: skip
     golden.set_defaults(handler=_golden)
 
