@@ -203,3 +203,18 @@ def test_golden_show_and_verify_take_a_name_as_ls_prints_it() -> None:
                              cwd=root, capture_output=True, text=True)  # fmt: skip
         assert out.returncode == 0, out.stderr
         assert f"golden/sets/{name}" in out.stdout
+
+
+def test_run_and_nightly_take_the_suites_options_from_the_one_table() -> None:
+    from numalign.cli import build_parser
+    from numalign.options import OPTIONS
+
+    table = {o.flag: o.help for o in OPTIONS}
+    commands = next(a for a in build_parser()._actions if a.choices and "run" in a.choices)
+    for name, flags in (("run", ("--device", "--dtype", "--engine", "--tp")),
+                        ("nightly", ("--device", "--dtype"))):  # fmt: skip
+        actions = {a.option_strings[0]: a for a in commands.choices[name]._actions
+                   if a.option_strings}  # fmt: skip
+        for flag in flags:
+            assert actions[flag].help == table[flag], (name, flag)
+            assert actions[flag].default in (None, 1, "transformers")  # the table's default

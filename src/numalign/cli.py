@@ -605,20 +605,16 @@ def _add_nightly(commands: Any) -> None:
     night.add_argument(
         "--report-dir", default="reports/nightly", help="where the nightly runs and history go"
     )
-    night.add_argument("--tier", default=TIERS[-1], choices=TIERS, help="case grid size")
-    night.add_argument("--device", help="where candidates run (none: the plugin's default, auto)")
-    night.add_argument(
-        "--dtype", help="comma list of dtypes candidates run in (none: the plugin's default)"
-    )
-    night.add_argument(
-        "--compile",
-        nargs="?",
-        const="inductor",
-        metavar="BACKEND",
+    _suite_option(night, "--tier", default=TIERS[-1], choices=TIERS,
+                  help=f"case grid size: {', '.join(TIERS)} (default {TIERS[-1]})")  # fmt: skip
+    _suite_option(night, "--device")
+    _suite_option(night, "--dtype")
+    _suite_option(
+        night, "--compile",
         help="then run layer and model replay through torch.compile (default backend inductor) "
         "into REPORT_DIR/compiled, against tonight's eager run (ci/nightly.sh does; none: "
         "eager only)",
-    )
+    )  # fmt: skip
     night.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
     night.set_defaults(handler=_nightly)
 
@@ -642,24 +638,28 @@ def _add_run(commands: Any) -> None:
     )  # fmt: skip
     run.add_argument("--suites", default="suites", help="the suites folder of a checkout")
     run.add_argument("--report-dir", default="reports", help="where run reports go")
-    run.add_argument("--tier", default=DEFAULT_TIER, choices=TIERS, help="case grid size")
-    run.add_argument("--device", help="where candidates run (none: the plugin's default, auto)")
-    run.add_argument(
-        "--dtype", help="comma list of dtypes candidates run in (none: the plugin's default)"
-    )
-    run.add_argument(
-        "--engine", default="transformers", choices=ENGINES,
-        help="replay the model through transformers (default) or vLLM's model code "
-        "(docs/vllm.md)",
-    )  # fmt: skip
-    run.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        metavar="N",
-        help="replay the model tensor-parallel on N ranks of torch.distributed",
-    )
+    _suite_option(run, "--tier", default=DEFAULT_TIER, choices=TIERS)
+    _suite_option(run, "--device")
+    _suite_option(run, "--dtype")
+    _suite_option(run, "--engine", default="transformers", choices=ENGINES)
+    _suite_option(run, "--tp", type=int, default=1)
     run.set_defaults(handler=_run)
+
+
+def _suite_option(parser: argparse.ArgumentParser, flag: str, **overrides: Any) -> None:
+    """A pytest option of the suites (``options.OPTIONS``, the one table) as a command's
+    that hands it to them: its help, metavar, nargs and const from the table; ``overrides``
+    where the command reads it otherwise (a type, choices, its own default). Not given and
+    without a default of the command's, the suites take the table's default, which the help
+    names."""
+    from numalign.options import OPTIONS
+
+    option = next(o for o in OPTIONS if o.flag == flag)
+    kwargs: dict[str, Any] = {"help": option.help, "default": None}
+    for key in ("metavar", "nargs", "const"):
+        if getattr(option, key) is not None:
+            kwargs[key] = getattr(option, key)
+    parser.add_argument(flag, **(kwargs | overrides))
 
 
 def _add_zoo(commands: Any) -> None:
