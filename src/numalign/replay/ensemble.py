@@ -29,7 +29,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,8 @@ from numalign.replay.ensemble_member import (
     MemberResult,
     calibrate_member,
     code_fingerprint,
+    member_command,
+    member_environment,
 )
 from numalign.settings import parse_dtypes
 
@@ -249,8 +250,8 @@ def _run_in_subprocess(
 
     with tempfile.TemporaryDirectory(prefix="numalign-member-") as scratch:
         out = Path(scratch) / "calibration.json"
-        command = [sys.executable, "-m", "numalign.replay.ensemble_member", str(golden_path),
-                   "--dtypes", ",".join(dtypes), "--out", str(out), "--code", _CODE]  # fmt: skip
+        command = member_command([str(golden_path), "--dtypes", ",".join(dtypes),
+                                  "--out", str(out), "--code", _CODE])  # fmt: skip
         if member.threads:
             command += ["--threads", str(member.threads)]
         if member.attn_implementation:
@@ -258,7 +259,7 @@ def _run_in_subprocess(
         if trust_remote_code:
             command.append("--trust-remote-code")
         done = subprocess.run(
-            command, env=os.environ | member.env, stdout=subprocess.DEVNULL,
+            command, env=member_environment(member.env), stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True, check=False,
         )  # fmt: skip
         if done.returncode == CODE_CHANGED:

@@ -5,15 +5,22 @@ FILE`` in a subprocess whose environment selects the kernels (``ONEDNN_MAX_CPU_I
 ``ATEN_CPU_CAPABILITY``, which torch reads when it loads); it writes its ``MemberResult`` as
 JSON. ``--code FINGERPRINT`` is the capture's ``code_fingerprint``: a member whose numalign
 is other code (the checkout changed under a running capture) exits with ``CODE_CHANGED``
-instead of calibrating with it."""
+instead of calibrating with it.
+
+A member imports the numalign the capture runs, whatever the working directory holds (the
+parent of a clone holds a folder named ``numalign``): ``member_command`` runs Python with
+``-P`` (no working directory on ``sys.path``) and ``member_environment`` puts the folder the
+capture's numalign was imported from first on ``PYTHONPATH``."""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import os
+import site
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +46,29 @@ def code_fingerprint() -> str:
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def member_command(args: Sequence[str]) -> list[str]:
+    """The command line of a member in a subprocess with ``args`` (``main``'s): this
+    interpreter, ``-P`` so that the working directory is not on ``sys.path`` (a folder named
+    ``numalign`` there would be imported instead of numalign)."""
+    return [sys.executable, "-P", "-m", "numalign.replay.ensemble_member", *args]
+
+
+def member_environment(settings: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a member in a subprocess: this process's, ``PYTHONPATH`` starting
+    with the folder this numalign was imported from (a source tree's ``src``, or an editable
+    install's, which the interpreter would otherwise find after ``sys.path``) unless it is a
+    site-packages folder the interpreter searches anyway, and the member's ``settings`` last
+    (a member that names its own ``PYTHONPATH`` gets it as it is)."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ)
+    searched = {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    if root not in searched:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(root), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+        )
+    return env | dict(settings)
 
 
 @dataclass
