@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from numalign.golden.decode import DEFAULT_DECODE_STEPS, record_decode
 from numalign.golden.fingerprint import fingerprint_and_files
 from numalign.golden.folders import clear_temporary, remove_abandoned, temporary_folder
+from numalign.golden.long_bound import check_long_request
 from numalign.golden.manifest import (
     LOGIT_TRANSFORM,
     Call,
@@ -314,12 +315,11 @@ def capture(
     into place; ``step(text)`` advances the progress bar (``finish_steps`` steps are its).
 
     ``long``: the length of the long requests (None: past every length boundary of the
-    model, ``requests.long_length``; 0: none). Encoders get no long requests and no decode.
-    ``far``: tokens per row of the far-position request (0: none), whose rows start a
-    quarter, half and all the way into ``max_position`` (None: the config's
-    ``max_position_embeddings``), ``requests.far_request``.
-
-    ``probes``: record each point's probe calls (``golden.probes``; False: none).
+    model, ``requests.long_length``; 0: none; past the model's positions or the memory:
+    refused before the model loads, ``long_bound.check_long``). Encoders get no long requests
+    and no decode. ``far``: tokens per row of the far-position request (0: none), its rows a
+    quarter, half and all the way into ``max_position`` (None: the config's), as
+    ``requests.far_request`` says. ``probes``: record each point's probe calls (False: none).
 
     ``out`` must not exist, be empty or hold a set of this model (``folders.check_target``);
     ``force`` replaces a set of another model, kept under ``<sets>/.versions/``.
@@ -337,8 +337,17 @@ def capture(
     # other attention implementation accepts when a point is replayed alone
     attn_implementation = attn_implementation or "eager"
     # first: a folder without config.json, or a sharded checkpoint missing a shard its index
-    # names, is an error naming the file before anything loads
+    # names, is an error naming the file before anything loads; so is a --long too long
     model_hash = fingerprint_and_files(model_dir)
+    check_long_request(
+        model_dir,
+        long,
+        max(continuation, decode_steps),
+        reference_dtype,
+        attn_implementation,
+        trust_remote_code,
+        in_memory=placement is None,
+    )
     torch.manual_seed(0)
     model = load_model(model_dir, reference_dtype, attn_implementation=attn_implementation,
                        trust_remote_code=trust_remote_code, placement=placement)  # fmt: skip
