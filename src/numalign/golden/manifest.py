@@ -14,8 +14,10 @@ are judged as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
+import os
+import warnings
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path, PureWindowsPath
 from typing import Any, TypeAlias
 
 # the calibration's types and point names are the verdict's (``compare.calibration``)
@@ -44,6 +46,11 @@ class GoldenSetError(RuntimeError):
 
 class StaleGoldenSetError(GoldenSetError):
     """The model folder changed since the set was captured."""
+
+
+class GoldenFormatWarning(UserWarning):
+    """A manifest holds fields this numalign does not know (a newer numalign's additive
+    fields): the set is read without them."""
 
 
 @dataclass(frozen=True)
@@ -309,10 +316,12 @@ class Manifest:
         for name in ("model", "reference", "requests", "points", "tensors", "shards"):
             if name not in data:
                 raise GoldenSetError(f"{source}: missing field {name!r}; capture again")
+        unknown = sorted(set(data) - _TOP_LEVEL)
+        known = _Known(source, unknown)
         try:
-            return cls(
-                model=ModelInfo(**data["model"]),
-                reference=ReferenceInfo(**data["reference"]),
+            manifest = cls(
+                model=ModelInfo(**known(ModelInfo, data["model"], "model")),
+                reference=ReferenceInfo(**known(ReferenceInfo, data["reference"], "reference")),
                 requests=[Request(r["name"], dict(r["inputs"])) for r in data["requests"]],
                 points=[
                     Point(
@@ -326,12 +335,21 @@ class Manifest:
                     )
                     for p in data["points"]
                 ],
-                tensors={k: TensorInfo(**v) for k, v in data["tensors"].items()},
-                shards={k: ShardInfo(**v) for k, v in data["shards"].items()},
+                tensors={
+                    k: TensorInfo(**known(TensorInfo, v, f"tensors[{k!r}]", "tensors.*"))
+                    for k, v in data["tensors"].items()
+                },
+                shards={
+                    k: ShardInfo(**known(ShardInfo, v, f"shards[{k!r}]", "shards.*"))
+                    for k, v in data["shards"].items()
+                },
                 logits=dict(data.get("logits", {})),
                 outputs=dict(data.get("outputs", {})),
                 continuation={
-                    k: Continuation(**v) for k, v in data.get("continuation", {}).items()
+                    k: Continuation(
+                        **known(Continuation, v, f"continuation[{k!r}]", "continuation.*")
+                    )
+                    for k, v in data.get("continuation", {}).items()
                 },
                 decode={k: Decode.from_json(v) for k, v in data.get("decode", {}).items()},
                 calibration={
@@ -342,8 +360,79 @@ class Manifest:
                 created=str(data.get("created", "")),
                 format=found,
             )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, AttributeError) as exc:
             raise GoldenSetError(
                 f"{source}: a field does not have the format {FORMAT} gives it ({exc}); "
                 "capture the set again"
             ) from None
+        _check_shard_names(manifest, source)
+        if known.unknown:
+            warnings.warn(
+                GoldenFormatWarning(
+                    f"{source}: fields this numalign does not know, read past: "
+                    f"{', '.join(sorted(set(known.unknown)))} (a newer numalign's, or "
+                    "edited by hand; the set is read without them: update numalign to use "
+                    "them)"
+                ),
+                stacklevel=3,
+            )
+        return manifest
+
+
+#: The fields of a manifest's top level (``Manifest.to_json``).
+_TOP_LEVEL = frozenset({
+    "format", "created", "model", "reference", "requests", "points", "logits", "outputs",
+    "continuation", "tensors", "shards", "calibration", "decode", "ensemble", "dtype_limits",
+})  # fmt: skip
+
+
+class _Known:
+    """The fields of a manifest's objects that their class has (``__call__``), collecting the
+    others' names in ``unknown`` (read past with a ``GoldenFormatWarning``, as fields a newer
+    numalign adds) and refusing an object without a field its class requires."""
+
+    def __init__(self, source: Path, unknown: list[str]) -> None:
+        self.source = source
+        self.unknown = unknown
+
+    def __call__(
+        self, kind: type, value: Any, where: str, label: str | None = None
+    ) -> dict[str, Any]:
+        """``value``'s fields of the dataclass ``kind``; ``where`` names it in an error,
+        ``label`` (default ``where``) in the list of unknown fields."""
+        if not isinstance(value, dict):
+            raise GoldenSetError(
+                f"{self.source}: {where} is {type(value).__name__}, not an object, in format "
+                f"{FORMAT}; capture the set again"
+            )
+        own = fields(kind)
+        names = {f.name for f in own}
+        for f in own:
+            required = f.default is MISSING and f.default_factory is MISSING
+            if required and f.name not in value:
+                raise GoldenSetError(
+                    f"{self.source}: {where} has no field {f.name!r}, which format {FORMAT} "
+                    "requires; capture the set again"
+                )
+        self.unknown += [f"{label or where}.{k}" for k in value if k not in names]
+        return {k: v for k, v in value.items() if k in names}
+
+
+def _check_shard_names(manifest: Manifest, source: Path) -> None:
+    """Every shard the manifest names (its checksums' and its tensors') is a file of the
+    set's own folder (``source``'s): a name that is an absolute path, or that ``..`` takes
+    out of the folder, is refused naming the manifest (a set never reads another folder's
+    files). A link inside the folder is read as the file it is (an annex's links)."""
+    folder = source.parent
+    names = set(manifest.shards) | {info.shard for info in manifest.tensors.values()}
+    for name in sorted(names):
+        kind = None
+        if Path(name).is_absolute() or PureWindowsPath(name).anchor:
+            kind = "an absolute path"
+        elif os.path.normpath(name).split(os.sep)[0] in ("..", "."):
+            kind = "outside the set's folder"
+        if kind is not None:
+            raise GoldenSetError(
+                f"{source}: shard {name!r} is {kind}; a set's shards are files in its own "
+                f"folder ({folder}): capture the set again, or restore its manifest"
+            )
