@@ -297,3 +297,95 @@ def test_a_shared_secret_lets_several_writers_share_a_cache(
     _forge(cache, 1.0, b"ci-secret")  # another machine with the shared secret wrote it
     assert shared.load(RMS, CASE, torch.bfloat16) is not None
     assert cache.load(RMS, CASE, torch.bfloat16) is None  # not this user's own secret
+
+
+class _Account:
+    """The password database's entry of this user, as ``pwd.getpwuid`` gives it."""
+
+    def __init__(self, home: str) -> None:
+        self.pw_dir = home
+
+
+@pytest.fixture
+def no_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HOME empty (Python's ``Path.home()`` is then ``/``), no XDG_CACHE_HOME, no shared
+    secret; every mkstemp refused outside the test's folders, so a secret meant for ``/`` is
+    never written there even where the test fails."""
+    import tempfile
+
+    monkeypatch.setenv("HOME", "")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("NUMALIGN_CACHE_SECRET", raising=False)
+    real_mkdir, real_mkstemp = Path.mkdir, tempfile.mkstemp
+
+    def mkdir(self: Path, *args: Any, **kwargs: Any) -> None:
+        assert str(self.resolve()).startswith(tempfile.gettempdir()), f"mkdir {self}"
+        real_mkdir(self, *args, **kwargs)
+
+    def mkstemp(*args: Any, dir: Any = None, **kwargs: Any) -> Any:
+        assert str(Path(dir).resolve()).startswith(tempfile.gettempdir()), f"mkstemp in {dir}"
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+
+
+@pytest.mark.usefixtures("no_home")
+def test_with_home_empty_the_secret_goes_to_the_user_s_own_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 42, item 14: with HOME empty the secret was written to /.cache/numalign."""
+    import pwd
+
+    from numalign.truths import cache_secret
+
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: _Account(str(tmp_path / "home")))
+    secret = cache_secret()
+    made = tmp_path / "home" / ".cache" / "numalign" / "truth-secret"
+    # 32 random bytes as hex: what cache_secret makes
+    assert made.read_bytes() == secret and len(secret) == 64
+    assert (made.stat().st_mode & 0o777) == 0o600  # this user's alone
+
+
+@pytest.mark.usefixtures("no_home")
+@pytest.mark.parametrize("account", ["/", "", "relative/home"])
+def test_with_no_home_at_all_the_cache_refuses_saying_what_to_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, account: str
+) -> None:
+    import pwd
+
+    from numalign.truths import CacheSecretError, cache_secret
+
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: _Account(account))
+    message = (
+        "the truth cache's secret has no home: HOME is empty and this user's home "
+        f"directory ({account!r}) is not a folder to write to; set NUMALIGN_CACHE_SECRET "
+        "(a cache shared by machines), XDG_CACHE_HOME or HOME, or turn the cache off with "
+        "--truth-cache off"
+    )
+    with pytest.raises(CacheSecretError) as caught:
+        cache_secret()
+    assert str(caught.value) == message
+    with pytest.raises(CacheSecretError):  # a session that turns it on refuses at once
+        use_truth_cache(tmp_path / "truths")
+    # a relative XDG_CACHE_HOME is not one (the XDG rule: ignored), an absolute one is
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    with pytest.raises(CacheSecretError):
+        cache_secret()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_secret() == (tmp_path / "xdg" / "numalign" / "truth-secret").read_bytes()
+
+
+@pytest.mark.usefixtures("no_home")
+def test_a_session_with_nowhere_for_the_secret_is_a_usage_error(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pwd
+
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: _Account("/"))
+    monkeypatch.setenv("HOME", "")  # after pytester's own HOME
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*numalign: the truth cache's secret has no home*"])
+    assert pytester.runpytest("--truth-cache", "off").ret == pytest.ExitCode.OK

@@ -13,6 +13,7 @@ from numalign.options import OPTIONS
 from numalign.settings import TIERS, Settings, in_shard
 from numalign.testids import parse_replay_group
 from numalign.truths import (
+    CacheSecretError,
     TruthCache,
     resolve_truth_folder,
     restore_truth_cache,
@@ -84,9 +85,12 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
     settings = settings_from_config(config)
     config.stash[settings_key] = settings
-    config.stash[previous_truth_cache_key] = use_truth_cache(
-        settings.truth_cache, settings.truth_cache_max_bytes
-    )
+    try:
+        config.stash[previous_truth_cache_key] = use_truth_cache(
+            settings.truth_cache, settings.truth_cache_max_bytes
+        )
+    except CacheSecretError as exc:
+        raise pytest.UsageError(f"numalign: {exc}") from None
     _import_all(settings.device_plugins, "--device-plugin")
     if settings.device not in ("auto", "cpu"):
         from numalign.runtime import DeviceUnavailableError, resolve_device

@@ -27,7 +27,9 @@ a truncated, damaged or forged file is recomputed, never trusted. The checksum a
 do: whoever writes an entry computes it, so a writer to a shared cache could make a wrong
 kernel pass. The secret is ``$NUMALIGN_CACHE_SECRET`` where set (a cache shared by users or
 machines: give them all the same secret, as a CI secret), else this user's own, made once in
-``~/.cache/numalign/truth-secret`` (mode 0600): entries written by anyone else are misses.
+``~/.cache/numalign/truth-secret`` (mode 0600; ``$XDG_CACHE_HOME`` for ``~/.cache``; with HOME
+empty, the home directory of the user's account; never ``/``): entries written by anyone else
+are misses.
 Writes go to a temporary file in the same folder and are renamed into place, so
 parallel workers never read half a file. The folder holds a ``.gitignore`` of ``*``.
 
@@ -154,16 +156,50 @@ def _json_exact(value: Any) -> bool:
     return False
 
 
+class CacheSecretError(RuntimeError):
+    """The truth cache's secret has nowhere to live (no ``$NUMALIGN_CACHE_SECRET``, no
+    ``$XDG_CACHE_HOME``, and no home directory to write to); the message says what to set."""
+
+
+def secret_path() -> Path:
+    """Where this user's own secret lives: ``$XDG_CACHE_HOME/numalign/truth-secret`` where
+    that is an absolute path (a relative one is ignored, as the XDG rule says), else
+    ``~/.cache/numalign/truth-secret``, ``~`` being ``$HOME``, or where HOME is unset or
+    empty this user's home directory in the password database (Python's ``Path.home()``
+    makes an empty HOME ``/``: the secret went to ``/.cache``). A home that is the
+    filesystem's root or not an absolute path is none: CacheSecretError saying what to set."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "numalign" / "truth-secret"
+    home = os.environ.get("HOME", "")
+    what = "HOME"
+    if not home:
+        what = "HOME is empty and this user's home directory"
+        try:
+            import pwd
+
+            home = pwd.getpwuid(os.getuid()).pw_dir
+        except (ImportError, KeyError):  # no password database (Windows), or no entry
+            home = ""
+    folder = Path(home)
+    if not home or not folder.is_absolute() or folder == Path(folder.anchor):
+        raise CacheSecretError(
+            f"the truth cache's secret has no home: {what} ({home!r}) is not a folder to "
+            "write to; set NUMALIGN_CACHE_SECRET (a cache shared by machines), XDG_CACHE_HOME "
+            "or HOME, or turn the cache off with --truth-cache off"
+        )
+    return folder / ".cache" / "numalign" / "truth-secret"
+
+
 def cache_secret() -> bytes:
     """The key entries are signed with: ``$NUMALIGN_CACHE_SECRET`` (a cache shared by
     several users or machines: CI sets the same secret everywhere), else this user's own,
-    created once in ``$XDG_CACHE_HOME/numalign/truth-secret`` (``~/.cache``), readable by
-    this user only."""
+    created once at ``secret_path()`` (``~/.cache/numalign/truth-secret``), readable by this
+    user only; CacheSecretError where it has nowhere to live."""
     shared = os.environ.get(SECRET_ENV, "")
     if shared:
         return shared.encode()
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    path = home / "numalign" / "truth-secret"
+    path = secret_path()
     try:
         return path.read_bytes()
     except FileNotFoundError:
@@ -408,8 +444,11 @@ _active: TruthCache | None = None
 
 def use_truth_cache(folder: Path | str | None, max_bytes: int = 0) -> TruthCache | None:
     """Turns the cache on in ``folder`` (off for None) for this process, kept under
-    ``max_bytes`` (0: no cap); returns the cache that was active before."""
+    ``max_bytes`` (0: no cap); returns the cache that was active before. CacheSecretError
+    (the cache stays as it was) where its secret has nowhere to live (``secret_path``)."""
     global _active
+    if folder is not None and not os.environ.get(SECRET_ENV, ""):
+        secret_path()  # CacheSecretError before any test where the secret can live nowhere
     previous = _active
     _active = TruthCache(Path(folder), max_bytes=max_bytes) if folder is not None else None
     return previous
