@@ -4,6 +4,7 @@ when stderr is not a terminal; the bar on a terminal; nothing when asked for not
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -27,11 +28,30 @@ def test_a_capture_in_a_log_prints_one_line_per_step(
         if line.startswith("numalign capture set:")
     ]  # fmt: skip
     steps = len(golden.requests) + 1
-    assert len(lines) == steps
-    for i, line in enumerate(lines, 1):
+    assert len(lines) == steps + 1  # each step's line, then the closing one
+    for i, line in enumerate(lines[:-1], 1):
         assert re.match(rf"numalign capture set: step {i}/{steps}: ", line), line
     assert lines[0].split(": ", 2)[2].startswith("request ")
-    assert lines[-1].split(": ", 2)[2].startswith("calibrating bfloat16: ")
+    assert lines[-2].split(": ", 2)[2].startswith("calibrating bfloat16: ")
+    assert re.match(rf"numalign capture set: done, {steps} steps \(\d+ s so far\)$", lines[-1])
+
+
+def test_a_long_step_is_never_silent(capsys: pytest.CaptureFixture[str]) -> None:
+    from numalign.golden.capture import _Progress
+
+    progress = _Progress("lines", 2, "set", heartbeat=0.01)
+    progress.step("request long-leftpad")
+    beats = []
+    for _ in range(1000):  # the heartbeat thread prints while the step runs (waits 0.01 s)
+        beats = [x for x in capsys.readouterr().err.splitlines() if "still on" in x]
+        if beats:
+            break
+        time.sleep(0.01)
+    progress.close()
+    assert beats, "no line while the step ran"
+    assert re.match(
+        r"numalign capture set: still on step 1/2 after \d+ s: request long-leftpad", beats[0]
+    )
 
 
 def test_a_capture_asked_for_no_progress_prints_none(
