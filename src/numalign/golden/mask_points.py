@@ -60,14 +60,21 @@ class MaskFunction(torch.nn.Module):
     def alone(self, *args: Any, **kwargs: Any) -> Any:
         """The mask built from a capture's arguments, which another transformers may name
         otherwise (5.24's ``cache`` is 5.19's ``past_key_values``; a prefill's is None): a
-        None argument the function does not take is dropped, and a parameter it requires
-        that the capture did not pass is None."""
+        None argument the function does not take, or that its parameter defaults to, is
+        dropped, and a parameter it requires that the capture did not pass is None."""
         signature = _signature(self.function)
         if signature is not None:
             parameters = signature.parameters
             takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
             if not takes_any:
                 kwargs = {k: v for k, v in kwargs.items() if k in parameters or v is not None}
+            # a None the parameter defaults to anyway is left out: the same call, and a
+            # deprecated alias (5.25's ``past_key_values`` beside ``cache``) warns when given
+            kwargs = {
+                k: v
+                for k, v in kwargs.items()
+                if v is not None or k not in parameters or parameters[k].default is not None
+            }
             for name, parameter in list(parameters.items())[len(args) + 1 :]:  # after config
                 if (
                     parameter.default is parameter.empty
