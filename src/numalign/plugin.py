@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 settings_key = pytest.StashKey[Settings]()
 previous_truth_cache_key = pytest.StashKey[TruthCache | None]()
 collector_key = pytest.StashKey[object]()
+#: The usage error a test of an xdist worker fails with (``pytest_collection_finish``).
+usage_error_key = pytest.StashKey[str]()
 
 MARKERS = {
     "operator": "an operator alignment test (operator x candidate x dtype x case)",
@@ -171,34 +173,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     """After every selection (tiers, shards, -k): a --swap that matches no module of any
     model the selected tests replay is a usage error, before any test runs (a model without
-    it among others that have it skips its tests with the reason)."""
+    it among others that have it skips its tests with the reason). In an xdist worker, which
+    has already sent its tests to the controller, a usage error would end its session with
+    them unreported (xdist's INTERNALERROR): there each of those tests fails at its setup with
+    the usage error's message instead."""
     settings = session.config.stash[settings_key]
     if not settings.swaps:
         return
-    sets = {
-        parse_replay_group(str(mark.args[0]))[0]
+    replays = {
+        item: parse_replay_group(str(mark.args[0]))[0]
         for item in session.items
         if (mark := item.get_closest_marker("replay_group")) is not None and mark.args
     }
-    if not sets:
+    if not replays:
         return
-    from numalign.replay.swap import module_types, parse_swaps, unmatched
+    from numalign.replay.swap import parse_swaps, unmatched_in_sets
 
-    problems = _unmatched_swaps(sets, parse_swaps(settings.swaps), module_types, unmatched)
-    if problems:
-        raise pytest.UsageError("numalign: " + "; ".join(problems))
+    problems = unmatched_in_sets(set(replays.values()), parse_swaps(settings.swaps))
+    if not problems:
+        return
+    message = "numalign: " + "; ".join(problems)
+    if not hasattr(session.config, "workerinput"):
+        raise pytest.UsageError(message)
+    for item in replays:
+        item.stash[usage_error_key] = message
 
 
-def _unmatched_swaps(sets: set[str], swaps: Any, module_types: Any, unmatched: Any) -> list[str]:
-    from numalign.golden import GoldenSet, GoldenSetError
-
-    types: set[str] = set()
-    for path in sorted(sets):
-        try:
-            types |= module_types(GoldenSet.open(path).model_dir)
-        except (GoldenSetError, OSError, ValueError):
-            return []  # a set that cannot be read fails its own tests with its own message
-    return list(unmatched(swaps, types))
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test of an xdist worker whose session's options are a usage error fails with it."""
+    message = item.stash.get(usage_error_key, None)
+    if message is not None:
+        pytest.fail(message, pytrace=False)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

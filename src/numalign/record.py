@@ -8,12 +8,15 @@ record with verdict "crashed"; a test that raised gets one with verdict "error".
 the test id tells of the test (suite, operator or point, candidate, dtype, case).
 
 Every reader (tables, baseline diff, merge, history, Allure, drift.html) takes
-:class:`DriftRecord`; :func:`read_records` reads schema versions 1, 2 and 3.
+:class:`DriftRecord`; :func:`read_records` reads schema versions 1 to 4. A non-finite number
+is written as a string (``numalign.finite_json``) and read back as its float: a NaN metric is
+a finding, never a record lost or a session aborted.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import time
@@ -22,6 +25,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import IO, Any
 
+from numalign import finite_json
 from numalign.compare import CompareResult
 from numalign.testids import parse as parse_test_id
 
@@ -29,8 +33,10 @@ from numalign.testids import parse as parse_test_id
 #: 2: request, output, step and error fields; the key holds request, output and step;
 #: verdict "error". 3: the execution variant as structured fields (engine, attention,
 #: experts, swaps, compile_backend, compile_mode, tp, cache, engine_variant), ``swap``
-#: still holding its label; keys unchanged.
-SCHEMA_VERSION = 3
+#: still holding its label; keys unchanged. 4: a non-finite number is the string "NaN",
+#: "Infinity" or "-Infinity" (``finite_json``; it was null, or aborted the session); rule
+#: ``uncalibrated`` for a test skipped for want of calibration.
+SCHEMA_VERSION = 4
 USER_PROPERTY = "numalign.drift"
 #: Lines of the traceback an error record keeps (where the exception came from).
 TRACEBACK_LINES = 20
@@ -48,6 +54,12 @@ STATUSES: tuple[str, ...] = OUTCOMES
 FAILING: tuple[str, ...] = ("failed", "error", "crashed", "xpassed")
 #: Model-suite modes that judge the model's end result rather than a capture point.
 END_MODES = ("logits", "continuation", "output")
+#: The rule of the skipped record of a test that was not judged for want of calibration (its
+#: golden set has none of a point in the dtype: captured with ``--calibrate ''``).
+UNCALIBRATED = "uncalibrated"
+#: Fields that hold numbers (or, in ``metrics`` and ``budget``, dicts of them): read back
+#: through ``finite_json.decode``.
+_NUMBERS = ("metrics", "budget", "budget_used", "duration_s", "compile_s")
 
 
 @dataclass
@@ -151,7 +163,8 @@ class DriftRecord:
         schema 3 keep their variant in ``swap`` alone (its fields stay None); a record keeps
         the schema it was written in (one without the field is schema 1)."""
         known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
+        values = {k: finite_json.decode(v) if k in _NUMBERS else v
+                  for k, v in data.items() if k in known}  # fmt: skip
         values["metrics"] = values.get("metrics") or {}
         values["budget"] = values.get("budget") or {}
         values["schema"] = schema = int(data.get("schema") or 1)
@@ -167,7 +180,14 @@ class DriftRecord:
         return cls(test_id=test_id, verdict=verdict, **(context_from_test_id(test_id) | context))
 
     def to_dict(self) -> dict[str, Any]:
+        """The record's fields, numbers as they are (NaN included)."""
         return asdict(self)
+
+    def to_json(self) -> dict[str, Any]:
+        """The record's fields, JSON-ready: non-finite numbers as ``finite_json`` writes
+        them (``from_dict`` reads them back)."""
+        data: dict[str, Any] = finite_json.encode(self.to_dict())
+        return data
 
     def with_fields(self, **changes: Any) -> DriftRecord:
         return replace(self, **changes)
@@ -188,9 +208,12 @@ class DriftRecord:
 
     @property
     def used(self) -> float | None:
-        """The use of budget, where the record has one."""
+        """The use of budget, where the record has one; a NaN use (an error that could not be
+        measured) is infinite: beyond any budget, the worst when records are ranked."""
         value = self.budget_used
-        return float(value) if isinstance(value, (int, float)) else None
+        if not isinstance(value, (int, float)):
+            return None
+        return math.inf if math.isnan(value) else float(value)
 
     @property
     def status(self) -> str:
@@ -293,7 +316,7 @@ class RecordWriter:
         if self._fh is None:
             self.open()
         assert self._fh is not None
-        self._fh.write(json.dumps(record.to_dict(), allow_nan=False) + "\n")
+        self._fh.write(json.dumps(record.to_json(), allow_nan=False) + "\n")
         self._fh.flush()
         self.count += 1
 
@@ -311,7 +334,7 @@ def write_records(path: Path, records: Iterable[DriftRecord]) -> Path:
     try:
         with tmp.open("w", encoding="utf-8") as fh:
             for record in records:
-                fh.write(json.dumps(record.to_dict(), allow_nan=False) + "\n")
+                fh.write(json.dumps(record.to_json(), allow_nan=False) + "\n")
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk leaves no torn temporary file behind
@@ -319,9 +342,11 @@ def write_records(path: Path, records: Iterable[DriftRecord]) -> Path:
     return path
 
 
-def read_records(path: str | Path) -> list[DriftRecord]:
-    """Records of a run folder or a records.jsonl file (schema 1 to 3). A last line cut by a
-    crash is skipped; any other unreadable line is an error naming the file and line."""
+def read_records(path: str | Path, *, whole: bool = False) -> list[DriftRecord]:
+    """Records of a run folder or a records.jsonl file (schema 1 to 4). A last line cut by a
+    crash is skipped; any other unreadable line is an error naming the file and line. With
+    ``whole`` (a baseline: what it lacks would pass as "new" records, never as regressions),
+    a cut last line and a file without a record are errors too, naming the file."""
     file = Path(path)
     if file.is_dir():
         file = file / "records.jsonl"
@@ -329,19 +354,31 @@ def read_records(path: str | Path) -> list[DriftRecord]:
         raise FileNotFoundError(
             f"no records at {path}: expected a run folder holding records.jsonl, or the file"
         )
-    return list(_parse(file, file.read_text(encoding="utf-8").splitlines()))
+    records = list(_parse(file, file.read_text(encoding="utf-8").splitlines(), whole))
+    if whole and not records:
+        raise ValueError(
+            f"{file}: holds no record (empty: its run wrote nothing, or the file was "
+            "truncated); a baseline must read whole: re-run its session, or point at the "
+            "right run's records"
+        )
+    return records
 
 
-def _parse(file: Path, lines: list[str]) -> Iterator[DriftRecord]:
+def _parse(file: Path, lines: list[str], whole: bool = False) -> Iterator[DriftRecord]:
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             data = json.loads(line)
         except json.JSONDecodeError as exc:
-            if number == len(lines):  # the line being written when the session died
+            if number == len(lines) and not whole:  # being written when the session died
                 return
-            raise ValueError(f"{file}:{number}: not a JSON record ({exc})") from None
+            if not whole or number < len(lines):
+                raise ValueError(f"{file}:{number}: not a JSON record ({exc})") from None
+            raise ValueError(
+                f"{file}:{number}: a record cut mid-line (the file is torn: {exc}); a baseline "
+                "must read whole: re-run its session, or point at the right run's records"
+            ) from None
         if not isinstance(data, dict) or int(data.get("schema") or 1) > SCHEMA_VERSION:
             raise ValueError(
                 f"{file}:{number}: not a drift record of schema 1 to {SCHEMA_VERSION}; a newer "
@@ -386,7 +423,7 @@ class NodeRecorder:
         return self.add(DriftRecord.from_result(result, test_id=self.nodeid, **context))
 
     def add(self, record: DriftRecord) -> DriftRecord:
-        self.user_properties.append((USER_PROPERTY, record.to_dict()))
+        self.user_properties.append((USER_PROPERTY, record.to_json()))
         if self.on_record is not None:
             self.on_record(record)
         return record

@@ -8,6 +8,9 @@ as :func:`outcome_for` says, with its record:
   set's own message (it says how to fix it);
 - a path this model cannot take here (transformers lacks it, the serving engine does not
   support the model, no tensor-parallel plan, ...): a skip with its reason, no record;
+- a golden set without calibration of a point in the dtype (``Uncalibrated``: captured with
+  ``--calibrate ''``): a skip with its reason and a ``skipped`` record of rule
+  ``uncalibrated``, so that the reports can tell a run that judged little from a pass;
 - a compiler's failure (``--compile``): an ``error`` record with the test's fields and what
   compiling cost; a known upstream compiler bug is an expected failure (xfail), its record
   kept; any other fails the test;
@@ -33,6 +36,7 @@ import pytest
 
 from numalign.record import (
     TRACEBACK_LINES,
+    UNCALIBRATED,
     USER_PROPERTY,
     DriftRecord,
     crashed_record,
@@ -73,7 +77,7 @@ def outcome_for(exc: BaseException, test_id: str, **context: Any) -> ErrorOutcom
     ``context``: the fields its record carries besides what the test id tells (the
     candidate, device, case, execution variant). None: an exception the policy leaves to
     pytest and the plugin's report hook."""
-    from numalign.compare.model_verdict import ReplayUnsupported
+    from numalign.compare.model_verdict import ReplayUnsupported, Uncalibrated
     from numalign.golden import GoldenSetError
     from numalign.golden.reference import CacheUnsupported
     from numalign.replay.engines.errors import EngineError, EngineUnsupported
@@ -90,6 +94,12 @@ def outcome_for(exc: BaseException, test_id: str, **context: Any) -> ErrorOutcom
     kind = type(exc).__name__
     if isinstance(exc, GoldenSetError):
         return ErrorOutcome("fail", text, error_record(test_id, kind, text))
+    if isinstance(exc, Uncalibrated):  # not judged: the reports count it apart
+        reason = (text.splitlines() or [""])[0][:500]
+        record = DriftRecord.for_test(
+            test_id, "skipped", rule=UNCALIBRATED, reason=reason, **context
+        )
+        return ErrorOutcome("skip", text, record)
     unsupported = (ReplayUnsupported, PagedUnsupported, CacheUnsupported, AloneUnsupported,
                    NoTensorParallelPlan, EngineUnsupported)  # fmt: skip
     if isinstance(exc, unsupported):
@@ -148,4 +158,4 @@ def error_property_for(
         lines = str(excinfo.getrepr(style="short")).splitlines()
         message += "\n\n" + "\n".join(lines[-TRACEBACK_LINES:])
     record = error_record(test_id, kind, message, **context)
-    return (USER_PROPERTY, record.to_dict())
+    return (USER_PROPERTY, record.to_json())

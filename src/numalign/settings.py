@@ -132,14 +132,15 @@ def _check_golden(settings: Settings) -> None:
 
 
 def _check_baseline(path: Path) -> None:
-    """The baseline is a run's records, read now: a wrong path fails before the first test,
-    not after the whole run."""
+    """The baseline is a run's records, read now and whole (a torn or empty file would count
+    its missing records as new, never as regressions): a wrong path fails before the first
+    test, not after the whole run."""
     from numalign.record import read_records
 
     if not path.exists():
         raise ValueError(f"--drift-baseline {path}: no such run folder or records file")
     try:
-        read_records(path)
+        read_records(path, whole=True)
     except (OSError, ValueError) as exc:
         raise ValueError(
             f"--drift-baseline {path}: {exc}; give a run folder under --report-dir "

@@ -76,7 +76,8 @@ def test_a_disk_full_at_the_tables_leaves_no_torn_file_and_report_rebuilds(
     result.stdout.fnmatch_lines(["*is incomplete: OSError*free space on that disk*"])
     run = next(p for p in (pytester.path / "out").iterdir() if p.name[0].isdigit())
     assert len(read_records(run)) == 10
-    assert sorted(p.name for p in run.iterdir()) == ["records.jsonl"]  # nothing torn
+    # nothing torn: the records, and the session file (whole: written atomically)
+    assert sorted(p.name for p in run.iterdir()) == ["records.jsonl", "session.json"]
     monkeypatch.setattr(pandas.DataFrame, "to_csv", real)  # space freed
     render_run(run)
     assert (run / "drift.html").is_file()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,23 @@ def unmatched(swaps: Sequence[tuple[str, str]], types: set[str]) -> list[str]:
     return out
 
 
+def unmatched_in_sets(set_paths: Iterable[str], swaps: Sequence[tuple[str, str]]) -> list[str]:
+    """``unmatched`` over the models of the golden sets at ``set_paths`` (their module types,
+    ``module_types``): the swaps that match no module of any of them, each a message. Never
+    raises: a set that cannot be read, or a model that cannot be built on the meta device
+    (whatever it raises), leaves nothing judged here ([]), and the tests that replay it load it
+    and fail or skip with their own message."""
+    from numalign.golden import GoldenSet
+
+    types: set[str] = set()
+    for path in sorted(set_paths):
+        try:
+            types |= module_types(GoldenSet.open(path).model_dir)
+        except Exception:  # the set's own tests say what is wrong with it
+            return []
+    return unmatched(swaps, types)
+
+
 def meta_model(model_dir: str | Path, *, device: str = "meta") -> torch.nn.Module:
     """The model in ``model_dir`` built from its config (no weights read) on ``device`` (the
     meta device by default: nothing allocated; ``cpu`` for a tiny model whose modules must
@@ -111,7 +128,9 @@ def module_types(model_dir: str | Path) -> set[str]:
 
 
 def parse_swaps(specs: Sequence[str]) -> list[tuple[str, str]]:
-    """``["rms_norm=fused", "all=torch"]`` -> pairs; SwapError on a malformed or unknown one."""
+    """``["rms_norm=fused", "all=torch"]`` -> pairs; SwapError on a malformed or unknown one,
+    or one whose operator has no adapter from a module (or function) to its arguments, which
+    no model can take (the plugin makes it a usage error before any test runs)."""
     load_catalogue()
     pairs = []
     for spec in specs:
@@ -120,8 +139,20 @@ def parse_swaps(specs: Sequence[str]) -> list[tuple[str, str]]:
             raise SwapError(f"--swap {spec!r}: write OPERATOR=CANDIDATE, e.g. rms_norm=fused")
         if op != "all":
             candidates(op)[name]  # "Unknown operator/candidate ... Did you mean"
+            if OPERATORS[op].adapter is None and OPERATORS[op].function_adapter is None:
+                raise SwapError(_no_adapter(op, name))
         pairs.append((op, name))
     return pairs
+
+
+def _no_adapter(op_name: str, cand_name: str) -> str:
+    swappable = sorted(o.name for o in OPERATORS.values() if o.adapter or o.function_adapter)
+    return (
+        f"--swap {op_name}={cand_name}: operator {op_name} has no adapter from a Hugging Face "
+        f"module to its arguments, so it cannot be swapped into a model (swappable: "
+        f"{', '.join(swappable)}); test its candidates with the operator suite "
+        f"(suites/operators -k {op_name})"
+    )
 
 
 def apply_swaps(model: torch.nn.Module, swaps: Sequence[tuple[str, str]]) -> list[str]:
@@ -150,10 +181,7 @@ def apply_swaps(model: torch.nn.Module, swaps: Sequence[tuple[str, str]]) -> lis
                 swapped += names
                 continue
             if op.adapter is None:
-                raise SwapError(
-                    f"--swap {op.name}={cand_name}: operator {op.name} has no adapter from a "
-                    "Hugging Face module to its arguments, so it cannot be swapped into a model"
-                )
+                raise SwapError(_no_adapter(op.name, cand_name))
             names = [n for n, m in model.named_modules() if n and op.stands_for_module(m)]
             if not names and op_name != "all":
                 types = {type(m).__name__ for m in model.modules()}

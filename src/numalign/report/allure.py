@@ -6,9 +6,9 @@ error histogram (PNG)."""
 from __future__ import annotations
 
 import io
-import json
 from typing import Any
 
+from numalign import finite_json
 from numalign.record import DriftRecord
 
 #: Histogram image size in pixels.
@@ -56,8 +56,8 @@ def _attach(record: DriftRecord) -> None:
     point = record.point or "output"
     data = record.to_dict()
     allure.attach(
-        json.dumps({k: data[k] for k in ("point", "request", "rule", "reason", "budget_used",
-                                         "budget", "metrics")}, indent=2),
+        finite_json.dumps({k: data[k] for k in ("point", "request", "rule", "reason",
+                                                "budget_used", "budget", "metrics")}, indent=2),
         name=f"{point} metrics",
         attachment_type=allure.attachment_type.JSON,
     )  # fmt: skip

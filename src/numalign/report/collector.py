@@ -1,9 +1,12 @@
-"""The controller-side session object: writes records as test reports arrive, then the
-tables at the end, and names what it wrote in the terminal summary."""
+"""The controller-side session object: writes records as test reports arrive, and the
+session file (``report.session``) with the first record and at the end, then the tables, and
+names what it wrote, and the run's verdict where it is not a plain pass or fail, in the
+terminal summary."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import platform
 from pathlib import Path
@@ -18,6 +21,7 @@ from numalign.record import (
     RecordWriter,
     count_outcomes,
     crashed_record,
+    error_record,
     new_run_id,
     pytest_outcome,
     read_records,
@@ -28,6 +32,8 @@ from numalign.report.baseline import BaselineDiff
 from numalign.report.history import HISTORY_FILE
 from numalign.report.retention import prune_runs
 from numalign.report.run import render_run
+from numalign.report.session import write_session
+from numalign.report.verdict import RunVerdict
 from numalign.settings import Settings
 
 #: How many of the worst records the terminal summary names.
@@ -41,6 +47,13 @@ def _failure_line(run_dir: Path, exc: BaseException) -> str:
         f"numalign: the report of {run_dir} is incomplete: {type(exc).__name__}: {exc}; "
         f"{what}, then rebuild it with: numalign report {run_dir}"
     )
+
+
+def _unwritable(record: DriftRecord, exc: BaseException) -> DriftRecord:
+    """The ``error`` record that stands for a record JSON has no form for (a field holding
+    an object, not a number or a string)."""
+    why = f"its drift record could not be written as JSON: {type(exc).__name__}: {exc}"
+    return error_record(record.test_id, type(exc).__name__, why)
 
 
 class DriftCollector:
@@ -63,8 +76,23 @@ class DriftCollector:
         self.unwritten: list[DriftRecord] = []
         #: what went wrong writing the run, as one line for the closing summary
         self.failure: str | None = None
+        #: tests selected (None: not known yet), tests that handed records, records received
+        self.selected: int | None = None
+        self.recorded_tests: set[str] = set()
+        self.received = 0
+        #: the session file as last written (None: no record arrived yet)
+        self.session: dict[str, Any] | None = None
+        self.verdict: RunVerdict | None = None
 
     # -- pytest hooks -------------------------------------------------------------------------
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.selected = max(self.selected or 0, len(session.items))
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
+        """Under xdist the workers collect: each worker collects the whole selection."""
+        self.selected = max(self.selected or 0, len(ids))
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         outcome = pytest_outcome(report)
         if outcome is not None:
@@ -86,25 +114,55 @@ class DriftCollector:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         try:
+            if self.session is not None:  # before the records: a full disk keeps what it says
+                self._write_session(finished=True)
             self._finish_records()
             if self.writer.count == 0:  # no numalign comparison ran: write nothing
                 return
             self._render(session)
         except (OSError, ValueError) as exc:  # a full disk, a baseline gone meanwhile, ...
             self.failure = self.failure or _failure_line(self.run_dir, exc)
-        if self.failure and session.exitstatus == pytest.ExitCode.OK:
+        # a run that lost records or judged little is not green (its notes say why)
+        unsure = self.verdict is not None and self.verdict.verdict in ("incomplete", "not judged")
+        if (self.failure or unsure) and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def _write(self, record: DriftRecord) -> None:
         """Writes a record as it arrives; after the disk failed once, keeps it (and every
-        later one) for ``_finish_records``: a record is never lost to a full disk."""
+        later one) for ``_finish_records``: a record is never lost to a full disk. The first
+        record writes the session file; a record that is not JSON (a field holding an object
+        JSON has no form for) is written as an ``error`` record saying so."""
+        self.recorded_tests.add(record.test_id)
+        self.received += 1
+        if self.session is None:
+            self._write_session(finished=False)
         if not self.unwritten:
             try:
-                self.writer.write(record)
+                try:
+                    self.writer.write(record)
+                except (TypeError, ValueError) as exc:  # nothing of it was written
+                    record = _unwritable(record, exc)
+                    self.writer.write(record)
                 return
             except OSError as exc:
                 self.failure = _failure_line(self.run_dir, exc)
+        try:
+            json.dumps(record.to_json(), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            record = _unwritable(record, exc)
         self.unwritten.append(record)
+
+    def _write_session(self, *, finished: bool) -> None:
+        """Writes the session file (``report.session``); a failure is the run's failure."""
+        self.session = self.header() | {"selected": self.selected, "finished": finished}
+        if finished:
+            self.session |= {"tests": count_outcomes(self.counted),
+                             "tests_recorded": len(self.recorded_tests),
+                             "records": self.received}  # fmt: skip
+        try:
+            write_session(self.run_dir, self.session)
+        except OSError as exc:
+            self.failure = self.failure or _failure_line(self.run_dir, exc)
 
     def _finish_records(self) -> None:
         """Closes records.jsonl; where writes failed, rewrites it whole (atomically: the
@@ -137,8 +195,10 @@ class DriftCollector:
             history=history,
             append=not interrupted,
             thresholds=load_policy(session.config.rootpath / "pyproject.toml").thresholds,
+            session=self.session,
         )
         self.records = rendered.records
+        self.verdict = rendered.verdict
         self.written = [self.writer.path, *rendered.written]
         self.diff = rendered.diff
         if not interrupted:
@@ -164,14 +224,17 @@ class DriftCollector:
             (r for r in counted if r.used is not None),
             key=lambda r: (r.status not in FAILING, -(r.used or 0.0)),
         )[:WORST_SHOWN]
-        for record in worst:
-            tr.write_line(f"{record.used:8.3g} of budget  {record.status:<7} {record.test_id}")
+        for record in worst:  # a NaN use is ranked as infinite, and printed as it is
+            used = record.budget_used if isinstance(record.budget_used, float) else record.used
+            tr.write_line(f"{used:8.3g} of budget  {record.status:<7} {record.test_id}")
         expected = {r.test_id: r.xfail_reason for r in self.records if r.status == "xfailed"}
         for test_id, why in list(expected.items())[:WORST_SHOWN]:
             tr.write_line(f"expected failure  {test_id}: {(why or 'xfail').splitlines()[0]}")
         tests = outcome_line(count_outcomes(self.counted), "tests")
         records = outcome_line(count_outcomes(r.status for r in self.records), "records")
         tr.write_line(f"numalign: {tests}; {records}")
+        for note in self.verdict.notes if self.verdict else []:
+            tr.write_line(f"numalign: {note}", yellow=True)
         if self.diff is not None:
             tr.write_line(
                 f"numalign: {len(self.diff.regressed)} regression(s) against "

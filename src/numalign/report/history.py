@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from numalign import finite_json
 from numalign.record import DriftRecord
 
 #: The history file's name inside the report folder when --history does not name one.
@@ -27,18 +28,19 @@ def history_entry(records: list[DriftRecord], summary: dict[str, Any]) -> dict[s
 def append_history(path: Path, entry: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as fh:
-        fh.write(json.dumps(entry, allow_nan=False) + "\n")
+        fh.write(finite_json.dumps(entry) + "\n")
 
 
 def read_history(path: Path) -> list[dict[str, Any]]:
-    """The runs of a history file, oldest first; a missing file is an empty history."""
+    """The runs of a history file, oldest first (non-finite numbers read back as floats); a
+    missing file is an empty history."""
     if not path.is_file():
         return []
     entries = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
             try:
-                entries.append(json.loads(line))
+                entries.append(finite_json.decode(json.loads(line)))
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{number}: not a history entry ({exc})") from None
     return entries

@@ -3,14 +3,15 @@ charts, and a small inline script for the table and the metric selector. No netw
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from numalign import finite_json
 from numalign.record import END_MODES, FAILING, STATUSES, DriftRecord
 from numalign.report.charts import PALETTE, Series, budget_color, line_chart
+from numalign.report.verdict import judge_run
 
 #: Rows of the worst-offenders table embedded in the page (the full set is in drift.csv).
 TABLE_ROWS = 1000
@@ -40,6 +41,13 @@ CURVE_MODES: tuple[tuple[str, str], ...] = (
 
 def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _metric(value: Any) -> float | None:
+    """A metric as the table shows it: a number, NaN and infinities included (the page's
+    JSON writes them as finite_json does and the table prints them), else None."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok else None
 
 
 def _summary_rows(records: list[DriftRecord]) -> list[dict[str, Any]]:
@@ -333,8 +341,9 @@ def _table(records: list[DriftRecord]) -> list[dict[str, Any]]:
             "used": _num(r.budget_used), "verdict": r.status, "what": _what(r),
             "suite": r.suite, "point": r.point, "candidate": r.candidate,
             "dtype": r.test_dtype, "case": r.request or r.case, "step": r.step,
-            "swap": r.swap, "max_abs": _num(m.get("max_abs")), "rel_l2": _num(m.get("rel_l2")),
-            "ulp_p99": _num(m.get("ulp_p99")), "test_id": r.test_id, "anchor": None,
+            "swap": r.swap, "max_abs": _metric(m.get("max_abs")),
+            "rel_l2": _metric(m.get("rel_l2")), "ulp_p99": _metric(m.get("ulp_p99")),
+            "test_id": r.test_id, "anchor": None,
         })  # fmt: skip
     return rows
 
@@ -392,7 +401,7 @@ def _colored(variants: dict[str, Any] | None) -> dict[str, Any] | None:
 def _script_json(value: Any) -> str:
     """JSON for a <script type="application/json"> block: no '<', '>' or '&' survives, so
     nothing in a test id or message can close the element or open a comment."""
-    text = json.dumps(value, allow_nan=False)
+    text = finite_json.dumps(value)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
@@ -419,8 +428,10 @@ def render_html(
     expected = _failures(records, ("xfailed",))
     messages = _messages(records, rows, failures, expected)
     tests = dict(summary.get("tests") or {})
-    failing_tests = sum(tests.get(o, 0) for o in FAILING)
-    verdict = "failed" if failing_tests or failures else "passed"
+    # the run's verdict: render_run's (its session checked), else the records' own
+    judged = None if "verdict" in summary else judge_run(records, tests)
+    verdict = str(summary["verdict"]) if judged is None else judged.verdict
+    notes = list(summary.get("verdict_notes") or []) if judged is None else judged.notes
     fingerprints = sorted({str(r.golden_fingerprint) for r in records if r.golden_fingerprint})
     return env.get_template("drift.html.j2").render(
         summary=summary,
@@ -430,6 +441,7 @@ def render_html(
         test_total=sum(tests.values()),
         records_by_status={o: sum(1 for r in records if r.status == o) for o in STATUSES},
         run_verdict=verdict,
+        verdict_notes=notes,
         failures=failures[:FAILURES_LISTED],
         failures_more=max(0, len(failures) - FAILURES_LISTED),
         expected=expected[:FAILURES_LISTED],

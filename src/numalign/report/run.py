@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from numalign import finite_json
 from numalign.compare.tolerances import Thresholds
 from numalign.record import (
     DriftRecord,
@@ -22,8 +23,10 @@ from numalign.report.atomic import write_text_atomic
 from numalign.report.baseline import DEFAULT_REGRESSION_FACTOR, BaselineDiff, diff_runs
 from numalign.report.history import append_history, history_entry, read_history
 from numalign.report.html import write_html
+from numalign.report.session import read_session
 from numalign.report.tables import summarize, write_tables
 from numalign.report.variants import compiled_cost, side_by_side
+from numalign.report.verdict import RunVerdict, judge_run
 
 
 @dataclass
@@ -32,6 +35,7 @@ class RenderedRun:
     records: list[DriftRecord]
     written: list[Path] = field(default_factory=list)
     diff: BaselineDiff | None = None
+    verdict: RunVerdict | None = None
 
 
 def render_run(
@@ -43,31 +47,37 @@ def render_run(
     history: Path | None = None,
     append: bool = False,
     thresholds: Thresholds | None = None,
+    session: dict[str, Any] | None = None,
 ) -> RenderedRun:
     """Writes drift.csv (and .parquet), summary.json, regressions.json (with a baseline) and
     drift.html for the records of ``run_dir``; with ``append``, adds the run to ``history``.
-    ``thresholds``: the project's (its pyproject.toml), for the baseline diff's noise floor."""
+    ``thresholds``: the project's (its pyproject.toml), for the baseline diff's noise floor.
+    ``session``: what the session knew of itself (``report.session``; None: its session.json,
+    where it has one), against which the records are checked whole (``report.verdict``). A
+    baseline is read whole (``read_records(whole=True)``): a torn or empty one is an error."""
     records = read_records(run_dir)
+    if session is None:
+        session = read_session(run_dir)
     if header is None:
-        previous = run_dir / "summary.json"
-        header = json.loads(previous.read_text(encoding="utf-8")) if previous.is_file() else {}
-        header.setdefault("run_id", run_dir.name)
+        header = _previous_header(run_dir, session)
     devices = sorted({str(r.device) for r in records if r.device})
     if devices:
         header = {**header, "device": ", ".join(devices)}
     rendered = RenderedRun(run_dir=run_dir, records=records)
     summary = summarize(records, outcome_of(records), header)
+    rendered.verdict = judge_run(records, dict(summary["tests"]), session)
+    summary |= rendered.verdict.to_dict()
     baseline_dict = None
     variants = None  # compiled against eager, where one run of the two is compiled
     if baseline is not None:
-        baseline_records = read_records(baseline)
+        baseline_records = read_records(baseline, whole=True)
         floor = (thresholds or Thresholds()).noise_floor
         rendered.diff = diff_runs(records, baseline_records, factor, noise_floor=floor)
         variants = side_by_side(records, baseline_records)
         baseline_dict = rendered.diff.to_dict() | {"path": str(baseline)}
         summary["regressions"] = len(rendered.diff.regressed)
         regressions = run_dir / "regressions.json"
-        write_text_atomic(regressions, json.dumps(baseline_dict, indent=2, allow_nan=False) + "\n")
+        write_text_atomic(regressions, finite_json.dumps(baseline_dict, indent=2) + "\n")
         rendered.written.append(regressions)
     rendered.written += write_tables(run_dir, records, summary)
     entries = read_history(history) if history is not None else []
@@ -89,6 +99,19 @@ def render_run(
     return rendered
 
 
+def _previous_header(run_dir: Path, session: dict[str, Any] | None) -> dict[str, Any]:
+    """The header of a run rebuilt offline: its summary.json's, else its session file's (the
+    tables were never written: a disk that filled), with the run's id."""
+    previous = run_dir / "summary.json"
+    if previous.is_file():
+        header: dict[str, Any] = json.loads(previous.read_text(encoding="utf-8"))
+    else:
+        keep = ("run_id", "device", "dtypes", "tier", "versions", "host", "python", "tests")
+        header = {k: session[k] for k in keep if k in session} if session else {}
+    header.setdefault("run_id", run_dir.name)
+    return header
+
+
 def merge_runs(sources: list[Path], out_dir: Path) -> Path:
     """Joins the records of several runs (shards, machines) into ``out_dir``/records.jsonl;
     a record key seen twice keeps the later source's record."""
@@ -102,6 +125,8 @@ def merge_runs(sources: list[Path], out_dir: Path) -> Path:
         if (s / "summary.json").is_file()
     ]
     header = dict(headers[0]) if headers else {}
+    for key in RunVerdict.KEYS:  # the first source's verdict is not the merged run's
+        header.pop(key, None)
     header["run_id"] = out_dir.name
     header["merged_from"] = [str(s) for s in sources]
     # shards (disjoint tests) add up their controllers' counts, tests without records

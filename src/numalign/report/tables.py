@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from numalign import finite_json
 from numalign.record import DriftRecord, count_outcomes
 from numalign.report.atomic import write_atomic, write_text_atomic
 
@@ -107,7 +107,7 @@ def write_tables(run_dir: Path, records: list[DriftRecord], summary: dict[str, A
     frame = records_frame(records)
     written = [run_dir / "drift.csv", run_dir / "summary.json"]
     write_atomic(written[0], lambda tmp: frame.to_csv(tmp, index=False))
-    write_text_atomic(written[1], json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    write_text_atomic(written[1], finite_json.dumps(summary, indent=2) + "\n")
     try:
         import pyarrow  # noqa: F401
     except ImportError:

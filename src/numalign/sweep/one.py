@@ -26,6 +26,11 @@ HONEST_DTYPES = "float32,bfloat16"
 CACHES = "dynamic,static,offloaded,offloaded_static,paged"
 #: A planted norm is looked for in float32, where honest rounding is smallest.
 PLANTED_DTYPE = "float32"
+#: xdist workers of the planted replay: its swap runs as users run one (``pytest -n auto``),
+#: the controller apart from the workers that load and swap the model (a swap's usage error
+#: raised in the workers aborted such sessions, which a plain session did not show); 2, the
+#: fewest that make it such a session, on machines the sweep shares.
+PLANTED_WORKERS = 2
 #: The operators a planted norm is swapped for, in order of preference.
 NORM_OPERATORS = ("rms_norm", "layer_norm")
 #: Characters of a message kept in a table cell.
@@ -80,7 +85,8 @@ def honest(row: SweepRow, suites: Path, golden: Path, reports: Path) -> None:
 
 def planted(row: SweepRow, suites: Path, golden: Path, reports: Path, model_dir: Path) -> None:
     """Where the planted norms were first caught: the first divergence of the whole-model
-    replay, named a norm or not by the captured point's module type."""
+    replay (under xdist, ``PLANTED_WORKERS``), named a norm or not by the captured point's
+    module type."""
     from numalign.golden import GoldenSet
     from numalign.registry import load_catalogue
 
@@ -97,7 +103,7 @@ def planted(row: SweepRow, suites: Path, golden: Path, reports: Path, model_dir:
     swap = f"{operator}=sweep_scaled_2pct"
     code, output = _pytest(
         suites, golden, reports, "--dtype", PLANTED_DTYPE, "-k", "test_model",
-        "--candidates", "numalign.sweep.planted", "--swap", swap,
+        "--candidates", "numalign.sweep.planted", "--swap", swap, "-n", str(PLANTED_WORKERS),
     )  # fmt: skip
     if code not in (0, 1):
         row.planted = "no: " + _short(output.strip().splitlines()[-1] if output.strip() else "")
