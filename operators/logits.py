@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from numalign.cases import Case, values
+from numalign.cases import Case, table_ids, values
 from numalign.registry import Operator, Output, candidate, register_operator
 from operators._common import tier_cases, up
 from operators._tiles import split_softmax
@@ -144,15 +144,22 @@ def log_softmax_online(logits: torch.Tensor) -> torch.Tensor:
 CROSS_ENTROPY_CASES = tier_cases(
     *LOGIT_CASES,
     Case("all-ignored-3x100", {"rows": 3, "vocab": 100, "ignore_all": True}),
+    # 50 labels, 33 counted: every shard boundary of 2, 4 and 8 vocabulary-parallel ranks,
+    # even and padded (32001 splits unevenly), and the 16-bit limit of Qwen's vocabulary
+    Case("shards-50x32001", {"rows": 50, "vocab": 32001}),
+    Case("shards-30x151936", {"rows": 30, "vocab": 151936}),
 )
 
 
 def cross_entropy_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
     """logits [tokens, vocab]; labels [tokens] int64 in [0, vocab), IGNORE_INDEX at 1, 1 +
-    IGNORE_STRIDE, ... (everywhere for ``ignore_all``)."""
+    IGNORE_STRIDE, ... (everywhere for ``ignore_all``); the counted labels start with the
+    vocabulary's shard boundaries (``table_ids``)."""
     rows, vocab = case["rows"], case["vocab"]
-    labels = torch.randint(0, max(vocab, 1), (rows,), generator=gen)
-    labels[1::IGNORE_STRIDE] = IGNORE_INDEX
+    labels = torch.full((rows,), IGNORE_INDEX, dtype=torch.int64)
+    counted = torch.ones(rows, dtype=torch.bool)
+    counted[1::IGNORE_STRIDE] = False
+    labels[counted] = table_ids(vocab, int(counted.sum()), gen)
     if case.get("ignore_all"):
         labels[:] = IGNORE_INDEX
     return {"logits": _logits(case, gen), "labels": labels}

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from numalign.cases import Case, values
+from numalign.cases import Case, table_ids, values
 from numalign.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
 
@@ -82,16 +82,17 @@ EMBED_CASES = tier_cases(
     Case(
         "outliers-16-v1000x4096", {"tokens": 16, "vocab": 1000, "hidden": 4096}, regime="outliers"
     ),
+    # every shard boundary of 2, 4 and 8 ranks and the 16-bit limit of Qwen's vocabulary
+    Case("shards-24-v151936x8", {"tokens": 24, "vocab": 151936, "hidden": 8}),
     Case("llm-512-v151936x64", {"tokens": 512, "vocab": 151936, "hidden": 64}, tier="pr"),
     Case("empty-0-v10x8", {"tokens": 0, "vocab": 10, "hidden": 8}, tier="pr"),
 )
 
 
 def embed_inputs(case: Case, gen: torch.Generator) -> dict[str, Any]:
-    ids = torch.randint(0, case["vocab"], (case["tokens"],), generator=gen)
-    if case["tokens"] > 2:
-        ids[-1] = case["vocab"] - 1  # the last row, where an off-by-one reads past the table
-        ids[0] = 0
+    """ids [tokens]: the table's shard boundaries, first and last rows first (``table_ids``),
+    where an off-by-one reads the wrong shard or past the table; table [vocab, hidden]."""
+    ids = table_ids(case["vocab"], case["tokens"], gen)
     return {"ids": ids, "table": values((case["vocab"], case["hidden"]), case.regime, gen)}
 
 

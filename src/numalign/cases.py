@@ -32,6 +32,13 @@ _REGIME_SCALE = {"ordinary": 1.0, "large": 100.0, "small": 1e-2, "outliers": 1.0
 _OUTLIER_STRIDE, _OUTLIER_SCALE = 97, 50.0
 #: Levels for the ties regime: few enough that rows of 8 or more values repeat some.
 _TIE_LEVELS = 5
+#: Tensor- and vocabulary-parallel ranks a table of V rows is split over: rank r of k holds
+#: the rows from r * (V // k) (an even split) or r * ceil(V / k) (Megatron's padded ranks,
+#: torch.chunk) on; a shard range test off by one reads the id at a boundary from the wrong
+#: shard, and only that id.
+SHARD_COUNTS = (2, 4, 8)
+#: The first id past 16 bits: a kernel that keeps ids in 16 bits wraps it to row 0.
+ID16_LIMIT = 65536
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,34 @@ def values(
         # Multiples of 1/4: exact in every dtype, so ties survive the cast.
         x = torch.randint(0, _TIE_LEVELS, tuple(shape), generator=gen).to(torch.float64) / 4
     return x
+
+
+def boundary_ids(size: int) -> list[int]:
+    """The ids of a table of ``size`` rows where kernels split it, most telling first: the
+    last id before and the first id of the second half (two shards), the first and last rows,
+    ``ID16_LIMIT`` - 1, ``ID16_LIMIT`` and ``ID16_LIMIT`` + 1 where the table is larger, then
+    both sides of every rank boundary of 4 and 8 shards (``SHARD_COUNTS``), even and padded
+    splits. Unique, each in [0, size)."""
+    halves = [size // 2 - 1, size // 2, -(-size // 2) - 1, -(-size // 2)]
+    ordered = [*halves, 0, size - 1, ID16_LIMIT - 1, ID16_LIMIT, ID16_LIMIT + 1]
+    for k in SHARD_COUNTS[1:]:
+        for rank in range(1, k):
+            for start in (rank * (size // k), rank * -(-size // k)):
+                ordered += [start - 1, start]
+    return [i for n, i in enumerate(ordered) if 0 <= i < size and i not in ordered[:n]]
+
+
+def table_ids(size: int, count: int, gen: torch.Generator) -> torch.Tensor:
+    """``count`` int64 ids into a table of ``size`` rows (an embedding's token ids, a loss's
+    labels): the table's ``boundary_ids`` first, as many as fit, the rest drawn uniformly
+    (seeded by ``gen``). An input that indexes a table of V rows takes its ids from here, so
+    that every case at every tier holds the ids that shard boundaries split."""
+    import torch
+
+    ids = torch.randint(0, max(size, 1), (count,), generator=gen)
+    fixed = boundary_ids(size)[:count]
+    ids[: len(fixed)] = torch.tensor(fixed, dtype=torch.int64)
+    return ids
 
 
 def noncontiguous(x: torch.Tensor) -> torch.Tensor:

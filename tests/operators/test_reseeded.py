@@ -7,7 +7,10 @@ boundaries: an honest candidate must pass on them too, or its budget rested on a
 max-abs budget took the control's extrapolated tail). The attention family is sampled, where
 exp amplifies score roundings into heavy-tailed errors, with the normalizations.
 
-``NUMALIGN_RESEEDS`` seeds per case (default 1 here; ``ci/nightly.sh`` draws 8).
+``NUMALIGN_RESEEDS`` seeds per case (default 1 here; ``ci/nightly.sh`` draws 8). With
+``NUMALIGN_RESEED_ALL=1`` (``ci/nightly.sh``) every operator of every family is swept, its
+built-in candidates and the honest kernels of ``honest_kernels.py``; without it (PR time),
+the sampled operators below.
 """
 
 from __future__ import annotations
@@ -34,10 +37,16 @@ SAMPLED = (
     "sampling",
 )
 SEEDS = range(1, int(os.environ.get("NUMALIGN_RESEEDS", "1")) + 1)
+#: Every family's operators and candidates (the nightly sweep), or the sample (PR time).
+EVERY_FAMILY = os.environ.get("NUMALIGN_RESEED_ALL", "0") == "1"
+if EVERY_FAMILY:
+    load_catalogue()
+    import honest_kernels  # noqa: F401  (registers the honest kernels of the newest families)
+SWEPT = tuple(sorted(OPERATORS)) if EVERY_FAMILY else SAMPLED
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@pytest.mark.parametrize("name", SAMPLED)
+@pytest.mark.parametrize("name", SWEPT)
 def test_honest_candidates_pass_on_reseeded_inputs(name: str) -> None:
     load_catalogue()
     op = OPERATORS[name]

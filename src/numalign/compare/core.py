@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from numalign.compare.budgets import ControlBudget, Decision, ToleranceBudget
 from numalign.compare.distribution import judge_distribution, judge_systematic_scale
-from numalign.compare.exact import judge_exact
+from numalign.compare.exact import judge_exact, judge_mask
 from numalign.compare.metrics import (
     ControlErrors,
     Metrics,
@@ -62,7 +62,10 @@ def compare(
 
     Args:
         actual: the candidate's output, any dtype and device.
-        expected: the truth (float64 reference or golden tensor), same shape.
+        expected: the truth (float64 reference or golden tensor), same shape; a boolean
+            truth against a candidate that is not boolean is a mask (where each position
+            attends), judged by ``exact.judge_mask``: where the candidate attends, and an
+            additive candidate's fill.
         op_class: one of ``OP_CLASSES``; picks the table row when there is no control.
         control: the honest reference computed in ``actual``'s dtype; when given, the error
             budget is a multiple of the control's error against ``expected`` (rule 3).
@@ -87,8 +90,11 @@ def compare(
             the control's own error (an isolated point's systematic scale is judged alone).
     """
     policy = policy or DEFAULT_POLICY
+    import torch
+
     dtype = dtype_name(actual.dtype)
-    exact = not actual.is_floating_point() or ties is not None
+    mask = expected.dtype == torch.bool and actual.dtype != torch.bool
+    exact = mask or not actual.is_floating_point() or ties is not None
     _check_arguments(name, op_class, dtype, exact)
     result = _Builder(name=name, dtype=dtype, shape=tuple(actual.shape), op_class=op_class)
     shape = _shape(actual, expected)
@@ -97,8 +103,10 @@ def compare(
         return result.conclude(shape)
     _check_control(name, control, actual, expected)
     if exact:
-        exact_decision, result.metrics = judge_exact(
-            actual, expected, ties=ties, tolerance=tolerance, name=name
+        exact_decision, result.metrics = (
+            judge_mask(actual, expected, name=name)
+            if mask
+            else judge_exact(actual, expected, ties=ties, tolerance=tolerance, name=name)
         )
         budget_of = exact_decision.budget
         result.budget = budget_of.limits() if budget_of is not None else {}
@@ -257,19 +265,22 @@ def _control_budget(
         control_metrics = control_errors.as_metrics(expected)
     multipliers = policy.budget(name, dtype, default)
     # Floors: one ulp of the output at its largest magnitude, and, for a reduction of
-    # length K, sqrt(K) ulps of the accumulator (float32; float64 for float64): honest
-    # kernels sum in other orders than the control, and sequential sums drift as sqrt(K).
+    # length K, sqrt(K) roundings of the accumulator (float32; float64 for float64) at that
+    # magnitude: honest kernels sum in other orders than the control, and sequential sums
+    # drift as sqrt(K). The accumulator's rounding is its relative spacing times the
+    # magnitude, not the ulp there: partial sums cross the power of two the largest output
+    # lies under, and the ulp's step would halve the allowance for a draw just below it.
     walk = math.sqrt(reduction_length) if reduction_length and reduction_length > 1 else 0.0
     acc_fmt = FLOAT_FORMATS["float64" if dtype == "float64" else "float32"]
     floor = _ulp(control_metrics.max_expected, fmt)
+    acc_rounding = _spacing(control_metrics.max_expected, acc_fmt)
     worst = max(control_metrics.max_abs, tail or 0.0)
     overridden = policy.source("budget", name, dtype)
     b = ControlBudget(
-        max_abs=multipliers.max_abs_multiplier * worst + floor
-        + walk * _ulp(control_metrics.max_expected, acc_fmt),
+        max_abs=multipliers.max_abs_multiplier * worst + floor + walk * acc_rounding,
         max_abs_multiplier=multipliers.max_abs_multiplier, control_max_abs=control_metrics.max_abs,
         control_tail=worst, floor=floor,
-        accumulation=walk * _ulp(control_metrics.max_expected, acc_fmt),
+        accumulation=walk * acc_rounding,
         rel_l2=multipliers.rel_l2_multiplier * control_metrics.rel_l2 + 2.0 ** -fmt[0]
         + walk * 2.0 ** -acc_fmt[0],
         rel_l2_multiplier=multipliers.rel_l2_multiplier, control_rel_l2=control_metrics.rel_l2,
@@ -390,6 +401,15 @@ def _ulp(magnitude: float, fmt: tuple[int, int]) -> float:
     if magnitude <= 0 or not math.isfinite(magnitude):
         return 2.0 ** fmt[1]
     return max(2.0 ** (math.floor(math.log2(magnitude)) - fmt[0]), 2.0 ** fmt[1])
+
+
+def _spacing(magnitude: float, fmt: tuple[int, int]) -> float:
+    """One rounding of the format near ``magnitude``, continuous in it: the relative spacing
+    2**-mantissa times the magnitude, between the ulp at the magnitude and the ulp of the
+    binade above (at least the ulp there; the ulp itself for zero or non-finite values)."""
+    if magnitude <= 0 or not math.isfinite(magnitude):
+        return _ulp(magnitude, fmt)
+    return max(magnitude * 2.0 ** -fmt[0], _ulp(magnitude, fmt))
 
 
 def _times_control(error: float, budget: ControlBudget) -> str:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from numalign.compare.exact import LeftOut, fill_faults
 from numalign.golden.reference import hooks, jsonable
 from numalign.golden.routing import point_tensors
 
@@ -105,22 +106,71 @@ def within_range(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def kept_positions(tensor: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """The positions a request's attention mask keeps: what a model computes at padding is
-    not defined (the reference itself gives NaN there in bfloat16), so it is not compared.
-    Outputs laid out [batch, ..., seq, ...] keep the positions of the first dimension after
-    the batch that has the sequence's length ([batch, seq, hidden]; attention weights
-    [batch, heads, query, key]), and outputs of the tokens flattened, [batch * seq, ...]
-    (a router's logits and routing), keep their rows. Other layouts, and [batch, features]
-    outputs (an encoder's pooled output), are returned whole."""
+    not defined, so its values are not compared (what is wrong there, a value that is not
+    finite, is judged apart: ``left_out``). Outputs laid out [batch, ..., seq, ...] keep the
+    positions of the first dimension after the batch that has the sequence's length
+    ([batch, seq, hidden]; attention weights [batch, heads, query, key]), and outputs of the
+    tokens flattened, [batch * seq, ...] (a router's logits and routing), keep their rows.
+    Other layouts, and [batch, features] outputs (an encoder's pooled output), are returned
+    whole."""
+    laid = _by_position(tensor, mask)
+    return tensor if laid is None else laid[0][laid[1]]
+
+
+def left_out(
+    actual: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor | None
+) -> LeftOut | None:
+    """What is wrong in the rows ``kept_positions`` leaves out of the candidate's output
+    (``actual``, the golden ``expected`` of the same shape): values that are not finite
+    where the golden ones are (a NaN there reaches the real rows at the next attention), or,
+    for a mask (``expected`` boolean), an additive fill that breaks softmax
+    (``compare.exact.fill_faults``); None where nothing is left out or nothing is wrong."""
+    import torch
+
+    if actual.shape != expected.shape:
+        return None
+    laid_a, laid_e = _by_position(actual, mask), _by_position(expected, mask)
+    if laid_a is None or laid_e is None or mask is None:
+        return None
+    (a, keep), (e, _) = laid_a, laid_e
+    out = ~keep
+    if not bool(out.any()):
+        return None
+    a_out, e_out = a[out], e.to(a.device)[out]  # [left-out rows, ...]
+    if e.dtype == torch.bool:
+        faults, what = fill_faults(a_out), "fill"
+    elif a.is_floating_point():
+        faults, what = ~a_out.isfinite() & e_out.isfinite(), "values"
+    else:
+        return None
+    bad = faults.reshape(faults.shape[0], -1).any(-1)
+    if not bool(bad.any()):
+        return None
+    seq = mask.shape[1]
+    positions = out.nonzero()[bad.to(out.device)]
+    rows = tuple(
+        (int(p[0]), int(p[1])) if p.numel() == 2 else divmod(int(p[0]), seq) for p in positions
+    )
+    return LeftOut(rows, int(faults.sum()), int(out.sum()), what)
+
+
+def _by_position(
+    tensor: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``tensor`` with a request's positions leading ([batch, seq, ...], or its rows where
+    the tokens are flattened) and which of them the mask keeps; None for a layout without
+    them (``kept_positions``)."""
     if mask is None:
-        return tensor
+        return None
+    keep = mask.to(tensor.device).bool()
     if tensor.dim() == 2 and tensor.shape[0] == mask.numel() > mask.shape[0]:  # tokens flattened
-        return tensor[mask.to(tensor.device).flatten().bool()]
+        return tensor, keep.flatten()
     if tensor.dim() < 3 or tensor.shape[0] != mask.shape[0]:
-        return tensor
+        return None
     seq_dims = [d for d in range(1, tensor.dim()) if tensor.shape[d] == mask.shape[1]]
     if not seq_dims:
-        return tensor
-    return tensor.movedim(seq_dims[0], 1)[mask.to(tensor.device).bool()]
+        return None
+    return tensor.movedim(seq_dims[0], 1), keep
 
 
 def request_mask(golden: GoldenSet, request: str) -> torch.Tensor | None:
