@@ -142,6 +142,9 @@ def _gelu_exact(self, input):
     return torch.nn.functional.gelu(input)
 
 
+_deepseek_router = modeling_deepseek_v3.DeepseekV3TopkRouter.forward
+
+
 def _routing_bias_in_combine(self, hidden_states):
     """DeepSeek-V3's router weighs the chosen experts by the bias-corrected scores (the
     correction bias only chooses experts; the combine weights are the plain scores)."""
@@ -162,6 +165,28 @@ def _routing_bias_in_combine(self, hidden_states):
     return router_logits, weights * self.routed_scaling_factor, indices
 
 
+def _routed_scaling_ignored(self, hidden_states):
+    """DeepSeek-V3's router without its ``routed_scaling_factor`` (2.5 in the zoo): every
+    combine weight 1 / 2.5 of its own, the experts' share of the MoE output as small."""
+    router_logits, weights, indices = _deepseek_router(self, hidden_states)
+    return router_logits, weights / self.routed_scaling_factor, indices
+
+
+def _layer_norm_unbiased(self, input):
+    """A LayerNorm that divides by the unbiased variance (n - 1 degrees of freedom, torch's
+    ``var`` default; the reference's is the population variance): every normalized value is
+    sqrt((n - 1) / n) of its own, 0.78% small at the zoo's 64 channels, in every dtype."""
+    x = input.float()
+    normed = (x - x.mean(-1, keepdim=True)) / torch.sqrt(
+        x.var(-1, keepdim=True, unbiased=True) + self.eps
+    )
+    if self.weight is not None:
+        normed = normed * self.weight.float()
+    if self.bias is not None:
+        normed = normed + self.bias.float()
+    return normed.to(input.dtype)
+
+
 #: Each planted bug: the attribute of transformers it replaces, and with what.
 PLANTS = {
     "padding_attended": (masking_utils, "padding_mask_function", _padding_attended),
@@ -180,6 +205,9 @@ PLANTS = {
     "gelu_exact": (activations.GELUTanh, "forward", _gelu_exact),
     "routing_bias_in_combine": (modeling_deepseek_v3.DeepseekV3TopkRouter, "forward",
                                 _routing_bias_in_combine),
+    "layer_norm_unbiased": (torch.nn.LayerNorm, "forward", _layer_norm_unbiased),
+    "routed_scaling_ignored": (modeling_deepseek_v3.DeepseekV3TopkRouter, "forward",
+                               _routed_scaling_ignored),
 }  # fmt: skip
 
 if PLANT:

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from numalign import dtypes
 from numalign.compare.calibration import Control
 from numalign.compare.core import compare
-from numalign.compare.exact import attends
 from numalign.compare.logits import LogitsStats, kl_budget, logits_stats, near_tie
 from numalign.compare.metrics import ControlErrors
 from numalign.compare.result import CompareResult
@@ -50,17 +49,17 @@ def compare_point(
 ) -> CompareResult:
     """One output of a point (whole: a tensor-parallel rank's shard gathered first) against
     the golden one within its control's budget; exact for boolean outputs (a mask point's
-    golden output is where each position attends: ``exact.attends`` of the mask in whatever
-    form the candidate built it), and for integer ones as a selection: each row's values,
-    in any order (a top-k's order is its kernel's: GLM-DSA's indexer returns its masked
-    keys, tied at -inf, in any order). A router's routing (``compare.routing``) is judged on
-    the tokens whose chosen experts agree, and the others by their count. Uncalibrated where
-    the control is not calibrated."""
+    golden output is where each position attends: ``exact.judge_mask`` of the mask in
+    whatever form the candidate built it, an additive mask's fill included), and for
+    integer ones as a selection: each row's values, in any order (a top-k's order is its
+    kernel's: GLM-DSA's indexer returns its masked keys, tied at -inf, in any order). A
+    router's routing (``compare.routing``) is judged on the tokens whose chosen experts
+    agree, and the others by their count. Uncalibrated where the control is not calibrated."""
     import torch
 
     if expected.dtype == torch.bool:  # a mask the model builds is judged as where it attends
         # recorded in the dtype it was built in (an additive mask: the replay's)
-        return replace(compare(attends(actual), expected, name=name),
+        return replace(compare(actual, expected, name=name),
                        dtype=dtypes.dtype_name(actual.dtype))  # fmt: skip
     if not expected.is_floating_point():
         if actual.shape == expected.shape and actual.dim() > 0:
@@ -317,7 +316,7 @@ class LogitsResult:
                 f"a golden top-5 token is pushed out at {s.top5_unexplained} of {s.positions} "
                 f"positions by a token more than {s.near_tie:.3g} below it"
             )
-        if s.kl_max > self.kl_budget:
+        if not s.kl_max <= self.kl_budget:  # a NaN KL (non-finite logits) fails too
             out.append(f"KL divergence {s.kl_max:.4g} exceeds its budget {self.kl_budget:.4g}")
         return out
 
@@ -330,6 +329,8 @@ class LogitsResult:
         """How far the KL goes towards its budget (1: at it)."""
         if self.stats is None:
             return 0.0
+        if math.isnan(self.stats.kl_max):
+            return math.inf  # non-finite logits: the worst use, never "no growth"
         return self.stats.kl_max / self.kl_budget if self.kl_budget > 0 else 0.0
 
     def message(self) -> str:

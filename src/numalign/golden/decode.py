@@ -3,7 +3,8 @@ with a KV cache, then steps of one greedy token each; per step the token, the lo
 new token's outputs at every capture point; the cache's contents after the prefill and after
 the last step (``golden.manifest.Decode``).
 
-Growth per step: each capture point's new-token outputs ([batch, 1, hidden] per output) plus
+Growth per step: each capture point's new-token outputs ([batch, 1, hidden] per output; a
+router's routing, its one token per row, as [batch, 1, experts]: ``step_outputs``) plus
 the logits [batch, vocab] and the token, deduplicated by content like every stored tensor;
 the two cache snapshots hold the keys and values (or linear-attention states) of every layer.
 """
@@ -12,18 +13,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from numalign.compare.routing import ROUTING
 from numalign.golden.manifest import Decode, DecodeStep
 from numalign.golden.reference import (
     cache_state,
     decode_inputs,
     filled_cache,
-    flatten,
     hooks,
     new_cache,
     prefill_kwargs,
     reset_decode_state,
 )
 from numalign.golden.requests import CaptureRequest
+from numalign.golden.routing import point_tensors
 from numalign.golden.store import ShardWriter
 
 #: Decode steps a capture records per generating request: enough to see a cache grow past
@@ -83,7 +85,7 @@ def record_decode(
                 outs = calls.setdefault(point, [])
                 outs.append({
                     path: writer.put(f"{base}/{point}/{len(outs)}/{path}", t)
-                    for path, t in flatten(output)
+                    for path, t in step_outputs(output)
                     if new_token_output(t, batch)
                 })  # fmt: skip
 
@@ -161,12 +163,25 @@ def _one_step(model: Any, request: CaptureRequest, implementation: str) -> Any:
         reset_decode_state(model)
 
 
+def step_outputs(output: Any) -> list[tuple[str, Any]]:
+    """A capture point's tensor outputs at a decode step by path (``routing.point_tensors``),
+    a router's routing, [tokens, experts] with one token per row at a step, laid out as the
+    new token's [batch, 1, experts]: what capture stores, decode replay and calibration
+    compare and decode localization runs again."""
+    out = []
+    for path, tensor in point_tensors(output):
+        if path == ROUTING and tensor.dim() == 2:
+            tensor = tensor[:, None]
+        out.append((path, tensor))
+    return out
+
+
 def new_token_output(tensor: Any, batch: int) -> bool:
     """Whether a point's output is the new token's hidden states, laid out [batch, 1, hidden]:
     what a decode step compares. Attention weights (their key length depends on the cache
-    implementation: a static cache pads them to its capacity), flattened router logits and
-    integer outputs (GLM-DSA's top-k key indices, as many as the cache holds keys) are left
-    out."""
+    implementation: a static cache pads them to its capacity), router logits (a router's
+    routing is kept, laid out by ``step_outputs``) and integer outputs (GLM-DSA's top-k key
+    indices, as many as the cache holds keys) are left out."""
     import torch
 
     return (

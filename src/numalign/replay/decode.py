@@ -21,20 +21,20 @@ from numalign.compare.calibration import control_for
 from numalign.compare.decode_verdict import DecodeVerdict
 from numalign.compare.model_verdict import PointResult, compare_point, judge_logits, label
 from numalign.compare.tolerances import thresholds_of
-from numalign.golden.decode import cache_family
+from numalign.golden.decode import cache_family, step_outputs
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.golden.reference import (
     CacheUnsupported,
     cache_state,
     decode_inputs,
     filled_cache,
-    flatten,
     new_cache,
     prefill_kwargs,
     reset_decode_state,
 )
 from numalign.golden.requests import unservable
 from numalign.replay.layer import CallOrder
+from numalign.replay.leans import PointLeans
 from numalign.replay.model import hidden_and_depth
 from numalign.replay.observe import observe_calls
 from numalign.replay.shards import whole
@@ -131,7 +131,7 @@ def _step_observer(
             on_step_call(number, point, place if index is None else index, args, kwargs, output)
         if index is None:
             return
-        for path, tensor in flatten(output):
+        for path, tensor in step_outputs(output):  # a router's routing as the step stores it
             key = calls[index].get(path)
             if key is not None and isinstance(tensor, torch.Tensor):
                 on_pair(request, number, point, path, tensor.detach(), golden.tensor(key),
@@ -189,7 +189,9 @@ def replay_decode(
     from numalign.replay.paged import replay_paged_requests
 
     verdict = DecodeVerdict(implementation)
-    on_pair = _judge(golden, model, dtype, verdict, policy)
+    hidden, _ = hidden_and_depth(model)
+    leans = PointLeans(golden, dtype, hidden, thresholds_of(policy), mode="decode")
+    on_pair = _judge(golden, model, dtype, verdict, policy, leans)
     if implementation == "paged":
         served = replay_paged_requests(golden, model, device, on_pair)
         for request in golden.decode_requests:
@@ -200,6 +202,7 @@ def replay_decode(
         for request in golden.decode_requests:
             run_decode(golden, model, request, implementation, dtypes.torch_dtype(dtype), device,
                        on_pair)  # fmt: skip
+    verdict.points += leans.results()  # each point's lean, every step and request pooled
     return verdict
 
 
@@ -209,8 +212,10 @@ def _judge(
     dtype: str,
     verdict: DecodeVerdict,
     policy: Any,
+    leans: PointLeans | None = None,
 ) -> OnPair:
-    """An ``OnPair`` that judges each pair within its decode calibration into ``verdict``."""
+    """An ``OnPair`` that judges each pair within its decode calibration into ``verdict``,
+    pooling the capture points' outputs into ``leans`` (the cache's states are no point)."""
 
     hidden, depth = hidden_and_depth(model)
     order = {p.name: p.order for p in golden.points}
@@ -232,6 +237,9 @@ def _judge(
             PointResult(point, order.get(point, len(order)), request, path, result,
                         "decode", finished=len(verdict.points), step=step, call=call)
         )  # fmt: skip
+        if leans is not None and point != CACHE_POINT:
+            leans.add(point, path, actual, expected, order.get(point, len(order)),
+                      verdict.points[-1].finished)  # fmt: skip
 
     return on_pair
 

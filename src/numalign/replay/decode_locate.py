@@ -26,8 +26,8 @@ from numalign import dtypes
 from numalign.compare.calibration import control_for
 from numalign.compare.model_verdict import DecodeLocation, compare_point, label
 from numalign.compare.tolerances import thresholds_of
+from numalign.golden.decode import step_outputs
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
-from numalign.golden.reference import flatten
 from numalign.replay.decode import run_decode
 from numalign.replay.inputs import detached
 from numalign.replay.model import hidden_and_depth
@@ -132,12 +132,12 @@ def _own_error(
     if any(k in call.kwargs for k in _CACHE_KWARGS) or not call.args:
         return f"{call.point} takes the KV cache: not run again at one step"
     module = model.get_submodule(call.point)
-    actual = dict(flatten(call.output)).get(path)
+    actual = dict(step_outputs(call.output)).get(path)
     if not isinstance(actual, torch.Tensor) or not actual.is_floating_point():
         return f"{call.point} has no floating output {path}"
     exact = copy.deepcopy(module).float()
     with torch.no_grad():
-        reference = dict(flatten(exact(*_up(call.args), **_up(call.kwargs)))).get(path)
+        reference = dict(step_outputs(exact(*_up(call.args), **_up(call.kwargs)))).get(path)
     if not isinstance(reference, torch.Tensor):
         return f"{call.point}'s float32 copy gives no output {path}"
     hidden, depth = hidden_and_depth(model)

@@ -1,17 +1,23 @@
-"""The lean rule of layer replay: a capture point's outputs replayed alone, pooled over every
-request and call, and their leans (``compare.lean``) judged against the range the set's
+"""The lean rule of the model suites: a capture point's outputs pooled over every request and
+call (and decode step), and their leans (``compare.lean``) judged against the range the set's
 isolated calibration reached in the same dtype. A pooled lean resolves a systematic error far
 below one rounding per element (a norm 0.3% too large in bfloat16), which the
 per-comparison budgets, at the dtype's noise, let through.
 
+In layer replay (mode ``isolated``) the outputs are the module's alone on the golden inputs.
+In the whole model (``accumulated``) and in decode (``decode``: every step pooled, step None)
+they are the point's as the model runs, and the honest range is widened by the ensemble's
+relative L2 error of the point in that mode (``compare.lean``: the lean honest upstream error
+can bring), the global leans judged, not the per-channel ones.
+
 One result per point output, request ``POOLED``; none where the calibration holds no leans
-(sets captured before this numalign, a float32 borrowing its budgets) or the point has too few
-elements to resolve one. Leans are not judged inside the whole model (``compare.lean``: honest
-upstream noise leans the outputs there).
+(sets captured before this numalign, a float32 borrowing its budgets), no error of the point
+in the mode, or the point has too few elements to resolve one.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -32,14 +38,17 @@ POOLED = "all requests"
 
 @dataclass
 class PointLeans:
-    """Pools outputs per (point, path) as a layer replay hands them on; ``results`` judges
-    them against the isolated calibration (``reduction``: the length of the reduction behind
-    each output, the hidden size; ``thresholds``: the policy's, for the lean rule)."""
+    """Pools outputs per (point, path) as a replay hands them on; ``results`` judges them
+    against the isolated calibration's leans (``reduction``: the length of the reduction
+    behind each output, the hidden size; ``thresholds``: the policy's, for the lean rule;
+    ``mode``: the replay's, ``isolated``, ``accumulated`` or ``decode``, whose calibrated
+    relative L2 error widens the range inside the model)."""
 
     golden: GoldenSet
     dtype: str
     reduction: int = 1
     thresholds: Thresholds | None = None
+    mode: str = "isolated"
     sums: dict[tuple[str, str], LeanSums] = field(default_factory=dict)
     #: when each output was first handed on (the order of the first divergence)
     first: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
@@ -52,17 +61,24 @@ class PointLeans:
         self.first.setdefault((point, path), (order, finished))
 
     def results(self) -> list[PointResult]:
-        """One judged result per pooled output whose calibration holds leans."""
+        """One judged result per pooled output whose calibration holds leans (and, inside
+        the model, the point's error in the mode)."""
         out = []
         for (point, path), sums in self.sums.items():
             calibration = self.golden.calibrated(self.dtype, point, path, "isolated")
             measured = sums.finish()
             if calibration is None or measured is None or calibration.scale_low is None:
                 continue
+            upstream = None  # alone: no widening
+            if self.mode != "isolated":  # the point's honest error in the model, if any
+                within = self.golden.calibrated(self.dtype, point, path, self.mode)
+                if within is None or within.rel_l2 is None or not math.isfinite(within.rel_l2):
+                    continue
+                upstream = float(within.rel_l2)
             order, finished = self.first[(point, path)]
             result = lean_result(label(point, path), self.dtype, measured, calibration,
-                                 self.reduction, self.thresholds)  # fmt: skip
-            out.append(PointResult(point, order, POOLED, path, result, "isolated",
+                                 self.reduction, self.thresholds, upstream)  # fmt: skip
+            out.append(PointResult(point, order, POOLED, path, result, self.mode,
                                    finished=finished))  # fmt: skip
         return out
 
@@ -74,13 +90,18 @@ def lean_result(
     calibration: ControlStats,
     reduction: int = 1,
     thresholds: Thresholds | None = None,
+    upstream: float | None = None,
 ) -> CompareResult:
     """The lean rule's verdict on one pooled output, as a comparison's result (rule
     ``distribution``): the honest range and the measured leans in ``budget``, the most
-    significant lean beyond the range as the reason."""
-    finding = judge_lean(measured, calibration, dtype, reduction, thresholds)
-    used = max(lean_uses(measured, calibration, dtype, reduction, thresholds), default=0.0)
+    significant lean beyond the range as the reason (``upstream``: ``compare.judge_lean``'s,
+    in ``budget`` as ``lean_upstream`` where given)."""
+    finding = judge_lean(measured, calibration, dtype, reduction, thresholds, upstream)
+    uses = lean_uses(measured, calibration, dtype, reduction, thresholds, upstream)
+    used = max(uses, default=0.0)
     budget = {k: float(v) for k in LEAN_STATISTICS if (v := getattr(calibration, k)) is not None}
+    if upstream is not None:
+        budget["lean_upstream"] = upstream
     budget |= {
         "lean_scale": measured.scale, "lean_scale_se": measured.scale_se,
         "lean_offset": measured.offset, "lean_offset_se": measured.offset_se,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from numalign import dtypes
 from numalign.compare import CompareResult
 from numalign.compare.calibration import control_for
+from numalign.compare.exact import judge_left_out
 from numalign.compare.logits import near_tie
 from numalign.compare.model_verdict import (
     ContinuationResult,
@@ -33,8 +34,14 @@ from numalign.golden.manifest import LOGIT_TRANSFORM, OUTPUT_POINT, Continuation
 from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import DEFAULT_SETS, discover_sets
 from numalign.replay.inputs import input_at_fault
-from numalign.replay.layer import AloneUnsupported, kept_positions, replay_call, request_mask
-from numalign.replay.leans import PointLeans
+from numalign.replay.layer import (
+    AloneUnsupported,
+    kept_positions,
+    left_out,
+    replay_call,
+    request_mask,
+)
+from numalign.replay.leans import POOLED, PointLeans
 from numalign.replay.observe import observe
 from numalign.replay.shards import whole
 from numalign.runtime.compiled import compile_model, take_stats
@@ -244,10 +251,11 @@ def replay_layer(
                     depth,
                     thresholds_of(policy),
                 )
+                faults = left_out(actual.detach(), golden.tensor(key), mask)
                 actual = kept_positions(actual.detach(), mask)
                 gathered = whole(actual, tuple(expected.shape))  # a tensor-parallel shard
-                result = compare_point(gathered, expected, label(point.name, path), control,
-                                       policy)  # fmt: skip
+                result = judge_left_out(compare_point(gathered, expected, label(point.name, path),
+                                                      control, policy), faults)  # fmt: skip
                 results.append(PointResult(point.name, point.order, request, path, result,
                                            mode="isolated", call=index))  # fmt: skip
                 leans.add(point.name, path, actual, expected, point.order, len(results))
@@ -266,6 +274,7 @@ def replay_model(
     hidden, depth = hidden_and_depth(model)
     points = {p.name: p for p in golden.points}
     verdict = ModelVerdict(points=[])
+    leans = PointLeans(golden, dtype, hidden, thresholds_of(policy), mode="accumulated")
     for request in golden.requests:
         name = request.name
         inputs = {
@@ -284,6 +293,9 @@ def replay_model(
                 PointResult(point, points[point].order, name, path, result,
                             finished=len(verdict.points), call=call)
             )  # fmt: skip
+            # the lean ranks where the point's first result does, in the first divergence
+            leans.add(point, path, actual, expected, points[point].order,
+                      verdict.points[-1].finished)  # fmt: skip
 
         with torch.no_grad(), observe(model, golden, name, on_output):
             out = model(**inputs, **forward_kwargs(model))
@@ -319,6 +331,7 @@ def replay_model(
                 thresholds_of(policy),
             )
             verdict.continuation.append(agreement)
+    verdict.points += leans.results()  # each point's lean, every request pooled
     verdict.divergence = locate(golden, model, verdict.points, dtype, device, policy)
     failing_logits = [lg for lg in verdict.logits if not lg.passed and lg.values is not None]
     if verdict.divergence is None and failing_logits:
@@ -365,6 +378,10 @@ def locate(
         return Divergence(failing.point, "unlocated", failing.request, failing.result, str(exc))
     if any(not r.result.passed for r in alone):
         return Divergence(failing.point, "local", failing.request, failing.result)
+    if failing.request == POOLED:  # a lean pooled over requests: no one call to refeed
+        named = _failing_upstream(golden, model, results, failing.finished, dtype, device, policy)
+        return Divergence(failing.point, "accumulated", failing.request, failing.result,
+                          named=named)  # fmt: skip
     hidden, depth = hidden_and_depth(model)
 
     def judge(path: str, actual: Any, expected: Any) -> CompareResult:

@@ -23,9 +23,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from numalign.compare.routing import ROUTING
 from numalign.golden.manifest import OUTPUT_POINT
-from numalign.golden.reference import flatten, hooks, own_cache
+from numalign.golden.reference import hooks, own_cache
 from numalign.golden.requests import REPLAY_PAGE_SIZE, unservable
+from numalign.golden.routing import point_tensors
 from numalign.replay.layer import CallOrder
 from numalign.runtime.compiled import CompiledModel
 
@@ -292,7 +294,9 @@ def _serve(
         for rid, start, q, step, _ in served.layout:
             if q != 1 or step < 1:  # only decode steps' new tokens
                 continue
-            for path, tensor in flatten(output):
+            for path, tensor in point_tensors(output):
+                if path == ROUTING and tensor.dim() == 2:  # a router's: the batch's tokens
+                    tensor = tensor[None]
                 if isinstance(tensor, torch.Tensor) and tensor.dim() == 3 and tensor.shape[0] == 1:
                     row = tensor[0, start].detach().float().cpu()
                     served.outputs[(rid, step, point, index, path)] = row

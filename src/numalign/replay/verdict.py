@@ -8,6 +8,7 @@ into records here (``records``, ``point_record``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from numalign.compare.decode_verdict import DecodeVerdict
@@ -50,7 +51,8 @@ def logits_record(logits: LogitsResult, test_id: str, **context: Any) -> DriftRe
         logits.values, test_id=test_id, mode="logits", request=logits.request,
         case=logits.request, step=logits.step, **context,
     )  # fmt: skip
-    used = max(record.used or 0.0, logits.kl_used)
+    # a NaN use (non-finite values) ranks as the worst, never dropped by max()
+    used = max(math.inf if math.isnan(u) else u for u in (logits.kl_used, record.used or 0.0))
     record.metrics |= logits.stats.to_dict()
     record.budget |= {"kl_max": logits.kl_budget, "near_tie": logits.stats.near_tie}
     if logits.passed:
