@@ -60,11 +60,15 @@ def _report(args: argparse.Namespace) -> int:
     )
     for path in rendered.written:
         print(path)
+    verdict = rendered.verdict
+    for note in verdict.notes if verdict else []:  # what the records lack or did not judge
+        print(f"numalign report: {note}", file=sys.stderr)
+    unsure = verdict is not None and verdict.verdict in ("incomplete", "not judged")
     if rendered.diff is not None:
         print(f"{len(rendered.diff.regressed)} regression(s) against {baseline}")
         if rendered.diff.regressed and args.fail_on_regression:
             return 1
-    return 0
+    return 1 if unsure else 0
 
 
 def _check_dtypes(text: str | None, option: str, command: str) -> None:
@@ -304,6 +308,28 @@ def _inventory(args: argparse.Namespace) -> int:
 
     result = inventory(args.model_dir, trust_remote_code=args.trust_remote_code)
     print(result.to_json() if args.format == "json" else result.to_markdown(), end="")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """numalign plan MODEL_DIR: what a capture and a replay will take (numalign.plan)."""
+    from numalign.plan import plan
+    from numalign.settings import parse_size
+
+    _check_model(args.model_dir, "plan")
+    _check_dtypes(args.dtype, "--dtype", "plan")
+    try:
+        device_memory = parse_size(args.device_memory, "--device-memory")
+    except ValueError as exc:
+        raise SystemExit(f"numalign plan: {exc}") from None
+    result = plan(
+        args.model_dir, dtypes=tuple(d for d in args.dtype.split(",") if d),
+        reference_dtype=args.reference_dtype, device_memory=device_memory, long=args.long,
+        far=args.far, max_position=args.max_position, continuation=args.continuation,
+        decode_steps=args.decode_steps, trust_remote_code=args.trust_remote_code,
+        measured=not args.no_measure,
+    )  # fmt: skip
+    print(result.to_json() if args.json else result.to_text(), end="")
     return 0
 
 
@@ -586,6 +612,57 @@ def _add_inventory(commands: Any) -> None:
     inv.set_defaults(handler=_inventory)
 
 
+def _add_plan(commands: Any) -> None:
+    """numalign plan MODEL_DIR"""
+    plan = _subparser(
+        commands,
+        "plan",
+        help="what capturing and replaying a model will take: memory, ranks, time (no weights "
+        "read)",
+        description="Builds the model on the meta device from its config and prints, per part "
+        "and in total, its weights in the reference and candidate dtypes, the activations, KV "
+        "cache and golden set of the capture's requests, the peak memory unstreamed and "
+        "streamed (one layer at a time), the pipeline ranks --device-memory needs, and a time "
+        "estimate from this machine's measured throughput (docs/plan.md).",
+    )
+    plan.add_argument("model_dir", metavar="MODEL_DIR", help="a local Hugging Face model folder")
+    plan.add_argument("--dtype", default="bfloat16", help="comma list of candidate dtypes to size")
+    plan.add_argument(
+        "--reference-dtype", default="float32", choices=["float32", "float64"],
+        help="dtype the reference (the capture) runs in",
+    )  # fmt: skip
+    plan.add_argument(
+        "--device-memory", default="80GiB", metavar="SIZE",
+        help="memory of one device, for the ranks (e.g. 80GiB, 141GB)",
+    )  # fmt: skip
+    plan.add_argument("--continuation", type=int, default=8, help="as numalign capture's")
+    plan.add_argument(
+        "--decode-steps", type=int, default=DEFAULT_DECODE_STEPS, help="as numalign capture's"
+    )
+    plan.add_argument(
+        "--long", type=int, default=None, metavar="TOKENS",
+        help="as numalign capture's (default: past every length boundary, from the config)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--far", type=int, default=FAR_LENGTH, metavar="TOKENS", help="as numalign capture's"
+    )
+    plan.add_argument(
+        "--max-position", type=int, default=None, metavar="POSITIONS",
+        help="as numalign capture's (default: the config's max_position_embeddings)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--trust-remote-code", action="store_true",
+        help="run the model folder's own Python code (off: transformers' classes only)",
+    )  # fmt: skip
+    plan.add_argument("--json", action="store_true", help="print JSON (off: tables)")
+    plan.add_argument(
+        "--no-measure", action="store_true",
+        help="measure nothing, estimate no time (by default about half a second measures "
+        "this machine's matmul and read throughput)",
+    )  # fmt: skip
+    plan.set_defaults(handler=_plan)
+
+
 def _add_nightly(commands: Any) -> None:
     """numalign nightly"""
     night = _subparser(
@@ -757,6 +834,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(commands)
     _add_capture(commands)
     _add_inventory(commands)
+    _add_plan(commands)
     _add_nightly(commands)
     _add_run(commands)
     _add_zoo(commands)

@@ -1,0 +1,207 @@
+"""Bytes a capture and a replay take, part by part, from a model's ``Structure`` and the
+capture's ``Workload``: weights, activations, KV cache, the golden set, the peaks unstreamed
+and streamed, and the pipeline ranks a device's memory needs.
+
+What is counted is a lower bound of the reference forward's largest tensors, as
+``golden.long_bound`` counts them (eager attention's scores and probabilities, the MLP's
+intermediates, the logits), plus what the plan adds: the keys and values expanded to every
+query head, the residual stream and the KV cache where the forward keeps one. Allocator
+overhead, temporary copies, the checkpoint's read buffers and the golden shard being
+written are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from numalign.plan.model import Part, Structure
+from numalign.plan.workload import Request, Workload
+
+#: Bytes per value of the dtypes a plan names (the float8 formats: a checkpoint's dtype).
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
+               "float8_e4m3fn": 1, "float8_e5m2": 1}  # fmt: skip
+#: Share of a device's memory a plan leaves to the runtime (the CUDA/driver context, the
+#: allocator's fragmentation, communication buffers): a rule of thumb, not a measurement;
+#: weights and activations get the rest.
+DEVICE_RESERVE = 0.10
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per value of ``name``; ValueError naming the known dtypes otherwise."""
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype {name!r}: give one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def experts_used(structure: Structure, workload: Workload) -> int:
+    """Routed experts of one MoE layer the capture's requests reach at worst: every token
+    of every forward picks ``top_k`` of them, so min(experts, tokens x top_k)."""
+    s = structure.shapes
+    return min(s.experts, workload.total_forward_tokens * max(1, s.top_k))
+
+
+def streamed_params(part: Part, used: int) -> int:
+    """Parameters a streamed run materializes of ``part``: all but the routed experts, and
+    ``used`` of those (an MoE layer materializes only the experts the requests route to)."""
+    if not part.moe:
+        return part.params
+    return (
+        part.params
+        - part.expert_params
+        + part.expert_params * min(used, part.experts) // (part.experts or 1)
+    )
+
+
+def transient(structure: Structure, part: Part, r: Request, b: int) -> int:
+    """The largest tensors ``part``'s forward holds at once for request ``r`` in a dtype of
+    ``b`` bytes, besides its weights and the residual stream: a layer's eager attention
+    (scores and probabilities, keys and values expanded to every head) or its MLP (three
+    intermediates), whichever is larger; the head's logits (float32 at least); the
+    embedding's output."""
+    s, tokens = structure.shapes, r.rows * r.width
+    if part.kind == "head":
+        return tokens * s.vocab * max(b, 4)
+    if part.kind != "layer":
+        return tokens * s.hidden * b
+    scores = 2 * r.rows * s.heads * r.width * r.width * b
+    attention = scores + tokens * s.kv_expanded_values * b
+    return max(attention, 3 * tokens * s.mlp_values(part.moe) * b)
+
+
+def residual(structure: Structure, r: Request, b: int) -> int:
+    """The hidden states between two layers for ``r`` (in and out: twice), and its mask."""
+    return 2 * r.rows * r.width * structure.shapes.hidden * b + r.rows * r.width * r.width * b
+
+
+def kv_cache(structure: Structure, part: Part, r: Request, w: Workload, b: int) -> int:
+    """``part``'s KV cache for ``r`` at its largest (0 but for a layer of a generating
+    request)."""
+    if part.kind != "layer":
+        return 0
+    return r.rows * w.cache_length(r) * structure.shapes.kv_cache_values * b
+
+
+def activations(structure: Structure, workload: Workload, b: int) -> int:
+    """The worst request's activations in an unstreamed forward in a dtype of ``b`` bytes:
+    its residual stream, the largest part's transient tensors, its KV cache of every layer."""
+    parts = structure.parts
+    return max(
+        (
+            residual(structure, r, b)
+            + max(transient(structure, p, r, b) for p in parts)
+            + sum(kv_cache(structure, p, r, workload, b) for p in parts)
+            for r in workload.requests
+        ),
+        default=0,
+    )
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """Peak bytes in one dtype. ``unstreamed``: every weight, with the worst request's
+    activations and its KV cache of every layer. ``streamed``: the worst part alone, its
+    weights (MoE: the routed experts used), its activations for the worst request, its KV
+    cache for every request, and every request's residual stream (held between layers)."""
+
+    dtype: str
+    weights: int
+    unstreamed: int
+    streamed: int
+    streamed_part: str
+
+
+def peaks(structure: Structure, workload: Workload, dtype: str) -> Peaks:
+    b, parts, reqs = dtype_bytes(dtype), structure.parts, workload.requests
+    weights = sum(p.params for p in parts) * b
+    worst = activations(structure, workload, b)
+    used = experts_used(structure, workload)
+    streams = sum(residual(structure, r, b) for r in reqs)
+
+    def alone(p: Part) -> int:
+        return (
+            streamed_params(p, used) * b
+            + max((transient(structure, p, r, b) for r in reqs), default=0)
+            + sum(kv_cache(structure, p, r, workload, b) for r in reqs)
+            + streams
+        )
+
+    top = max(parts, key=alone)
+    return Peaks(dtype, weights, weights + worst, alone(top), top.name)
+
+
+def golden_bytes(structure: Structure, workload: Workload, b: int = 4) -> dict[str, int]:
+    """A golden set's size in the reference dtype (``b`` bytes), by what holds it: every
+    capture point's outputs for each recorded token (the prefill's and the decode steps'),
+    the masks (one rows x width x width per request), the decode's two KV-cache snapshots
+    and the continuation's last-position logits. Not counted: the probe calls, the
+    calibration statistics (both small), inputs not shared with another point's output."""
+    s, w = structure.shapes, workload
+    values = sum(p.point_values for p in structure.parts)
+    kv = sum(kv_cache(structure, p, r, w, b) for p in structure.parts for r in w.requests)
+    return {
+        "capture points": sum(w.recorded_tokens(r) for r in w.requests) * values * b,
+        "masks": sum(r.rows * r.width * r.width for r in w.requests) * b,
+        "decode cache snapshots": 2 * kv,
+        "continuation logits": sum(
+            r.rows * w.continuation * s.vocab for r in w.requests if r.generates
+        )
+        * max(b, 4),
+    }
+
+
+def part_golden(part: Part, workload: Workload, b: int = 4) -> int:
+    """``part``'s share of the capture points' outputs in a set."""
+    return sum(workload.recorded_tokens(r) for r in workload.requests) * part.point_values * b
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Pipeline ranks for one dtype: ``ranges`` holds each rank's contiguous parts (first,
+    last); ``usable``: the bytes of weights one rank may hold; ``fits``: False where one part
+    alone exceeds it (tensor parallel is then the way)."""
+
+    dtype: str
+    usable: int
+    ranks: int
+    ranges: tuple[tuple[str, str], ...]
+    fits: bool
+
+
+def pipeline(structure: Structure, workload: Workload, dtype: str, device: int) -> Pipeline:
+    """The fewest ranks of ``device`` bytes each that hold the model's weights in ``dtype``
+    as contiguous runs of parts, balanced: at least ceil(weights / usable), where usable is
+    the device's memory less ``DEVICE_RESERVE`` and the worst request's activations
+    (``activations``: its KV cache of every layer included, an upper bound for a rank
+    holding some of them); the ranges from the smallest per-rank capacity that still packs
+    into that many ranks."""
+    b = dtype_bytes(dtype)
+    sizes = [p.params * b for p in structure.parts]
+    worst = activations(structure, workload, b)
+    usable = max(0, int(device * (1 - DEVICE_RESERVE)) - worst)
+    if not sizes or max(sizes) > usable:
+        return Pipeline(dtype, usable, 0, (), False)
+    ranks = max(1, math.ceil(sum(sizes) / usable))
+    while len(_pack(sizes, usable)) > ranks:
+        ranks += 1
+    low, high = max(max(sizes), math.ceil(sum(sizes) / ranks)), usable
+    while low < high:  # the smallest capacity that packs into ``ranks``: the most balanced
+        mid = (low + high) // 2
+        low, high = (low, mid) if len(_pack(sizes, mid)) <= ranks else (mid + 1, high)
+    names = [p.name for p in structure.parts]
+    ranges = tuple((names[a], names[z]) for a, z in _pack(sizes, low))
+    return Pipeline(dtype, usable, len(ranges), ranges, True)
+
+
+def _pack(sizes: list[int], capacity: int) -> list[tuple[int, int]]:
+    """Consecutive runs of ``sizes`` (first, last index) of at most ``capacity`` each,
+    filled in order."""
+    runs: list[tuple[int, int]] = []
+    start, filled = 0, 0
+    for i, size in enumerate(sizes):
+        if filled + size > capacity and i > start:
+            runs.append((start, i - 1))
+            start, filled = i, 0
+        filled += size
+    runs.append((start, len(sizes) - 1))
+    return runs
