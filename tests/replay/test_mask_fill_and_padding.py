@@ -122,3 +122,26 @@ def test_a_nan_only_in_padding_rows_fails_at_the_point_that_produced_it(
         f"{rows} padding row(s) the comparison leaves out, at (batch, position) "
         f"{_first_padding(golden, 'text-leftpad')}"
     ), result.reason
+
+
+def test_a_nan_in_padding_rows_is_the_whole_model_s_first_divergence_where_it_is_made(
+    golden: GoldenSet,
+) -> None:
+    from numalign.replay.model import replay_model
+
+    point = "model.layers.0.mlp"
+    model = load_model(golden.model_dir, "bfloat16", attn_implementation="eager",
+                       trust_remote_code=False)  # fmt: skip
+    padding = ~request_mask(golden, "text-leftpad").bool()
+
+    def plant(module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
+        if out.shape[:2] != padding.shape:  # only the request whose padding is planted
+            return out
+        return out.masked_fill(padding[..., None], float("nan"))
+
+    model.get_submodule(point).register_forward_hook(plant)
+    verdict = replay_model(golden, model, "bfloat16", CPU)
+    first = verdict.first_failing
+    assert first is not None and first.point == point, first
+    assert first.result.rule == "non-finite", first.result.message()
+    assert "padding row(s) the comparison leaves out" in first.result.reason

@@ -252,15 +252,19 @@ class CallMatcher:
     point in a forward with its recorded call of ``request`` (``CallOrder``) and calls
     ``on_output(point, path, actual, expected, call)`` for each of its tensor outputs the
     golden set holds, both restricted to the positions the request's mask keeps (``call``:
-    which call of the point, from 0)."""
+    which call of the point, from 0). ``on_left_out(point, path, faults, call)``, where
+    given, is called first with what is wrong in the rows the mask leaves out (``left_out``),
+    only where something is."""
 
     def __init__(
         self,
         golden: GoldenSet,
         request: str,
         on_output: Callable[[str, str, torch.Tensor, torch.Tensor, int], None],
+        on_left_out: Callable[[str, str, LeftOut, int], None] | None = None,
     ) -> None:
         self.golden, self.request, self.on_output = golden, request, on_output
+        self.on_left_out = on_left_out
         self.points = {p.name: p for p in golden.points}
         self.mask = request_mask(golden, request)
         self.orders: dict[str, CallOrder] = {}
@@ -275,7 +279,12 @@ class CallMatcher:
         for path, tensor in point_tensors(output):
             key = calls[number].outputs.get(path)
             if key is not None:
-                expected = kept_positions(self.golden.tensor(key), self.mask)
+                golden = self.golden.tensor(key)
+                if self.on_left_out is not None:
+                    faults = left_out(tensor.detach(), golden, self.mask)
+                    if faults is not None:
+                        self.on_left_out(point, path, faults, number)
+                expected = kept_positions(golden, self.mask)
                 actual = kept_positions(tensor.detach(), self.mask)
                 self.on_output(point, path, actual, expected, number)
 
@@ -286,11 +295,13 @@ def golden_outputs(
     golden: GoldenSet,
     request: str,
     on_output: Callable[[str, str, torch.Tensor, torch.Tensor, int], None],
+    on_left_out: Callable[[str, str, LeftOut, int], None] | None = None,
 ) -> Iterator[None]:
     """While the model runs ``request``, calls ``on_output(point, path, actual, expected)``
-    for every tensor output of every capture point that matches a recorded call
-    (``CallMatcher``)."""
-    with hooks(model, [p.name for p in golden.points], CallMatcher(golden, request, on_output)):
+    for every tensor output of every capture point that matches a recorded call, and
+    ``on_left_out`` where given (``CallMatcher``)."""
+    matcher = CallMatcher(golden, request, on_output, on_left_out)
+    with hooks(model, [p.name for p in golden.points], matcher):
         yield
 
 

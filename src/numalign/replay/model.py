@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from numalign import dtypes
 from numalign.compare import CompareResult
 from numalign.compare.calibration import control_for
-from numalign.compare.exact import judge_left_out
+from numalign.compare.exact import LeftOut, judge_left_out
 from numalign.compare.logits import near_tie
 from numalign.compare.model_verdict import (
     ContinuationResult,
@@ -275,6 +275,8 @@ def replay_model(
     points = {p.name: p for p in golden.points}
     verdict = ModelVerdict(points=[])
     leans = PointLeans(golden, dtype, hidden, thresholds_of(policy), mode="accumulated")
+    # faults in the rows a request's mask leaves out, judged with the point's own result
+    pending: dict[tuple[str, str, str, int], LeftOut] = {}
     for request in golden.requests:
         name = request.name
         inputs = {
@@ -289,6 +291,7 @@ def replay_model(
             )
             actual = whole(actual, tuple(expected.shape))  # a tensor-parallel rank's shard
             result = compare_point(actual, expected, label(point, path), control, policy)
+            result = judge_left_out(result, pending.pop((name, point, path, call), None))
             verdict.points.append(
                 PointResult(point, points[point].order, name, path, result,
                             finished=len(verdict.points), call=call)
@@ -297,7 +300,12 @@ def replay_model(
             leans.add(point, path, actual, expected, points[point].order,
                       verdict.points[-1].finished)  # fmt: skip
 
-        with torch.no_grad(), observe(model, golden, name, on_output):
+        def on_left_out(
+            point: str, path: str, faults: LeftOut, call: int, name: str = name
+        ) -> None:
+            pending[(name, point, path, call)] = faults
+
+        with torch.no_grad(), observe(model, golden, name, on_output, on_left_out):
             out = model(**inputs, **forward_kwargs(model))
         mask = request_mask(golden, name)
         finals = model_outputs(out)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from numalign.compare.exact import LeftOut
 from numalign.golden.reference import hooks
 from numalign.replay.layer import CallMatcher, golden_outputs
 from numalign.runtime.compiled import CompiledModel
@@ -26,16 +27,17 @@ def observe(
     golden: GoldenSet,
     request: str,
     on_output: Callable[[str, str, torch.Tensor, torch.Tensor, int], None],
+    on_left_out: Callable[[str, str, LeftOut, int], None] | None = None,
 ) -> Iterator[None]:
     """``golden_outputs`` for any model: for an eager model its hooks; for a CompiledModel
     the tensors its taps collected from inside the compiled graph, compared after the
     forward in the order the calls completed (the n-th call of a point against its n-th
     recorded call, both restricted to the positions the request's mask keeps)."""
     if not isinstance(model, CompiledModel):
-        with golden_outputs(model, golden, request, on_output):
+        with golden_outputs(model, golden, request, on_output, on_left_out):
             yield
         return
-    matcher = CallMatcher(golden, request, on_output)
+    matcher = CallMatcher(golden, request, on_output, on_left_out)
     model.taps.clear()
     yield
     taps, model.taps[:] = list(model.taps), []
