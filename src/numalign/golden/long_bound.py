@@ -30,11 +30,21 @@ class LongRequestError(ValueError):
     before the model loads; the message says by how much and what --long would do."""
 
 
+def _attribute(config: Any, name: str) -> Any:
+    """``config.name``, None where it has none or will not give one: a config whose layers
+    differ raises its own error for a per-layer attribute read globally (Gemma 4's
+    ``head_dim``); the bound then counts the size from the others, a lower bound still."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # transformers' per-layer attribute error derives from no common base
+        return None
+
+
 def _sizes(config: Any) -> dict[str, int]:
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     found: dict[str, int] = {}
     for size, names in _SIZES.items():
-        value = next((v for n in names if isinstance(v := getattr(text, n, None), int)), 0)
+        value = next((v for n in names if isinstance(v := _attribute(text, n), int)), 0)
         found[size] = max(0, value)
     found["kv_heads"] = found["kv_heads"] or found["heads"]
     if not found["head_dim"] and found["heads"]:
