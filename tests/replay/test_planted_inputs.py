@@ -219,11 +219,12 @@ def test_an_epsilon_a_port_hard_codes_fails_at_every_norm_on_its_probe(
     # in bfloat16 every element of the requests is within its budget: only the probe fails
     requests = {r.request for r in failed_alone(records) if r.dtype == "bfloat16"}
     assert requests <= {"probe", "all requests"}, requests
-    # the whole model in float32: every point within its accumulated budget, the logits not;
-    # the points replayed alone name the last norm, not the model's logit transform
+    # the whole model in float32: every element within its accumulated budget, but the first
+    # norm's output leans (its pooled lean, judged in the model too, resolves the 5e-6 scale
+    # the wrong epsilon gives every row), so the first divergence is that norm, local
     assert divergences(records) == {"float32": {
-        "point": "(output)", "kind": "accumulated", "request": "text-leftpad",
-        "named": "model.norm"}}  # fmt: skip
+        "point": "model.layers.0.input_layernorm", "kind": "local",
+        "request": "all requests"}}  # fmt: skip
 
 
 def test_exact_gelu_for_the_tanh_form_fails_at_the_activation(
@@ -256,7 +257,10 @@ def test_a_linear_attention_state_wrong_across_chunks_fails_on_the_long_requests
     )  # fmt: skip
     found = divergences(records)
     expected = {"point": "model.layers.0.linear_attn", "kind": "local", "request": "long-leftpad"}
-    assert found == {"float32": expected, "bfloat16": expected}, found
+    assert found["bfloat16"] == expected, found
+    # float32 resolves the state's wrong decay as a lean of the point's outputs too: its pooled
+    # lean ("all requests", judged in the model) ranks where the point's first result does
+    assert found["float32"] in (expected, expected | {"request": "all requests"}), found
     alone = {(r.request, r.point) for r in failed_alone(records) if r.request != "all requests"}
     # the first chunk (64 tokens) is right: only the long requests (3 x 64 + 8 tokens, past
     # three chunks) reach a later chunk, in each linear-attention layer

@@ -12,12 +12,14 @@ from numalign import dtypes
 from numalign.compare.decode_verdict import DecodeVerdict
 from numalign.replay.decode import decode_unavailable, replay_decode
 from numalign.replay.decode_locate import locate_decode
+from numalign.replay.leans import POOLED
 from numalign.replay.model import ModelCache, open_fresh
 from numalign.replay.paged import PAGED_ATTENTION, PagedUnsupported, paged_divergence
 
 if TYPE_CHECKING:
     import torch
 
+    from numalign.compare.lean import Lean
     from numalign.golden.store import GoldenSet
     from numalign.settings import Settings
 
@@ -107,6 +109,7 @@ def _unexplained(
     import torch
 
     from numalign.compare import compute_metrics
+    from numalign.compare.lean import LeanSums
     from numalign.compare.logits import logits_stats
     from numalign.golden.decode import REFERENCE_CACHE
     from numalign.golden.manifest import OUTPUT_POINT
@@ -116,12 +119,14 @@ def _unexplained(
     torch_dtype = dtypes.torch_dtype(dtype)
     model = signature_model(golden, dtype, device)
     errors: dict[tuple[str, int, str, str, int], tuple[float, float, float]] = {}
+    leans: dict[tuple[str, str], LeanSums] = {}
 
     def on_pair(request: str, step: int, point: str, path: str, actual: Any,
                 expected: Any, call: int = 0) -> None:  # fmt: skip
         m = compute_metrics(actual, expected)
         kl = logits_stats(actual, expected, 0.0).kl_max if point == OUTPUT_POINT else 0.0
         errors[(request, step, point, path, call)] = (m.max_abs, m.rel_l2, kl)
+        leans.setdefault((point, path), LeanSums()).add(actual, expected)
 
     with torch.no_grad():
         for request in golden.decode_requests:
@@ -129,6 +134,11 @@ def _unexplained(
     out = []
     for r in verdict.points:
         if r.result.passed:
+            continue
+        if r.request == POOLED:  # a pooled lean: against the signature model's own lean
+            sums = leans.get((r.point, r.path))
+            if sums is None or not _same_lean(r.result.budget, sums.finish()):
+                out.append(f"{r.point}'s pooled lean")
             continue
         signature = errors.get((r.request, r.step or 0, r.point, r.path, r.call))
         if signature is None or not _within(r.result, signature[:2]):
@@ -146,6 +156,28 @@ def _unexplained(
         if signature is None or not (_within(lg.values, signature[:2]) and kl_ok):
             out.append(f"the logits at step {lg.step}, request {lg.request}")
     return out
+
+
+def _same_lean(budget: dict[str, float], signature: Lean | None) -> bool:
+    """The engine's pooled lean (``budget``'s ``lean_scale`` and ``lean_offset``, from
+    ``replay.leans``) is one the signature model explains: of the signature's sign where it
+    leans beyond the honest range, and no larger than the signature's lean plus the honest
+    range's width (widened by the upstream allowance both ways) and three standard errors of
+    each (the signature decodes with the reference's cache, so its steps' errors differ in
+    detail, not in kind)."""
+    if signature is None:
+        return False
+    upstream = budget.get("lean_upstream", 0.0)
+    for kind in ("scale", "offset"):
+        width = budget.get(f"{kind}_high", 0.0) - budget.get(f"{kind}_low", 0.0) + 2 * upstream
+        se = math.hypot(budget.get(f"lean_{kind}_se", 0.0), getattr(signature, f"{kind}_se"))
+        engine, explained = budget.get(f"lean_{kind}", 0.0), getattr(signature, kind)
+        allowed = width + 3 * se
+        if abs(engine) > allowed and (
+            engine * explained < 0 or abs(engine) > abs(explained) + allowed
+        ):
+            return False
+    return True
 
 
 def _within(result: Any, signature: tuple[float, float]) -> bool:
