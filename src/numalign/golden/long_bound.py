@@ -14,7 +14,7 @@ from numalign.golden.requests import long_length, max_positions
 #: batch the memory estimate counts.
 LONG_ROWS = 2
 #: Config attributes of a model's sizes, first found wins (Llama's names, GPT-2's, T5's).
-_SIZES = {
+CONFIG_SIZES = {
     "hidden": ("hidden_size", "n_embd", "d_model"),
     "layers": ("num_hidden_layers", "n_layer", "num_layers"),
     "heads": ("num_attention_heads", "n_head", "num_heads"),
@@ -43,7 +43,7 @@ def _attribute(config: Any, name: str) -> Any:
 def _sizes(config: Any) -> dict[str, int]:
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     found: dict[str, int] = {}
-    for size, names in _SIZES.items():
+    for size, names in CONFIG_SIZES.items():
         value = next((v for n in names if isinstance(v := _attribute(text, n), int)), 0)
         found[size] = max(0, value)
     found["kv_heads"] = found["kv_heads"] or found["heads"]

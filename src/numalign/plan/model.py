@@ -16,16 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: Config attributes of a size, first found wins (Llama's names, GPT-2's, Qwen3-MoE's,
-#: DeepSeek's, Mixtral's).
+from numalign.golden.long_bound import CONFIG_SIZES
+
+#: Config attributes of a size, first found wins: the long bound's (Llama's names, GPT-2's,
+#: T5's) and those of MoE and MLA configs (Qwen3-MoE's, DeepSeek's, Mixtral's).
 _NAMES = {
-    "hidden": ("hidden_size", "n_embd", "d_model"),
-    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "heads": ("num_attention_heads", "n_head", "num_heads"),
-    "kv_heads": ("num_key_value_heads",),
-    "head_dim": ("head_dim",),
-    "intermediate": ("intermediate_size", "n_inner", "ffn_dim", "d_ff"),
-    "vocab": ("vocab_size",),
+    **CONFIG_SIZES,
     "experts": ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"),
     "top_k": ("num_experts_per_tok", "moe_topk", "top_k"),
     "moe_intermediate": ("moe_intermediate_size",),
