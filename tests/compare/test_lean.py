@@ -59,7 +59,7 @@ def test_a_scale_below_one_rounding_fails_and_honest_rounding_passes(
     assert planted is not None
     finding = judge_lean(planted, ControlStats.of(calibration.stats()))
     assert finding is not None and finding.name == "scale"
-    assert "systematic scale of +0.100%" in finding.reason(planted)
+    assert "systematic scale of +0.0995%" in finding.reason(planted)
 
 
 def test_an_offset_is_told_from_a_scale(reference: torch.Tensor) -> None:
@@ -111,3 +111,11 @@ def test_the_lean_rule_takes_the_projects_thresholds(
     assert thresholds.lean_floor_roundoffs == 1.0
     assert judge_lean(planted, calibration, thresholds=thresholds) is None
     assert max(lean_uses(planted, calibration, thresholds=thresholds)) < 1.0
+
+
+def test_a_tiny_lean_prints_with_its_significant_digits() -> None:
+    from numalign.compare.metrics import signed_percent
+
+    # a float32 lean of 1.3e-8 printed with fixed decimals read "+0.000%"
+    assert signed_percent(1.3e-8) == "+1.3e-06%"
+    assert signed_percent(-0.00459) == "-0.459%"

@@ -44,7 +44,7 @@ def test_the_upstream_error_widens_the_range_both_ways(reference: torch.Tensor) 
     # the range was widened
     finding = judge_lean(planted, honest, "bfloat16", upstream=0.001)
     assert finding is not None and finding.name == "scale"
-    assert "widened by ±0.100% for the honest error upstream" in finding.reason(planted)
+    assert "widened by ±0.1% for the honest error upstream" in finding.reason(planted)
 
 
 def test_the_widening_does_not_widen_the_spread_term(reference: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ from numalign.compare.metrics import (
     count_rounding_zeros,
     float_format,
     rounding_control,
+    signed_percent,
 )
 from numalign.compare.tolerances import (
     CALIBRATED_DISTRIBUTION_FLOORS,
@@ -262,8 +263,9 @@ def judge_systematic_scale(
         return None
     return Decision(
         "distribution", False,
-        f"values are within the budget but share a systematic scale of {beta:+.3%} across "
-        f"{n} elements ({_g(z, 3)} standard errors; the control's {beta_c:+.3%}), beyond "
+        f"values are within the budget but share a systematic scale of {signed_percent(beta)} "
+        f"across {n} elements ({_g(z, 3)} standard errors; the control's "
+        f"{signed_percent(beta_c)}), beyond "
         f"what honest rounding leans ({_g(floor, 3)} in {dtype})",
         "a systematic scale below one rounding per element: check accumulation precision "
         "(a sum of squares or a normalizer accumulated in the input dtype), epsilon, and "

@@ -51,6 +51,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from numalign.compare.metrics import signed_percent
 from numalign.compare.tolerances import (
     FLOAT_FORMATS,
     LEAN_CHANNEL_ROWS,
@@ -209,14 +210,16 @@ class LeanFinding:
         )
         kind = "scale" if self.name.endswith("scale") else "offset of the mean error"
         widened = (
-            f", widened by ±{self.upstream:.3%} for the honest error upstream of it in the model"
+            f", widened by ±{100 * self.upstream:.3g}% for the honest error upstream of it in "
+            "the model"
             if self.upstream
             else ""
         )
         return (
-            f"values are within the budget but share a systematic {kind} of {self.value:+.3%} "
+            f"values are within the budget but share a systematic {kind} of "
+            f"{signed_percent(self.value)} "
             f"{where} ({self.z:.3g} standard errors beyond the honest ensemble's range "
-            f"[{self.low:+.3%}, {self.high:+.3%}]{widened})"
+            f"[{signed_percent(self.low)}, {signed_percent(self.high)}]{widened})"
         )
 
 

@@ -414,3 +414,10 @@ def error_tail(actual: torch.Tensor, expected: torch.Tensor) -> float:
     top = torch.topk(d, k + 1).values
     scale = float((top[:k] - top[k]).mean())
     return float(top[0]) + math.log(1.0 / TAIL_EXCEEDANCE) * scale
+
+
+def signed_percent(fraction: float, digits: int = 3) -> str:
+    """``fraction`` as a signed percentage with ``digits`` significant digits: a lean of
+    1.3e-8 reads ``+1.3e-06%``, never ``+0.000%`` (fixed decimals hid the leans that the
+    float32 rules judge)."""
+    return f"{100.0 * fraction:+.{digits}g}%"

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from numalign.compare import CompareResult, Metrics
 from numalign.compare.calibration import LEAN_STATISTICS, ControlStats
 from numalign.compare.lean import Lean, LeanSums, judge_lean, lean_uses
+from numalign.compare.metrics import signed_percent
 from numalign.compare.model_verdict import PointResult, label
 from numalign.compare.tolerances import Thresholds
 
@@ -113,8 +114,9 @@ def lean_result(
         name=name, dtype=dtype, shape=(measured.elements,), op_class="matmul", passed=True,
         rule="distribution", metrics=Metrics.blank(measured.elements, error=nan, agreement=nan),
         budget=budget, budget_used=used,
-        reason=f"pooled leans within the honest range: scale {measured.scale:+.4%}, offset "
-        f"{measured.offset:+.4%} over {measured.elements} elements",
+        reason="pooled leans within the honest range: scale "
+        f"{signed_percent(measured.scale, 4)}, offset {signed_percent(measured.offset, 4)} over "
+        f"{measured.elements} elements",
     )  # fmt: skip
     if finding is None:
         return result
