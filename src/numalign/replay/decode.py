@@ -257,6 +257,14 @@ def decode_calibrated(golden: GoldenSet, dtype: str) -> bool:
 
 def decode_unavailable(golden: GoldenSet, dtype: str) -> str | None:
     """Why a set cannot be decode-replayed in ``dtype`` (None when it can)."""
+    reason = _no_decode_steps(golden, dtype)
+    if reason is None and not decode_calibrated(golden, dtype):
+        return _uncalibrated(golden)
+    return reason
+
+
+def _no_decode_steps(golden: GoldenSet, dtype: str) -> str | None:
+    """Why the set holds no decode steps ``dtype`` can replay, whatever its calibration."""
     if golden.manifest.format.endswith("/1"):
         return (
             f"{golden.name} is a format 1 golden set, which has no decode steps: capture it "
@@ -267,6 +275,19 @@ def decode_unavailable(golden: GoldenSet, dtype: str) -> str | None:
     limit = golden.manifest.dtype_limits.get(dtype)
     if limit is not None:
         return f"the reference itself could not run in {dtype} at capture: {limit}"
-    if not decode_calibrated(golden, dtype):
-        return f"{golden.name} has no decode calibration: capture it again to replay decode"
     return None
+
+
+def _uncalibrated(golden: GoldenSet) -> str:
+    return f"{golden.name} has no decode calibration: capture it again to replay decode"
+
+
+def require_decode_calibration(golden: GoldenSet, dtype: str) -> None:
+    """Uncalibrated where the set holds decode steps ``dtype`` can replay but no decode
+    calibration for them (captured with ``--calibrate ''``): raised inside the replay guard,
+    the skip leaves a record of rule ``uncalibrated`` that the run's verdict counts (NOT
+    JUDGED)."""
+    from numalign.compare.model_verdict import Uncalibrated
+
+    if _no_decode_steps(golden, dtype) is None and not decode_calibrated(golden, dtype):
+        raise Uncalibrated(f"{_uncalibrated(golden)} (--calibrate {dtype})")

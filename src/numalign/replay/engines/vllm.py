@@ -43,7 +43,7 @@ from numalign.compare.routing import ROUTING
 from numalign.compare.tolerances import thresholds_of
 from numalign.golden.manifest import OUTPUT_POINT
 from numalign.golden.requests import unservable
-from numalign.replay.decode import decode_unavailable
+from numalign.replay.decode import decode_unavailable, require_decode_calibration
 from numalign.replay.engines import Replayed
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
 from numalign.replay.engines.vllm_points import (
@@ -225,6 +225,7 @@ class VllmEngine:
         self, path: str | Path, dtype: str, cache: str, device: torch.device, policy: Any
     ) -> Replayed:
         golden = open_fresh(path)
+        require_decode_calibration(golden, dtype)
         reason = decode_unavailable(golden, dtype)
         if reason is not None:
             return Replayed(golden, None, skipped=reason)
