@@ -4,7 +4,8 @@
 #   1. the model suites through vLLM (--engine vllm) on the zoo, float32 and bfloat16: the
 #      zoo's members vLLM's CPU attention serves pass, the others skip with vLLM's reason;
 #   2. the model suites through transformers on the transformers vLLM pins (numalign supports
-#      5.16 to the newest): the zoo's sets, captured on the newest, replayed on the older;
+#      5.16 to 5.24, the newest constraints.txt pins): the zoo's sets, captured on 5.24, replayed
+#      on the older;
 #   3. the project's tests whose subject depends on the transformers version (capture, the
 #      vLLM engine and its planted bugs, the paths a model cannot take, swaps, inventory). The
 #      sweep's shrink is not among them: it and its override table are written for the newest
