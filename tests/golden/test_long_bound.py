@@ -8,6 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
+# loaded at collection: a pytester run inline in the same worker restores sys.modules after
+# it, and torch's operator libraries imported again after that warn (an error here)
+import torch.distributed.tensor  # noqa: F401
+import transformers.models.llama.configuration_llama  # noqa: F401
+
+import numalign.golden.capture as capture
 from numalign.cli import main
 from numalign.golden.long_bound import LongRequestError, check_long, long_request_bytes
 
@@ -51,8 +57,6 @@ def test_the_default_length_is_never_refused_for_its_positions() -> None:
 def test_capture_refuses_a_long_request_before_the_model_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import numalign.golden.capture as capture
-
     def load_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before the --long check")
 

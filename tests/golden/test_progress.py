@@ -37,9 +37,9 @@ def test_a_capture_in_a_log_prints_one_line_per_step(
 
 
 def test_a_long_step_is_never_silent(capsys: pytest.CaptureFixture[str]) -> None:
-    from numalign.golden.capture import _Progress
+    from numalign.golden.progress import Progress
 
-    progress = _Progress("lines", 2, "set", heartbeat=0.01)
+    progress = Progress("lines", 2, "set", heartbeat=0.01)
     progress.step("request long-leftpad")
     beats = []
     for _ in range(1000):  # the heartbeat thread prints while the step runs (waits 0.01 s)

@@ -6,7 +6,6 @@ paged engine cannot serve is skipped with the reason."""
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -61,14 +60,6 @@ def run_suite(pytester: pytest.Pytester, plugin: str, *args: str) -> pytest.RunR
         str(SUITES), "--rootdir", str(ROOT), "-p", "no:cacheprovider", "-p", plugin,
         "--report-dir", str(pytester.path / "reports"), "-q", "--tb=line", "-rfs",
         "--dtype", "bfloat16", "--cache-implementation", "dynamic,static", *args,
-    )  # fmt: skip
-
-
-@pytest.fixture
-def on_path(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(  # this tree's src first, then the caller's path
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(pytester.path), str(ROOT / "src"),
-                                                     str(ROOT), os.environ.get("PYTHONPATH")]))
     )  # fmt: skip
 
 

@@ -4,7 +4,6 @@ counts it (NOT JUDGED); it was skipped with no record, invisible to the verdict.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -15,14 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_an_uncalibrated_decode_test_leaves_a_record_that_says_so(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester, on_path: None
 ) -> None:
     from numalign.replay.ensemble import capture_calibrated
 
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT),
-                                                     os.environ.get("PYTHONPATH")]))
-    )  # fmt: skip
     sets = pytester.path / "sets"
     capture_calibrated(ROOT / "golden" / "models" / "tiny-llama", sets / "bare-llama",
                        calibrate=(), progress=False, continuation=1, decode_steps=1,

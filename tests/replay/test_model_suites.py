@@ -6,7 +6,6 @@ a corrupted one with the shard's name, never a numeric verdict."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from pathlib import Path
@@ -26,14 +25,6 @@ def run_suite(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     return pytester.runpytest_subprocess(
         str(SUITES), "--rootdir", str(ROOT), "-p", "no:cacheprovider", "--candidates", "bad_norms",
         "--report-dir", str(pytester.path / "reports"), "-q", "--tb=line", "-rf", *args,
-    )  # fmt: skip
-
-
-@pytest.fixture
-def on_path(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(  # this tree's src first, then the caller's path
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(pytester.path), str(ROOT / "src"),
-                                                     str(ROOT), os.environ.get("PYTHONPATH")]))
     )  # fmt: skip
 
 

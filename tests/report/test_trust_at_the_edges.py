@@ -319,20 +319,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_replay_of_a_set_captured_without_calibration_reads_not_judged(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester, on_path: None
 ) -> None:
     """Issue 42, item 13: a set captured with ``--calibrate ''`` replayed as PASSED (its
     tests skipped for want of calibration, its mask test passed exactly). Now the skips are
     records of rule ``uncalibrated``; summary.json, drift.html and the terminal say NOT
     JUDGED, and the session is not green."""
-    import os
-
     from numalign.replay.ensemble import capture_calibrated
 
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT),
-                                                     os.environ.get("PYTHONPATH")]))
-    )  # fmt: skip
     sets = pytester.path / "sets"
     capture_calibrated(ROOT / "golden" / "models" / "tiny-llama", sets / "bare-llama",
                        calibrate=(), progress=False, continuation=2, decode_steps=0)  # fmt: skip

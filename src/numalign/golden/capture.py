@@ -42,6 +42,7 @@ from numalign.golden.manifest import (
     Request,
 )
 from numalign.golden.probes import record_probes
+from numalign.golden.progress import Progress, progress_mode
 from numalign.golden.reference import (
     Placement,
     append_token,
@@ -259,64 +260,6 @@ def _positional_keys(value: Any, key: str, put: Callable[[str, Any], str]) -> Ke
     return key_tree(value, lambda path, t: put(f"{key}/{path}", t))
 
 
-#: Seconds a capture step may run before a line says it is still running (a long request's
-#: forward, a calibration member, a big model's load take minutes: never silent that long).
-HEARTBEAT_S = 30.0
-
-
-class _Progress:
-    """Progress of a capture, one step per request forward and per calibration member (with
-    the dtypes it calibrates): a bar on a terminal (tqdm, which transformers brings), one
-    flushed line per step on stderr elsewhere (a CI log shows the capture advancing), nothing
-    with ``mode`` "off". A step that lasts longer than ``heartbeat`` seconds is never silent:
-    a line (a refreshed bar on a terminal) says which step is still running and for how long,
-    every ``heartbeat`` seconds; ``close(done=True)`` prints the total time."""
-
-    def __init__(self, mode: str, total: int, name: str, heartbeat: float = HEARTBEAT_S) -> None:
-        import threading
-
-        from tqdm import tqdm
-
-        self.mode, self.total, self.name, self.done = mode, total, name, 0
-        self.text = "starting"
-        self.started = self.since = time.monotonic()
-        self.bar = tqdm(total=total, desc=f"capture {name}", unit="step",
-                        disable=mode != "bar")  # fmt: skip
-        self._stop = threading.Event()
-        self._beats = threading.Thread(target=self._beat_every, args=(heartbeat,), daemon=True)
-        if mode != "off":
-            self._beats.start()
-
-    def step(self, text: str) -> None:
-        self.done += 1
-        self.text, self.since = text, time.monotonic()
-        self.bar.set_postfix_str(text)
-        self.bar.update(1)
-        self._line(f"step {self.done}/{self.total}: {text}")
-
-    def beat(self) -> None:
-        """Says the running step is still running (a line; on a terminal, the bar's clock)."""
-        self.bar.refresh()
-        running = time.monotonic() - self.since
-        self._line(f"still on step {self.done}/{self.total} after {running:.0f} s: {self.text}")
-
-    def close(self, done: bool = False) -> None:
-        self._stop.set()
-        self.bar.close()
-        if done:
-            self._line(f"done, {self.total} steps")
-
-    def _line(self, text: str) -> None:
-        if self.mode == "lines":
-            elapsed = time.monotonic() - self.started
-            print(f"numalign capture {self.name}: {text} ({elapsed:.0f} s so far)",
-                  file=sys.stderr, flush=True)  # fmt: skip
-
-    def _beat_every(self, seconds: float) -> None:
-        while not self._stop.wait(seconds):
-            self.beat()
-
-
 def capture(
     model_dir: str | Path,
     out: str | Path,
@@ -370,15 +313,9 @@ def capture(
     # first: a folder without config.json, or a sharded checkpoint missing a shard its index
     # names, is an error naming the file before anything loads; so is a --long too long
     model_hash = fingerprint_and_files(model_dir)
-    check_long_request(
-        model_dir,
-        long,
-        max(continuation, decode_steps),
-        reference_dtype,
-        attn_implementation,
-        trust_remote_code,
-        in_memory=placement is None,
-    )
+    check_long_request(model_dir, long, max(continuation, decode_steps), reference_dtype,
+                       attn_implementation, trust_remote_code,
+                       in_memory=placement is None)  # fmt: skip
     torch.manual_seed(0)
     model = load_model(model_dir, reference_dtype, attn_implementation=attn_implementation,
                        trust_remote_code=trust_remote_code, placement=placement)  # fmt: skip
@@ -391,7 +328,7 @@ def capture(
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned(out.parent)
     tmp = temporary_folder(out)
-    bar = _Progress(_progress_mode(progress), len(requests) + finish_steps, out.name)
+    bar = Progress(progress_mode(progress), len(requests) + finish_steps, out.name)
     try:
         manifest = _manifest(model, model_dir, out, reference_dtype, model_hash)
         _record_all(model, requests, point_names, manifest, ShardWriter(tmp, max_shard_bytes),
@@ -453,7 +390,7 @@ def _record_all(
     point_names: list[str],
     manifest: Manifest,
     writer: ShardWriter,
-    bar: _Progress,
+    bar: Progress,
     *,
     continuation: int,
     decode_steps: int,
@@ -488,13 +425,6 @@ def _record_all(
         for n in sorted({*point_names, *probed}, key=lambda n: order[n])
         if recorder.calls.get(n)
     ]
-
-
-def _progress_mode(progress: bool | None) -> str:
-    """None: a bar on a terminal, lines in a log; True: the bar; False: silent."""
-    if progress is None:
-        return "bar" if sys.stderr.isatty() else "lines"
-    return "bar" if progress else "off"
 
 
 def _place(tmp: Path, out: Path, model_dir: Path, *, force: bool) -> None:
