@@ -134,6 +134,9 @@ def test_a_control_carries_the_flips_and_a_finer_dtype_borrows_them_scaled() -> 
                 return None
             return ControlStats(max_abs=5e-4, rel_l2=1e-4, flips=0.01)
 
+        def calibrated_paths(self, dtype: str, point: str) -> list[str]:
+            return [ROUTING] if dtype == "bfloat16" else []
+
     own = control_for(Golden(), "bfloat16", "gate", ROUTING, "isolated", hidden=64, depth=2)
     assert own.flips == 0.01
     finer = control_for(Golden(), "float32", "gate", ROUTING, "isolated", hidden=64, depth=2)

@@ -198,6 +198,10 @@ class Calibrated(Protocol):
         """The statistics, or None."""
         ...
 
+    def calibrated_paths(self, dtype: str, point: str) -> list[str]:
+        """The output paths of ``point`` the calibration of ``dtype`` holds (in any mode)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Control:
@@ -242,7 +246,14 @@ def control_for(
     The ensemble samples the kernels it can select (instruction sets, threads, attention);
     the scaled bound covers an implementation that reorders every reduction, which no member
     does (an honest fused RMSNorm swapped into tiny-qwen3-next in float32 erred 8.7x the
-    ensemble's worst)."""
+    ensemble's worst).
+
+    An output the ensemble cannot measure in ``dtype`` (attention weights: the float32
+    members run SDPA, which returns none) borrows alone, raised by how far the point's other
+    outputs calibrated in ``dtype`` exceed their own borrowed estimate (``_own_excess``): the
+    same upstream error reaches every output of a point. An honest fused RMSNorm swapped into
+    tiny-qwen3-next erred 4.6x the borrowed control at layer 1's float32 attention weights,
+    in the whole model, where the point's output measured 1.5x its borrowed estimate."""
     propagated = mode in ("accumulated", "output", "decode")
     reduction = hidden * (depth if propagated else 1)
     own = _calibration(golden, dtype, point, path, mode)
@@ -250,7 +261,10 @@ def control_for(
     walk = (thresholds or Thresholds()).borrowed_reduction_walk
     borrowed = _borrowed(golden, dtype, point, path, mode, hidden, walk)
     if borrowed is not None:
-        candidates.append(borrowed)
+        stats, scale = borrowed
+        if own is None:
+            scale *= _own_excess(golden, dtype, point, mode, hidden, walk)
+        candidates.append(_scaled(stats, scale))
     if not candidates:
         return Control(ControlErrors(max_abs=0.0, rel_l2=0.0), reduction, calibrated=False)
     worst = merge_statistics(
@@ -276,9 +290,10 @@ def control_for(
 
 def _borrowed(
     golden: Calibrated, dtype: str, point: str, path: str, mode: str, hidden: int, power: float
-) -> _Scaled | None:
-    """The closest 16-bit calibration scaled to ``dtype`` (see ``control_for``), for dtypes
-    finer than it; None for the 16-bit dtypes themselves or where neither is calibrated."""
+) -> tuple[ControlStats, float] | None:
+    """The closest 16-bit calibration and the scale that carries it to ``dtype`` (see
+    ``control_for``), for dtypes finer than it; None for the 16-bit dtypes themselves or
+    where neither is calibrated."""
     if dtype not in FLOAT_FORMATS or dtype in BORROWED_CALIBRATIONS:
         return None
     for source in BORROWED_CALIBRATIONS:
@@ -287,8 +302,27 @@ def _borrowed(
             roundoff = 2.0 ** (FLOAT_FORMATS[source][0] - FLOAT_FORMATS[dtype][0])
             # sqrt(hidden) ** 1.0 is sqrt(hidden) exactly: the default walk rounds as before
             walk = math.sqrt(hidden) ** (2 * power)
-            return _scaled(stats, roundoff * walk if roundoff < 1 else roundoff)
+            return stats, (roundoff * walk if roundoff < 1 else roundoff)
     return None
+
+
+def _own_excess(
+    golden: Calibrated, dtype: str, point: str, mode: str, hidden: int, power: float
+) -> float:
+    """How far the outputs of ``point`` calibrated in ``dtype`` exceed their borrowed
+    estimate in ``mode``: the largest ratio of own to borrowed max abs or relative L2 over
+    them, at least 1 (1 where no output has both)."""
+    excess = 1.0
+    for sibling in golden.calibrated_paths(dtype, point):
+        own = _calibration(golden, dtype, point, sibling, mode)
+        borrowed = _borrowed(golden, dtype, point, sibling, mode, hidden, power)
+        if own is None or borrowed is None:
+            continue
+        stats, scale = borrowed
+        for mine, theirs in ((own.max_abs, stats.max_abs), (own.rel_l2, stats.rel_l2)):
+            if mine is not None and theirs and math.isfinite(float(mine)):
+                excess = max(excess, float(mine) / (float(theirs) * scale))
+    return excess
 
 
 @dataclass(frozen=True)

@@ -294,6 +294,11 @@ class GoldenSet:
         stats = calibration.stats(point, path, mode) if calibration is not None else None
         return stats if stats is not None and stats.max_abs is not None else None
 
+    def calibrated_paths(self, dtype: str, point: str) -> list[str]:
+        """The output paths of ``point`` the calibration of ``dtype`` holds."""
+        calibration = self.manifest.calibration.get(dtype)
+        return list(calibration.points.get(point, {})) if calibration is not None else []
+
     def write_calibration(
         self, dtype: str, calibration: Calibration, *, members: list[str] | None = None
     ) -> None:
