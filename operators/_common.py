@@ -23,6 +23,16 @@ def divide_or_zero(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, x / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
 
 
+def logit_reach(logits: torch.Tensor) -> float:
+    """The farthest a softmax's finite logit lies below its row's maximum, over every row
+    (``Operator.exponent_reach``); 0 where no row has one."""
+    finite = logits.isfinite()
+    high = logits.masked_fill(~finite, -torch.inf).amax(-1)
+    low = logits.masked_fill(~finite, torch.inf).amin(-1)
+    spread = (high - low)[finite.any(-1)]
+    return float(spread.max()) if spread.numel() else 0.0
+
+
 def shape_name(*dims: int) -> str:
     return "x".join(str(d) for d in dims)
 

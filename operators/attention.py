@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from numalign.cases import Case, values
 from numalign.registry import Operator, candidate, register_operator
-from operators._common import divide_or_zero, tier_cases, up
+from operators._common import divide_or_zero, logit_reach, tier_cases, up
 from operators._tiles import split_softmax
 
 
@@ -162,13 +162,32 @@ def attention_reference(
     scale: float | None,
     pad_left: torch.Tensor,
 ) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    qf, kf, vf = up(q), up(k).repeat_interleave(group, 1), up(v).repeat_interleave(group, 1)
-    scores = qf @ kf.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    probs = masked_softmax(scores, attention_mask(q.shape[2], k.shape[2], causal, window, pad_left))
+    vf = up(v).repeat_interleave(q.shape[1] // k.shape[1], 1)
+    probs = masked_softmax(
+        attention_scores(q, k, scale, softcap),
+        attention_mask(q.shape[2], k.shape[2], causal, window, pad_left),
+    )
     return (probs @ vf).to(q.dtype)
+
+
+def attention_scores(
+    q: torch.Tensor, k: torch.Tensor, scale: float | None, softcap: float | None
+) -> torch.Tensor:
+    """q k^T * scale (d**-0.5 by default), soft-capped, in the accumulation dtype, with k's
+    heads repeated over q's groups."""
+    kf = up(k).repeat_interleave(q.shape[1] // k.shape[1], 1)
+    scores = up(q) @ kf.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    return scores if softcap is None else softcap * torch.tanh(scores / softcap)
+
+
+def attention_reach(inputs: dict[str, Any]) -> float:
+    """The attention's ``exponent_reach``: its masked scores' farthest distance below their
+    row's maximum, in float64."""
+    q, k = inputs["q"].double(), inputs["k"].double()
+    scores = attention_scores(q, k, inputs["scale"], inputs["softcap"])
+    mask = attention_mask(q.shape[2], k.shape[2], inputs["causal"], inputs["window"],
+                          inputs["pad_left"])  # fmt: skip
+    return logit_reach(scores.masked_fill(~mask, -math.inf))
 
 
 register_operator(
@@ -185,6 +204,7 @@ register_operator(
         make_inputs=attention_inputs,
         cases=ATTENTION_CASES,
         reduction_length=lambda case: case["keys"],
+        exponent_reach=attention_reach,
         hf_modules=("*Attention", "*SdpaAttention"),
         description="softmax(q k^T * scale, masked) v with GQA, window, soft-capping",
     )

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from numalign.cases import Case, values
 from numalign.registry import Operator, candidate, register_operator
-from operators._common import tier_cases, up
+from operators._common import logit_reach, tier_cases, up
 from operators._tiles import split_softmax
-from operators.attention import attention_mask
+from operators.attention import attention_mask, attention_scores
 
 
 def _case(name: str, b: int, hq: int, hkv: int, t: int, s: int, d: int, **kw: Any) -> Case:
@@ -74,17 +74,37 @@ def attention_sinks_reference(
 ) -> torch.Tensor:
     """q [b, hq, t, d], k and v [b, hkv, s, d], sinks [hq] -> [b, hq, t, d] in q's dtype;
     scale d**-0.5, float32 softmax (float64 for float64)."""
-    b, hq, t, d = q.shape
-    group = hq // k.shape[1]
-    kf, vf = up(k).repeat_interleave(group, 1), up(v).repeat_interleave(group, 1)
-    scores = up(q) @ kf.transpose(-1, -2) * d**-0.5
-    mask = attention_mask(t, k.shape[2], causal, window, pad_left.to(q.device))
-    scores = scores.masked_fill(~mask, -math.inf)
-    sink = up(sinks).to(scores.dtype)[None, :, None, None].expand(b, hq, t, 1)
-    logits = torch.cat([scores, sink], dim=-1)
+    vf = up(v).repeat_interleave(q.shape[1] // k.shape[1], 1)
+    logits = sink_logits(q, k, sinks, causal, window, pad_left)
     weights = torch.exp(logits - logits.amax(-1, keepdim=True))  # the sink keeps m finite
     probs = weights[..., :-1] / weights.sum(-1, keepdim=True)
     return (probs @ vf).to(q.dtype)
+
+
+def sink_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    sinks: torch.Tensor,
+    causal: bool,
+    window: int | None,
+    pad_left: torch.Tensor,
+) -> torch.Tensor:
+    """The softmax's logits [b, hq, t, s + 1] in the accumulation dtype: the masked scores
+    (-inf where masked) and each head's sink last."""
+    b, hq, t, _ = q.shape
+    scores = attention_scores(q, k, None, None)
+    mask = attention_mask(t, k.shape[2], causal, window, pad_left.to(q.device))
+    scores = scores.masked_fill(~mask, -math.inf)
+    sink = up(sinks).to(scores.dtype)[None, :, None, None].expand(b, hq, t, 1)
+    return torch.cat([scores, sink], dim=-1)
+
+
+def sink_reach(inputs: dict[str, Any]) -> float:
+    """The ``exponent_reach`` of attention with sinks, in float64."""
+    q, k, sinks = (inputs[name].double() for name in ("q", "k", "sinks"))
+    return logit_reach(
+        sink_logits(q, k, sinks, inputs["causal"], inputs["window"], inputs["pad_left"])
+    )
 
 
 register_operator(
@@ -95,6 +115,7 @@ register_operator(
         make_inputs=sink_inputs,
         cases=SINK_CASES,
         reduction_length=lambda case: case["keys"],
+        exponent_reach=sink_reach,
         # The module holds the projections and the rotary embedding too: no adapter.
         hf_modules=("GptOssAttention",),
         description="softmax attention with a learned per-head sink logit (gpt-oss)",

@@ -251,6 +251,7 @@ def _judge_float(
         name=name,
         policy=policy,
         budget=op.budget,
+        exponent_reach=op.exponent_reach(run.inputs) if op.exponent_reach else None,
     )
     if undecided is not None and bool(undecided.any()):
         count = int(undecided.sum())

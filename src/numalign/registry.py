@@ -156,6 +156,12 @@ class Operator:
     cases: Sequence[Case]
     outputs: tuple[Output, ...] = (Output("out"),)
     reduction_length: Callable[[Case], int] | None = None
+    #: For an operator that exponentiates (a softmax), the farthest an exponent's argument
+    #: lies below its row's maximum, in natural units, over a case's inputs (``inputs`` as
+    #: the candidate gets them): a kernel that folds a constant rounded to its accumulator
+    #: into the exponent (exp2 with log2(e), the softmax scale) leans every weight of a row
+    #: by that distance times the constant's rounding (``compare(exponent_reach=...)``)
+    exponent_reach: Callable[[dict[str, Any]], float] | None = None
     hf_modules: tuple[str, ...] = ()
     adapter: Callable[[Any], dict[str, Any]] | None = None
     description: str = ""

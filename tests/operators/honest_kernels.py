@@ -8,7 +8,11 @@ every dtype, on the committed seeds and on inputs drawn again (``test_honest_res
 - ``int4_gemm`` with the zero point folded out of the product: per group s * (x . q) minus
   (z * s) * sum(x), accumulated in float32 (what kernels that keep q unsigned compute);
 - ``attention_sinks`` with exp(x) as exp2(x * log2(e)), log2(e) rounded to float32, as fused
-  attention kernels scale their scores once into base 2.
+  attention kernels scale their scores once into base 2;
+- ``attention_sinks`` with the softmax scale and log2(e) folded into one float32 constant
+  that multiplies the scores and the sinks before the row's maximum is taken (flash kernels'
+  ``softmax_scale_log2``): a row whose sink dominates by 12 leans its weights by the
+  constant's rounding times 12.
 
 Each computes in float32 (float64 for float64 inputs) and rounds its output once.
 """
@@ -78,5 +82,25 @@ def sinks_exp2(q, k, v, sinks, causal, window, pad_left):
     scores = scores.masked_fill(~mask, -math.inf)
     logits = torch.cat([scores, sinks.to(f).reshape(1, -1, 1, 1).expand(b, -1, t, 1)], -1)
     weights = torch.exp2((logits - logits.amax(-1, keepdim=True)) * log2e)
+    probs = weights[..., :-1] / weights.sum(-1, keepdim=True)
+    return (probs @ vr).to(q.dtype)
+
+
+@numalign.candidate("attention_sinks", name="honest_sink_exp2_folded")
+def sinks_exp2_folded(q, k, v, sinks, causal, window, pad_left):
+    """Softmax with the sink column in base 2: the scores and the sinks multiplied by
+    d**-0.5 * log2(e) rounded once to the accumulator, then exp2(y - max y)."""
+    b, hq, t, d = q.shape
+    group = hq // k.shape[1]
+    f = acc(q)
+    folded = torch.tensor(d**-0.5 * math.log2(math.e), dtype=f)
+    log2e = torch.tensor(math.log2(math.e), dtype=f)
+    kr, vr = k.repeat_interleave(group, 1).to(f), v.repeat_interleave(group, 1).to(f)
+    scores = (q.to(f) @ kr.transpose(-1, -2)) * folded
+    mask = attention_mask(t, k.shape[2], causal, window, pad_left.to(q.device))
+    scores = scores.masked_fill(~mask, -math.inf)
+    sink = (sinks.to(f) * log2e).reshape(1, -1, 1, 1).expand(b, -1, t, 1)
+    logits = torch.cat([scores, sink], -1)
+    weights = torch.exp2(logits - logits.amax(-1, keepdim=True))
     probs = weights[..., :-1] / weights.sum(-1, keepdim=True)
     return (probs @ vr).to(q.dtype)

@@ -57,6 +57,7 @@ def compare(
     policy: TolerancePolicy | None = None,
     zero_reach: float | None = None,
     propagated: bool = False,
+    exponent_reach: float | None = None,
 ) -> CompareResult:
     """Compares a candidate output with the truth and returns every metric and a verdict.
 
@@ -88,6 +89,11 @@ def compare(
             into it (a point of the whole model, a decode step): against a calibration, its
             norm may then move as far as its relative L2 budget allows, not only as far as
             the control's own error (an isolated point's systematic scale is judged alone).
+        exponent_reach: for an output computed through exponentials (a softmax), the
+            farthest an exponent's argument lies below its row's maximum (natural units):
+            a kernel folding a constant rounded to its accumulator into the exponent leans
+            the output by up to that many of the constant's roundings, which the systematic
+            scale's floor takes in (``Operator.exponent_reach``).
     """
     policy = policy or DEFAULT_POLICY
     import torch
@@ -127,6 +133,7 @@ def compare(
         decision = _distribution(
             actual, expected, measured, control, dtype, reduction_length,
             calibrated=calibrated, zero_reach=zero_reach, propagated=propagated,
+            exponent_reach=exponent_reach,
         )  # fmt: skip
     return result.conclude(decision or _within(measured))
 
@@ -369,6 +376,7 @@ def _distribution(
     calibrated: bool,
     zero_reach: float | None,
     propagated: bool,
+    exponent_reach: float | None = None,
 ) -> Decision | None:
     """Rule "distribution" (``compare.distribution``): the norm, direction and zeros, then,
     against a control run now, a systematic scale; the failure uses the larger of the
@@ -382,8 +390,9 @@ def _distribution(
     if decision is None and control is not None:
         widen = measured.spread / Budget().rel_l2_multiplier  # a budget override widens it too
         decision = judge_systematic_scale(
-            actual, expected, control, dtype, reduction_length, max(1.0, widen)
-        )
+            actual, expected, control, dtype, reduction_length, max(1.0, widen),
+            exponent_reach,
+        )  # fmt: skip
     if decision is None:
         return None
     return replace(decision, used=max(measured.used, decision.used))

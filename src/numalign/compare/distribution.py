@@ -21,6 +21,7 @@ from numalign.compare.tolerances import (
     DISTRIBUTION_THRESHOLDS,
     FLOAT_FORMATS,
     SCALE_ACCUMULATOR_ROUNDOFFS,
+    SCALE_EXPONENT_ROUNDOFFS,
     SCALE_MIN_ELEMENTS,
     SCALE_OUTPUT_ROUNDOFFS,
     SCALE_Z,
@@ -240,11 +241,13 @@ def judge_systematic_scale(
     dtype: str,
     reduction_length: int | None,
     widen: float = 1.0,
+    exponent_reach: float | None = None,
 ) -> Decision | None:
     """A scale shared by many elements, resolved below one rounding per element: the
     candidate's slope of error on truth, judged by its standard error (``SCALE_Z``) and by
     how much it exceeds the control's own lean (the floors of ``tolerances.SCALE_*``, times
-    ``widen``)."""
+    ``widen``; for an output through exponentials, ``exponent_reach`` times
+    ``SCALE_EXPONENT_ROUNDOFFS`` of the accumulator)."""
     beta, se, n = _slope(actual, expected)
     if n < SCALE_MIN_ELEMENTS:
         return None
@@ -255,8 +258,9 @@ def judge_systematic_scale(
     roundoff = 2.0 ** -FLOAT_FORMATS[dtype][0] / 2
     acc = 2.0 ** -FLOAT_FORMATS["float64" if dtype == "float64" else "float32"][0] / 2
     walk = math.sqrt(reduction_length) if reduction_length and reduction_length > 1 else 0.0
+    reach = SCALE_EXPONENT_ROUNDOFFS * exponent_reach if exponent_reach else 0.0
     floor = widen * max(
-        SCALE_ACCUMULATOR_ROUNDOFFS * acc, walk * acc, SCALE_OUTPUT_ROUNDOFFS * roundoff
+        max(SCALE_ACCUMULATOR_ROUNDOFFS, walk, reach) * acc, SCALE_OUTPUT_ROUNDOFFS * roundoff
     )
     z = abs(beta) / se if se > 0 else (math.inf if beta else 0.0)
     if z <= SCALE_Z or shift <= floor:

@@ -144,7 +144,14 @@ TAIL_EXCEEDANCE = 0.01
 #: - sqrt(K) of them for a reduction of length K: a normalizer summed in another order scales
 #:   every output alike (sampling's probabilities renormalized over 151,936 tokens lean 31 u);
 #: - SCALE_OUTPUT_ROUNDOFFS of the output dtype's: rounding the output to nearest is unbiased;
-#:   truncating leans about half a unit roundoff and fails.
+#:   truncating leans about half a unit roundoff and fails;
+#: - for an output through exponentials, SCALE_EXPONENT_ROUNDOFFS of the accumulator's times
+#:   the farthest an exponent's argument lies below its row's maximum (``exponent_reach``):
+#:   a kernel that multiplies the scores by the softmax scale and log2(e), each rounded to
+#:   float32 (or their product, rounded once), computes exp((x - m)(1 + d)) with |d| up to
+#:   two roundoffs, and leans a row whose weights lie a distance R below its maximum by d R
+#:   (an exp2 attention-sinks kernel whose sinks dominate every score by 12 leaned 8.4 u,
+#:   past the other floors).
 #: An RMSNorm whose sum of squares accumulates in bfloat16 leans 0.35% (0.9 u of bfloat16)
 #: with every element within the 4x max-abs budget. Budget overrides that widen the relative
 #: L2 multiplier widen these floors by the same factor.
@@ -152,6 +159,7 @@ SCALE_Z = 6.0
 SCALE_MIN_ELEMENTS = 64
 SCALE_ACCUMULATOR_ROUNDOFFS = 3.0
 SCALE_OUTPUT_ROUNDOFFS = 0.25
+SCALE_EXPONENT_ROUNDOFFS = 2.0
 
 #: A capture point's lean (``compare.lean``: its error's scale on the reference, its mean
 #: signed error, per channel the largest of either) fails beyond the honest ensemble's range
