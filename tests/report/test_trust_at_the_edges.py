@@ -270,6 +270,33 @@ def test_a_rebuilt_report_of_records_cut_after_the_session_counts_what_they_lack
     assert "INCOMPLETE: 10 tests: 10 passed" in (run / "drift.html").read_text()
 
 
+def test_a_merge_of_shards_says_what_a_cut_shard_lacks(
+    pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two shards of 10 tests each, the second's records cut to 2 after its session ended:
+    their merge reads INCOMPLETE (it read passed with 12 tests); merged whole, passed."""
+    from numalign.cli import main
+
+    pytester.makepyfile(test_a=COMPARISONS, test_b=COMPARISONS)
+    for shard in ("a", "b"):
+        result = pytester.runpytest(f"test_{shard}.py", "--report-dir", f"out-{shard}",
+                                    "-p", "no:cacheprovider")  # fmt: skip
+        assert result.ret == pytest.ExitCode.OK
+    a, b = (_run_dir(pytester.path / f"out-{shard}") for shard in ("a", "b"))
+    assert main(["report", "merge", str(a), str(b), "--out", str(pytester.path / "whole")]) == 0
+    assert _strict((pytester.path / "whole" / "summary.json").read_text())["verdict"] == "passed"
+    lines = (b / "records.jsonl").read_text().splitlines()
+    (b / "records.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    merged = pytester.path / "merged"
+    assert main(["report", "merge", str(a), str(b), "--out", str(merged)]) == 1
+    assert "INCOMPLETE: 8 of the 20 tests that handed records have none here" in (
+        capsys.readouterr().err
+    )
+    summary = _strict((merged / "summary.json").read_text())
+    assert summary["missing"] == {"finished": True, "tests": 8, "of": 20, "records": 8,
+                                  "of_records": 20}  # fmt: skip
+
+
 # -- item 4: a run that skipped most tests for want of calibration --------------------------------
 def _skipped(test_id: str, model: str) -> DriftRecord:
     return DriftRecord.for_test(test_id, "skipped", rule=UNCALIBRATED, model=model,

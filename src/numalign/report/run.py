@@ -23,7 +23,7 @@ from numalign.report.atomic import write_text_atomic
 from numalign.report.baseline import DEFAULT_REGRESSION_FACTOR, BaselineDiff, diff_runs
 from numalign.report.history import append_history, history_entry, read_history
 from numalign.report.html import write_html
-from numalign.report.session import read_session
+from numalign.report.session import SESSION_FILE, merge_sessions, read_session, write_session
 from numalign.report.tables import summarize, write_tables
 from numalign.report.variants import compiled_cost, side_by_side
 from numalign.report.verdict import RunVerdict, judge_run
@@ -114,7 +114,9 @@ def _previous_header(run_dir: Path, session: dict[str, Any] | None) -> dict[str,
 
 def merge_runs(sources: list[Path], out_dir: Path) -> Path:
     """Joins the records of several runs (shards, machines) into ``out_dir``/records.jsonl;
-    a record key seen twice keeps the later source's record."""
+    a record key seen twice keeps the later source's record. Where every source has its
+    session file, the merged run has one too (``merge_sessions``), so that its report says
+    what the records lack against the sessions that wrote them."""
     runs = [read_records(s) for s in sources]
     merged = merge_records(runs)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -140,5 +142,10 @@ def merge_runs(sources: list[Path], out_dir: Path) -> Path:
         header["tests"] = count_outcomes(o for o, n in total.items() for _ in range(n))
     else:
         header["tests"] = count_outcomes(outcome_of(merged).values())
+    sessions = [read_session(s) for s in sources]
+    if all(sessions):
+        write_session(out_dir, merge_sessions([s for s in sessions if s], disjoint))
+    else:
+        (out_dir / SESSION_FILE).unlink(missing_ok=True)  # a previous merge's is not this one's
     write_text_atomic(out_dir / "summary.json", json.dumps(header, indent=2) + "\n")
     return out_dir

@@ -17,7 +17,7 @@ from typing import Any
 from numalign import finite_json
 from numalign.report.atomic import write_text_atomic
 
-__all__ = ["SESSION_FILE", "read_session", "write_session"]
+__all__ = ["SESSION_FILE", "merge_sessions", "read_session", "write_session"]
 
 #: The session file's name inside a run folder.
 SESSION_FILE = "session.json"
@@ -35,7 +35,7 @@ def write_session(run_dir: Path, session: dict[str, Any]) -> Path:
 
 def read_session(run_dir: Path) -> dict[str, Any] | None:
     """The session file of ``run_dir``; None where there is none (a run written before it
-    existed, a merged run, a records file given alone)."""
+    existed, a merge of runs one of which had none, a records file given alone)."""
     path = run_dir / SESSION_FILE
     if not path.is_file():
         return None
@@ -49,3 +49,21 @@ def read_session(run_dir: Path) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: not a session file (a JSON object is expected)")
     return data
+
+
+def merge_sessions(sessions: list[dict[str, Any]], disjoint: bool) -> dict[str, Any]:
+    """The session of runs merged (``report.run.merge_runs``): finished where every one is;
+    shards (``disjoint``: no test in two runs) add up their tests selected and recorded and
+    their records; runs that share tests (a re-run) had at least the most any one had."""
+    add = sum if disjoint else max
+    merged: dict[str, Any] = {
+        "finished": all(s.get("finished") for s in sessions),
+        "merged_sessions": len(sessions),
+    }
+    selected = [s.get("selected") for s in sessions]
+    if all(isinstance(n, int) for n in selected):
+        merged["selected"] = add(int(n or 0) for n in selected)
+    if merged["finished"]:
+        for key in ("tests_recorded", "records"):
+            merged[key] = add(int(s.get(key) or 0) for s in sessions)
+    return merged
