@@ -271,4 +271,15 @@ OPTIONS: tuple[Option, ...] = (
         default="600",
         metavar="SECONDS",
     ),
+    Option(
+        "--stream",
+        "numalign_stream",
+        "model suites stream each model's weights from its safetensors checkpoint: only the "
+        "unit running (a decoder layer, the embedding, the head) is on the device, for models "
+        "whose weights do not fit on it; the same verdicts, each forward reads the weights "
+        "once (not with --tp, --compile, --swap or --engine vllm; see docs/models.md)",
+        ini_type="bool",
+        default=False,
+        action="store_true",
+    ),
 )

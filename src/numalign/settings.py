@@ -85,6 +85,9 @@ class Settings:
     engine: str = "transformers"
     #: vLLM's memory share for its KV cache (--vllm-memory), in (0, 1).
     vllm_memory: float = DEFAULT_VLLM_MEMORY
+    #: The model suites stream each model's weights from its checkpoint, one unit (a
+    #: decoder layer, the embedding, the head) on the device at a time (--stream).
+    stream: bool = False
 
     def tier_rank(self) -> int:
         return TIERS.index(self.tier)
@@ -110,7 +113,7 @@ class Settings:
         _check_golden(settings)
         if settings.baseline is not None:
             _check_baseline(settings.baseline)
-        conflict = engine_conflicts(settings)
+        conflict = engine_conflicts(settings) or stream_conflicts(settings)
         if conflict:
             raise ValueError(conflict)
         return settings
@@ -220,6 +223,7 @@ _FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "compile": ("compile_backend", _optional_text),
     "compile_mode": ("compile_mode", _optional_text),
     "tp_launcher": ("tp_launcher", _optional_text),
+    "stream": ("stream", bool),
 }
 
 
@@ -282,6 +286,28 @@ def engine_conflicts(settings: Settings) -> str | None:
     return (
         f"--engine {settings.engine} replays the engine's own kernels; {', '.join(given)} "
         "choose transformers' variants: drop them, or replay with --engine transformers"
+    )
+
+
+def stream_conflicts(settings: Settings) -> str | None:
+    """Why ``--stream`` does not fit the session's other options (None when it does or is
+    off): tensor parallel loads each rank's shard through transformers' ``tp_plan``, a
+    compiled model traces weights that streaming swaps in and out around every module, vLLM
+    loads its own weights, and a kernel swap checks its adapter on the module's weights when
+    the model loads, before any is on the device."""
+    if not settings.stream:
+        return None
+    given = [name for name, value in [
+        ("--tp", settings.tp > 1), ("--compile", settings.compile_backend),
+        (f"--engine {settings.engine}", settings.engine != "transformers"),
+        ("--swap", settings.swaps),
+    ] if value]  # fmt: skip
+    if not given:
+        return None
+    return (
+        f"--stream is not supported together with {', '.join(given)}: streamed replay runs "
+        "transformers' eager model one unit of weights at a time; drop --stream, or drop "
+        f"{', '.join(given)}"
     )
 
 

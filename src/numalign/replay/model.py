@@ -107,6 +107,18 @@ class ModelCache:
         from numalign.replay.swap import SwapUnmatched, apply_swaps, parse_swaps
 
         assert variant.dtype is not None, "a model loads in a dtype"
+        if variant.stream:  # weights on the device one unit at a time (replay.stream)
+            from numalign.replay.stream import load_streamed
+
+            try:
+                return load_streamed(
+                    golden.model_dir, variant.dtype, variant.device,
+                    attn_implementation=variant.attention, experts_implementation=variant.experts,
+                )  # fmt: skip
+            except ValueError as exc:  # as below: an implementation the model lacks
+                if "implementation" not in str(exc):
+                    raise
+                raise ReplayUnsupported(str(exc).split(". ")[0]) from None
         try:
             model = load_model(
                 golden.model_dir, variant.dtype, attn_implementation=variant.attention,

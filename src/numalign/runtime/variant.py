@@ -5,8 +5,8 @@ or :meth:`Variant.for_operators` for the operator suite, where only the compile 
 applies), keys the model cache (``replay.model.ModelCache``: one model per set and variant),
 and is written into every record as structured fields (:meth:`Variant.record_fields`, record
 schema 3). Its :attr:`Variant.label` is the string records have always carried in ``swap``
-(``rms_norm=fused,attention=sdpa,compile=inductor:max-autotune,tp=2,cache=static``), kept for
-readers of older records and for the reports' tables.
+(``rms_norm=fused,attention=sdpa,compile=inductor:max-autotune,tp=2,stream,cache=static``), kept
+for readers of older records and for the reports' tables.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ class Variant:
     which runs candidates directly), the device (``cpu``, ``cuda:0``; a spec such as ``auto``
     where it is not resolved yet), the dtype, the attention and experts implementations
     asked for (None: the model's own), the kernel swaps (``--swap`` specs, in order), the
-    compile variant (None: eager), the tensor-parallel ranks (1: one process), the decode's
-    KV cache (None outside decode) and the engine's own account of what it ran (vLLM: its
-    version, attention backend and graph mode; None for transformers)."""
+    compile variant (None: eager), the tensor-parallel ranks (1: one process), whether the
+    weights stream from the checkpoint unit by unit (``--stream``, ``replay.stream``), the
+    decode's KV cache (None outside decode) and the engine's own account of what it ran
+    (vLLM: its version, attention backend and graph mode; None for transformers)."""
 
     engine: str | None = None
     device: str = "auto"
@@ -38,6 +39,7 @@ class Variant:
     swaps: tuple[str, ...] = ()
     compile: CompileSpec | None = None
     tp: int = 1
+    stream: bool = False
     cache: str | None = None
     engine_variant: str | None = None
 
@@ -61,6 +63,7 @@ class Variant:
             swaps=tuple(settings.swaps),
             compile=compile_spec(settings),
             tp=settings.tp,
+            stream=settings.stream,
             cache=cache,
         )
 
@@ -85,7 +88,8 @@ class Variant:
     def label(self) -> str | None:
         """The variant as records name it in ``swap`` (None: the defaults): the engine's
         account, the swaps, ``attention=``, ``experts=``, ``compile=BACKEND[:MODE]``, ``tp=N``
-        (above 1) and ``cache=NAME``, comma-separated in that order."""
+        (above 1), ``stream`` (streamed weights) and ``cache=NAME``, comma-separated in that
+        order."""
         parts = [
             self.engine_variant,
             *self.swaps,
@@ -93,6 +97,7 @@ class Variant:
             f"experts={self.experts}" if self.experts else None,
             self.compile.label if self.compile is not None else None,
             f"tp={self.tp}" if self.tp > 1 else None,
+            "stream" if self.stream else None,
             f"cache={self.cache}" if self.cache else None,
         ]
         return ",".join(p for p in parts if p) or None
@@ -100,7 +105,10 @@ class Variant:
     def record_fields(self) -> dict[str, Any]:
         """The drift record's variant fields (schema 3), ``swap`` holding :attr:`label`.
         Device and dtype are not among them: a record names its own (an operator's integer
-        output records int64 in a bfloat16 test; vLLM names the platform's device)."""
+        output records int64 in a bfloat16 test; vLLM names the platform's device).
+        Streaming is named in ``swap`` alone (``stream``, only when set): it changes where
+        the weights come from, not the numbers, so an unstreamed record's fields stay as
+        they were."""
         spec = self.compile
         return {
             "swap": self.label,

@@ -1,0 +1,198 @@
+"""Streamed replay (``--stream``, ``replay.stream``): the same records as an unstreamed
+replay, for layer, full-model and decode replay, on a dense, an MoE (experts fused from
+per-expert checkpoint tensors) and a tied-embedding model; only the unit running holds real
+weights, and a layer replay reads only its unit's tensors; a checkpoint that lacks a
+tensor, or has no safetensors, is a clear error; ``--stream`` with options it cannot serve
+is a usage error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from numalign.golden.reference import load_model
+from numalign.replay.engines.transformers import TransformersEngine
+from numalign.replay.model import open_fresh
+from numalign.replay.stream import StreamError, StreamUnsupported, load_streamed
+from numalign.replay.verdict import point_record, records
+from numalign.runtime.variant import Variant
+from numalign.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+SETS = ROOT / "golden" / "sets"
+MODELS = ROOT / "golden" / "models"
+CPU = torch.device("cpu")
+#: A dense model and an MoE whose experts transformers fuses from per-expert tensors.
+STREAMED_SETS = ["tiny-llama", "tiny-qwen3-moe"]
+#: The decode replay's caches compared: a KV cache and the paged serving path.
+CACHES = ["dynamic", "paged"]
+
+
+def _fields(rs: list[Any]) -> list[tuple[Any, ...]]:
+    """What must not change with streaming: every record's identity, verdict, metrics
+    (bitwise: the same weights, the same code) and budget; the variant label aside."""
+    return [
+        (r.key, r.verdict, r.rule, r.metrics, r.budget, r.budget_used, r.first_divergence)
+        for r in rs
+    ]
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[TransformersEngine, TransformersEngine]:
+    plain = TransformersEngine(Settings(dtypes=("float32",)))
+    streamed = TransformersEngine(Settings(dtypes=("float32",), stream=True))
+    yield plain, streamed
+    plain.close()
+    streamed.close()
+
+
+@pytest.mark.parametrize("name", STREAMED_SETS)
+def test_streamed_layer_replay_gives_the_unstreamed_records(
+    engines: tuple[TransformersEngine, TransformersEngine], name: str
+) -> None:
+    path = SETS / name
+    for point in open_fresh(path).points:
+        got = []
+        for engine in engines:
+            replayed = engine.layer(path, point.name, "float32", CPU, None)
+            got.append([point_record(r, "t", **replayed.context) for r in replayed.verdict])
+        assert _fields(got[1]) == _fields(got[0]), point.name
+        assert got[1] and all((r.swap or "").endswith("stream") for r in got[1])
+
+
+@pytest.mark.parametrize("name", STREAMED_SETS)
+def test_streamed_model_and_decode_replays_give_the_unstreamed_records(
+    engines: tuple[TransformersEngine, TransformersEngine], name: str
+) -> None:
+    path = SETS / name
+    plain, streamed = (e.model(path, "float32", CPU, None) for e in engines)
+    assert _fields(records(streamed.verdict, "t", **streamed.context)) == _fields(
+        records(plain.verdict, "t", **plain.context)
+    )
+    for cache in CACHES:
+        plain, streamed = (e.decode(path, "float32", cache, CPU, None) for e in engines)
+        assert plain.verdict is not None, plain.skipped
+        assert _fields(records(streamed.verdict, "t", **streamed.context)) == _fields(
+            records(plain.verdict, "t", **plain.context)
+        ), cache
+    for model in engines[1].cache.models.values():
+        assert model.numalign_streamer.resident() == []
+
+
+def _tied_llama(folder: Path) -> Path:
+    """The zoo's tiny Llama with its LM head tied to its embedding, random weights, saved
+    in two shards (``model.safetensors.index.json``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = json.loads((MODELS / "tiny-llama" / "config.json").read_text(encoding="utf-8"))
+    config = {k: v for k, v in config.items() if k != "architectures"}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**(config | {"tie_word_embeddings": True})))
+    # 100KB: below the model's ~0.3 MB of float32 weights, so the checkpoint has shards
+    model.save_pretrained(folder, max_shard_size="100KB")
+    return folder
+
+
+def test_a_tied_sharded_checkpoint_streams_to_the_same_logits(tmp_path: Path) -> None:
+    folder = _tied_llama(tmp_path / "tied")
+    assert (folder / "model.safetensors.index.json").is_file()
+    reference = load_model(folder, "float32", attn_implementation=None, trust_remote_code=False)
+    model = load_streamed(folder, "float32", CPU)
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        actual = model(input_ids=ids).logits
+    assert torch.equal(actual, expected)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.numalign_streamer.resident() == []
+    assert model.device == CPU
+
+
+def test_a_streamed_model_holds_no_weights_between_calls_and_one_unit_at_most() -> None:
+    model = load_streamed(MODELS / "tiny-llama", "float32", CPU)
+    streamer = model.numalign_streamer
+    assert streamer.resident() == [] and not streamer.reads
+    ids = torch.arange(6)[None]
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert streamer.resident() == []
+    assert streamer.loaded_bytes == 0
+    # each forward reads every tensor once: the head is not tied here
+    assert streamer.reads == dict.fromkeys(streamer.files, 1)
+    units = {
+        u: sum(model.get_parameter(n).numel() * 4 for n in ns) for u, ns in streamer.units.items()
+    }
+    assert streamer.peak_bytes == max(units.values())
+
+
+@pytest.mark.parametrize(
+    ("name", "point", "unit"),
+    [
+        ("tiny-llama", "model.layers.1.mlp", "model.layers.1."),
+        ("tiny-qwen3-moe", "model.layers.0.mlp", "model.layers.0."),
+    ],
+)
+def test_a_layer_replay_reads_only_the_tensors_of_its_unit(
+    name: str, point: str, unit: str
+) -> None:
+    engine = TransformersEngine(Settings(dtypes=("float32",), stream=True))
+    replayed = engine.layer(SETS / name, point, "float32", CPU, None)
+    assert replayed.verdict and all(r.result.passed for r in replayed.verdict)
+    (model,) = engine.cache.models.values()
+    streamer = model.numalign_streamer
+    tensors = {k for k in streamer.files if k.startswith(unit)}
+    assert set(streamer.reads) == tensors
+    # each recorded call of the point reads its unit once, and only once
+    calls = sum(len(c) for c in open_fresh(SETS / name).point(point).calls.values())
+    assert streamer.reads == dict.fromkeys(tensors, calls)
+    assert streamer.resident() == []
+
+
+def test_a_checkpoint_missing_a_tensor_is_an_error_naming_it(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "model"
+    shutil.copytree(MODELS / "tiny-llama", folder)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        StreamError, match=r"no tensor for model\.layers\.1\.mlp\.down_proj\.weight"
+    ):
+        load_streamed(folder, "float32", CPU)
+
+
+def test_a_checkpoint_without_safetensors_cannot_stream(tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(MODELS / "tiny-llama" / "config.json", folder / "config.json")
+    with pytest.raises(StreamUnsupported, match=r"neither model\.safetensors nor"):
+        load_streamed(folder, "float32", CPU)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"tp": "2"}, "--tp"),
+        ({"compile": "inductor"}, "--compile"),
+        ({"swap": ["rms_norm=fused"]}, "--swap"),
+    ],
+)
+def test_stream_with_an_option_it_cannot_serve_is_a_usage_error(
+    options: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ValueError, match=f"--stream is not supported together with {named}"):
+        Settings.from_options({"stream": True, **options})
+
+
+def test_the_variant_names_streaming_only_when_set() -> None:
+    assert Variant.from_settings(Settings(stream=True), cache="static").label == (
+        "stream,cache=static"
+    )
+    fields = Variant.from_settings(Settings()).record_fields()
+    assert fields["swap"] is None and "stream" not in fields
