@@ -8,7 +8,7 @@ record with verdict "crashed"; a test that raised gets one with verdict "error".
 the test id tells of the test (suite, operator or point, candidate, dtype, case).
 
 Every reader (tables, baseline diff, merge, history, Allure, drift.html) takes
-:class:`DriftRecord`; :func:`read_records` reads schema versions 1 to 4. A non-finite number
+:class:`DriftRecord`; :func:`read_records` reads schema versions 1 to 5. A non-finite number
 is written as a string (``numalign.finite_json``) and read back as its float: a NaN metric is
 a finding, never a record lost or a session aborted.
 """
@@ -35,8 +35,10 @@ from numalign.testids import parse as parse_test_id
 #: experts, swaps, compile_backend, compile_mode, tp, cache, engine_variant), ``swap``
 #: still holding its label; keys unchanged. 4: a non-finite number is the string "NaN",
 #: "Infinity" or "-Infinity" (``finite_json``; it was null, or aborted the session); rule
-#: ``uncalibrated`` for a test skipped for want of calibration.
-SCHEMA_VERSION = 4
+#: ``uncalibrated`` for a test skipped for want of calibration. 5: ``detectable``, the
+#: verdict's power (``compare.power``: the smallest scale and bias its rules would have
+#: caught; absent, read as None, before).
+SCHEMA_VERSION = 5
 USER_PROPERTY = "numalign.drift"
 #: Lines of the traceback an error record keeps (where the exception came from).
 TRACEBACK_LINES = 20
@@ -59,7 +61,7 @@ END_MODES = ("logits", "continuation", "output")
 UNCALIBRATED = "uncalibrated"
 #: Fields that hold numbers (or, in ``metrics`` and ``budget``, dicts of them): read back
 #: through ``finite_json.decode``.
-_NUMBERS = ("metrics", "budget", "budget_used", "duration_s", "compile_s")
+_NUMBERS = ("metrics", "budget", "budget_used", "duration_s", "compile_s", "detectable")
 
 
 @dataclass
@@ -134,6 +136,11 @@ class DriftRecord:
     tp: int | None = None
     #: The decode's KV cache (``--cache-implementation``); None outside decode.
     cache: str | None = None
+    #: The verdict's power (schema 5, ``compare.power``): the smallest relative scale
+    #: (``scale``) and additive bias in units of the truth's RMS (``bias``) its rules would
+    #: have caught, of either sign (infinite: none would); None where the output is judged
+    #: exactly (integers, selections, masks, rounding) or there was no comparison.
+    detectable: dict[str, float] | None = None
     schema: int = SCHEMA_VERSION
 
     # -- construction -------------------------------------------------------------------------
@@ -153,12 +160,13 @@ class DriftRecord:
             metrics=data["metrics"],
             budget=data["budget"],
             message=None if result.passed else result.message(),
+            detectable=result.detectable.to_dict() if result.detectable else None,
             **context,
         )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DriftRecord:
-        """A record read back from JSON, schema 1, 2 or 3. Schema 1 records named the golden
+        """A record read back from JSON, schema 1 to 5. Schema 1 records named the golden
         request only in ``case``; it becomes ``request`` for model records. Records before
         schema 3 keep their variant in ``swap`` alone (its fields stay None); a record keeps
         the schema it was written in (one without the field is schema 1)."""
@@ -343,7 +351,7 @@ def write_records(path: Path, records: Iterable[DriftRecord]) -> Path:
 
 
 def read_records(path: str | Path, *, whole: bool = False) -> list[DriftRecord]:
-    """Records of a run folder or a records.jsonl file (schema 1 to 4). A last line cut by a
+    """Records of a run folder or a records.jsonl file (schema 1 to 5). A last line cut by a
     crash is skipped; any other unreadable line is an error naming the file and line. With
     ``whole`` (a baseline: what it lacks would pass as "new" records, never as regressions),
     a cut last line and a file without a record are errors too, naming the file."""

@@ -16,7 +16,13 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from numalign.compare.budgets import ControlBudget, Decision, ToleranceBudget
-from numalign.compare.distribution import judge_distribution, judge_systematic_scale
+from numalign.compare.distribution import (
+    ScaleRule,
+    judge_distribution,
+    judge_systematic_scale,
+    planted_limits,
+    scale_rule,
+)
 from numalign.compare.exact import judge_exact, judge_mask
 from numalign.compare.metrics import (
     ControlErrors,
@@ -24,6 +30,7 @@ from numalign.compare.metrics import (
     compute_metrics,
     error_tail,
 )
+from numalign.compare.power import Detectable, detectable
 from numalign.compare.result import CompareResult
 from numalign.compare.tolerances import (
     DEFAULT_POLICY,
@@ -127,13 +134,19 @@ def compare(
         )
     result.metrics, result.control = measured.metrics, measured.control
     result.budget = measured.budget.limits()
+    calibrated = control_errors is not None and control_errors.calibrated
+    scale = None
+    if control is not None:  # the systematic-scale rule's measures, for it and for power
+        widen = measured.spread / Budget().rel_l2_multiplier  # a budget override widens it too
+        scale = scale_rule(actual, expected, control, dtype, reduction_length, max(1.0, widen),
+                           exponent_reach)  # fmt: skip
+    result.detectable = _power(actual, expected, measured, scale, dtype, calibrated=calibrated,
+                               propagated=propagated)  # fmt: skip
     decision = _non_finite(measured) or _within_budget(actual, expected, measured)
     if decision is None:
-        calibrated = control_errors is not None and control_errors.calibrated
         decision = _distribution(
-            actual, expected, measured, control, dtype, reduction_length,
+            actual, expected, measured, control, scale, dtype,
             calibrated=calibrated, zero_reach=zero_reach, propagated=propagated,
-            exponent_reach=exponent_reach,
         )  # fmt: skip
     return result.conclude(decision or _within(measured))
 
@@ -173,6 +186,7 @@ class _Builder:
         self.metrics: Metrics | None = None
         self.control: Metrics | None = None
         self.budget: dict[str, float] = {}
+        self.detectable: Detectable | None = None
 
     def conclude(self, decision: Decision) -> CompareResult:
         """The result of the deciding rule: a failure uses at least its whole budget."""
@@ -193,6 +207,7 @@ class _Builder:
             budget=self.budget,
             budget_used=used,
             hint=None if decision.passed else decision.hint,
+            detectable=self.detectable,
         )
 
 
@@ -370,32 +385,52 @@ def _distribution(
     expected: torch.Tensor,
     measured: _Measured,
     control: torch.Tensor | None,
+    scale: ScaleRule | None,
     dtype: str,
-    reduction_length: int | None,
     *,
     calibrated: bool,
     zero_reach: float | None,
     propagated: bool,
-    exponent_reach: float | None = None,
 ) -> Decision | None:
     """Rule "distribution" (``compare.distribution``): the norm, direction and zeros, then,
-    against a control run now, a systematic scale; the failure uses the larger of the
-    budget's use and how far the distribution is past its limit."""
+    against a control run now, a systematic scale (``scale``: its measures); the failure
+    uses the larger of the budget's use and how far the distribution is past its limit."""
     b = measured.budget
     decision = judge_distribution(
         actual, expected, measured.metrics, measured.control, measured.spread, dtype,
         calibrated=b if calibrated and isinstance(b, ControlBudget) else None,
         zero_reach=zero_reach, propagated=propagated,
     )  # fmt: skip
-    if decision is None and control is not None:
-        widen = measured.spread / Budget().rel_l2_multiplier  # a budget override widens it too
-        decision = judge_systematic_scale(
-            actual, expected, control, dtype, reduction_length, max(1.0, widen),
-            exponent_reach,
-        )  # fmt: skip
+    if decision is None and control is not None and scale is not None:
+        decision = judge_systematic_scale(scale, dtype)
     if decision is None:
         return None
     return replace(decision, used=max(measured.used, decision.used))
+
+
+def _power(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    measured: _Measured,
+    scale: ScaleRule | None,
+    dtype: str,
+    *,
+    calibrated: bool,
+    propagated: bool,
+) -> Detectable | None:
+    """The smallest scale and bias the rules of this comparison would have caught
+    (``compare.power``), from the limits they hold a candidate to: the budget's or the
+    tolerance's, the distribution rule's (where it judges: some element was compared) and
+    the systematic scale's (against a control run now)."""
+    b = measured.budget
+    limits = None
+    if measured.metrics.numel and measured.metrics.worst_index is not None:
+        limits = planted_limits(
+            expected, actual.dtype, measured.control, measured.spread, dtype,
+            calibrated=b if calibrated and isinstance(b, ControlBudget) else None,
+            propagated=propagated,
+        )  # fmt: skip
+    return detectable(expected, b, distribution=limits, scale=scale)
 
 
 def _within(measured: _Measured) -> Decision:

@@ -89,6 +89,31 @@ def judge_distribution(
     )
 
 
+def planted_limits(
+    expected: torch.Tensor,
+    dtype_of: torch.dtype,
+    control: Metrics | None,
+    spread: float,
+    dtype: str,
+    *,
+    calibrated: ControlBudget | None = None,
+    propagated: bool = False,
+) -> tuple[float, float]:
+    """The limits ``judge_distribution`` holds a candidate to once its norm or direction
+    is off, as (|norm ratio - 1|, 1 - cosine): its floors relaxed by the control, and
+    without a control by the truth rounded to ``dtype_of`` too (the relaxation it makes
+    for a candidate that is off, as one carrying a planted error is). ``compare.power``
+    reads what the rule would have caught from them."""
+    floors = _floors(dtype, calibrated, propagated)
+    references = [control] if control is not None else []
+    if control is None:
+        references.append(compute_metrics(rounding_control(expected, dtype_of), expected))
+        limits = _relaxed(floors, references, spread, "rounding control")
+    else:
+        limits = _relaxed(floors, references, spread, "control")
+    return limits.norm, limits.cosine
+
+
 def _floors(dtype: str, calibrated: ControlBudget | None, propagated: bool) -> _Limits:
     """The dtype's thresholds, or against a calibration its floors widened by what an error
     as large as the calibrated control's explains."""
@@ -234,7 +259,19 @@ def _slope(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float, 
     return beta, math.sqrt(float((e * e) @ (r * r))) / ee, int(e.numel())
 
 
-def judge_systematic_scale(
+class ScaleRule(NamedTuple):
+    """What the systematic-scale rule measures of a candidate: its lean (the slope of its
+    error on the truth) and the lean's standard error over ``elements`` finite elements,
+    the control's lean, and the floor the lean must exceed the control's by."""
+
+    lean: float
+    se: float
+    elements: int
+    control: float
+    floor: float
+
+
+def scale_rule(
     actual: torch.Tensor,
     expected: torch.Tensor,
     control: torch.Tensor,
@@ -242,19 +279,13 @@ def judge_systematic_scale(
     reduction_length: int | None,
     widen: float = 1.0,
     exponent_reach: float | None = None,
-) -> Decision | None:
-    """A scale shared by many elements, resolved below one rounding per element: the
-    candidate's slope of error on truth, judged by its standard error (``SCALE_Z``) and by
-    how much it exceeds the control's own lean (the floors of ``tolerances.SCALE_*``, times
-    ``widen``; for an output through exponentials, ``exponent_reach`` times
-    ``SCALE_EXPONENT_ROUNDOFFS`` of the accumulator)."""
+) -> ScaleRule | None:
+    """The systematic-scale rule's measures (``judge_systematic_scale``); None with fewer
+    than ``SCALE_MIN_ELEMENTS`` finite elements, where the rule does not judge."""
     beta, se, n = _slope(actual, expected)
     if n < SCALE_MIN_ELEMENTS:
         return None
     beta_c, _, _ = _slope(control, expected)
-    # how much more the candidate leans than the control (a candidate closer to the truth
-    # than a control that rounds a shared scale, say, leans less and passes)
-    shift = abs(beta) - abs(beta_c)
     roundoff = 2.0 ** -FLOAT_FORMATS[dtype][0] / 2
     acc = 2.0 ** -FLOAT_FORMATS["float64" if dtype == "float64" else "float32"][0] / 2
     walk = math.sqrt(reduction_length) if reduction_length and reduction_length > 1 else 0.0
@@ -262,6 +293,19 @@ def judge_systematic_scale(
     floor = widen * max(
         max(SCALE_ACCUMULATOR_ROUNDOFFS, walk, reach) * acc, SCALE_OUTPUT_ROUNDOFFS * roundoff
     )
+    return ScaleRule(beta, se, n, beta_c, floor)
+
+
+def judge_systematic_scale(rule: ScaleRule, dtype: str) -> Decision | None:
+    """A scale shared by many elements, resolved below one rounding per element: the
+    candidate's slope of error on truth (``scale_rule``'s measures), judged by its standard
+    error (``SCALE_Z``) and by how much it exceeds the control's own lean (the floors of
+    ``tolerances.SCALE_*``, times ``widen``; for an output through exponentials,
+    ``exponent_reach`` times ``SCALE_EXPONENT_ROUNDOFFS`` of the accumulator)."""
+    beta, se, n, beta_c, floor = rule.lean, rule.se, rule.elements, rule.control, rule.floor
+    # how much more the candidate leans than the control (a candidate closer to the truth
+    # than a control that rounds a shared scale, say, leans less and passes)
+    shift = abs(beta) - abs(beta_c)
     z = abs(beta) / se if se > 0 else (math.inf if beta else 0.0)
     if z <= SCALE_Z or shift <= floor:
         return None

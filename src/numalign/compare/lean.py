@@ -265,6 +265,33 @@ def _floor(dtype: str, reduction: int, roundoffs: float) -> float:
     return max(roundoffs * 2.0 ** -(FLOAT_FORMATS[dtype][0] + 1), walk)
 
 
+def lean_limit(
+    name: str,
+    measured: Lean,
+    calibration: ControlStats,
+    dtype: str = "bfloat16",
+    reduction: int = 1,
+    thresholds: Thresholds | None = None,
+    upstream: float | None = None,
+) -> float | None:
+    """How far from zero the global lean ``name`` (``scale``, ``offset``) of a candidate
+    with ``measured``'s standard error may go before ``judge_lean`` fails it: the honest
+    range's reach (widened by ``upstream`` inside the model) plus its margin (``_beyond``);
+    None where the calibration holds no range of it. A planted scale s moves the scale lean
+    by exactly s and a planted offset of b RMS the offset lean by b, neither moving its
+    standard error (the residual is unchanged): ``compare.power`` reads the pooled lean's
+    power from this."""
+    t = thresholds or Thresholds()
+    honest_range = calibration.lean_range(name)
+    se = float(getattr(measured, f"{name}_se"))
+    if honest_range is None or not math.isfinite(se):
+        return None
+    reach = max(abs(honest_range[0]), abs(honest_range[1]))
+    wide = 0.0 if upstream is None or not math.isfinite(upstream) else abs(upstream)
+    floor = _floor(dtype, reduction, t.lean_floor_roundoffs)
+    return reach + wide + t.lean_z * se + t.lean_spread * 2.0 * reach + floor
+
+
 def _findings(
     measured: Lean,
     calibration: ControlStats,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from numalign.compare.metrics import Metrics
+from numalign.compare.power import Detectable
 
 #: The verdict rules (docs/comparison.md), in the order they apply.
 RULES: tuple[str, ...] = (
@@ -28,7 +29,9 @@ class CompareResult:
 
     ``budget`` holds what applied: for rule "budget" the limits ``max_abs`` and ``rel_l2`` with
     the multipliers and the control's errors; for rule "tolerance" ``rtol`` and ``atol``.
-    ``budget_used`` is the worst error over its allowance (above 1 fails).
+    ``budget_used`` is the worst error over its allowance (above 1 fails). ``detectable``
+    is the verdict's power (``compare.power``): the smallest scale and bias its rules would
+    have caught; None for outputs judged exactly (integers, selections, masks, rounding).
     """
 
     name: str
@@ -43,6 +46,7 @@ class CompareResult:
     budget: dict[str, float] = field(default_factory=dict)
     budget_used: float = 0.0
     hint: str | None = None
+    detectable: Detectable | None = None
 
     def message(self) -> str:
         """A failure message in the style of ``torch.testing.assert_close``: what, how
@@ -126,6 +130,7 @@ class CompareResult:
                 "budget_used": self.budget_used,
                 "metrics": self.metrics.to_dict(),
                 "control": self.control.to_dict() if self.control else None,
+                "detectable": self.detectable.to_dict() if self.detectable else None,
             }
         )
         return out

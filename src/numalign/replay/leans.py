@@ -26,6 +26,7 @@ from numalign.compare.calibration import LEAN_STATISTICS, ControlStats
 from numalign.compare.lean import Lean, LeanSums, judge_lean, lean_uses
 from numalign.compare.metrics import signed_percent
 from numalign.compare.model_verdict import PointResult, label
+from numalign.compare.power import lean_detectable
 from numalign.compare.tolerances import Thresholds
 
 if TYPE_CHECKING:
@@ -114,6 +115,7 @@ def lean_result(
         name=name, dtype=dtype, shape=(measured.elements,), op_class="matmul", passed=True,
         rule="distribution", metrics=Metrics.blank(measured.elements, error=nan, agreement=nan),
         budget=budget, budget_used=used,
+        detectable=lean_detectable(measured, calibration, dtype, reduction, thresholds, upstream),
         reason="pooled leans within the honest range: scale "
         f"{signed_percent(measured.scale, 4)}, offset {signed_percent(measured.offset, 4)} over "
         f"{measured.elements} elements",

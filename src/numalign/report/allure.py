@@ -57,7 +57,8 @@ def _attach(record: DriftRecord) -> None:
     data = record.to_dict()
     allure.attach(
         finite_json.dumps({k: data[k] for k in ("point", "request", "rule", "reason",
-                                                "budget_used", "budget", "metrics")}, indent=2),
+                                                "budget_used", "budget", "detectable", "metrics")},
+                          indent=2),
         name=f"{point} metrics",
         attachment_type=allure.attachment_type.JSON,
     )  # fmt: skip

@@ -33,6 +33,7 @@ from numalign.report.history import HISTORY_FILE
 from numalign.report.retention import prune_runs
 from numalign.report.run import render_run
 from numalign.report.session import write_session
+from numalign.report.tables import power_by_dtype, power_lines
 from numalign.report.verdict import RunVerdict
 from numalign.settings import Settings
 
@@ -233,6 +234,8 @@ class DriftCollector:
         tests = outcome_line(count_outcomes(self.counted), "tests")
         records = outcome_line(count_outcomes(r.status for r in self.records), "records")
         tr.write_line(f"numalign: {tests}; {records}")
+        for line in power_lines(power_by_dtype(self.records)):
+            tr.write_line(f"numalign: {line}")
         for note in self.verdict.notes if self.verdict else []:
             tr.write_line(f"numalign: {note}", yellow=True)
         if self.diff is not None:

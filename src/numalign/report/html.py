@@ -11,6 +11,7 @@ from typing import Any
 from numalign import finite_json
 from numalign.record import END_MODES, FAILING, STATUSES, DriftRecord
 from numalign.report.charts import PALETTE, Series, budget_color, line_chart
+from numalign.report.tables import power_by_dtype
 from numalign.report.verdict import judge_run
 
 #: Rows of the worst-offenders table embedded in the page (the full set is in drift.csv).
@@ -337,12 +338,14 @@ def _table(records: list[DriftRecord]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for r in worst[:TABLE_ROWS]:
         m = r.metrics
+        found = r.detectable if isinstance(r.detectable, dict) else {}
         rows.append({
             "used": _num(r.budget_used), "verdict": r.status, "what": _what(r),
             "suite": r.suite, "point": r.point, "candidate": r.candidate,
             "dtype": r.test_dtype, "case": r.request or r.case, "step": r.step,
             "swap": r.swap, "max_abs": _metric(m.get("max_abs")),
             "rel_l2": _metric(m.get("rel_l2")), "ulp_p99": _metric(m.get("ulp_p99")),
+            "scale_caught": _metric(found.get("scale")), "bias_caught": _metric(found.get("bias")),
             "test_id": r.test_id, "anchor": None,
         })  # fmt: skip
     return rows
@@ -436,6 +439,7 @@ def render_html(
     return env.get_template("drift.html.j2").render(
         summary=summary,
         summary_rows=_summary_rows(records),
+        power=summary.get("power") or power_by_dtype(records),
         statuses=STATUSES,
         tests=tests,
         test_total=sum(tests.values()),

@@ -1,7 +1,10 @@
-"""Machine-readable tables of a run: drift.csv (drift.parquet with pyarrow), summary.json."""
+"""Machine-readable tables of a run: drift.csv (drift.parquet with pyarrow), summary.json
+(with ``power``: per dtype, what the passes were able to see, ``power_by_dtype``)."""
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,9 +55,15 @@ TABLE_COLUMNS: tuple[str, ...] = (
     "swap",
     "golden_fingerprint",
     *METRIC_COLUMNS,
+    "detectable_scale",
+    "detectable_bias",
     "reason",
     "error",
 )
+
+
+#: Columns not read off the record's own fields: its metrics, and its power (``detectable``).
+DERIVED = frozenset({*METRIC_COLUMNS, "detectable_scale", "detectable_bias"})
 
 
 def records_frame(records: list[DriftRecord]) -> pd.DataFrame:
@@ -63,8 +72,10 @@ def records_frame(records: list[DriftRecord]) -> pd.DataFrame:
 
     rows = []
     for record in records:
-        row = {key: getattr(record, key) for key in TABLE_COLUMNS if key not in METRIC_COLUMNS}
+        row = {key: getattr(record, key) for key in TABLE_COLUMNS if key not in DERIVED}
         row.update({key: record.metrics.get(key) for key in METRIC_COLUMNS})
+        found = record.detectable if isinstance(record.detectable, dict) else {}
+        row.update({f"detectable_{kind}": found.get(kind) for kind in ("scale", "bias")})
         rows.append(row)
     return pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
 
@@ -98,7 +109,56 @@ def summarize(
         ],
         "expected_failures": [{"test_id": t, "reason": r} for t, r in sorted(expected.items())],
         "worst_budget_used": worst,
+        "power": power_by_dtype(records),
     }
+
+
+def power_by_dtype(records: list[DriftRecord]) -> dict[str, dict[str, Any]]:
+    """Per dtype of the test, what its passed verdicts were able to see (``detectable``,
+    ``compare.power``): the median and the worst (largest) smallest-caught scale and bias
+    (in the truth's RMS) over its passed records that have one, and how many they are.
+    An infinite worst says some pass could not have caught that error at all."""
+    values: dict[str, dict[str, list[float]]] = {}
+    for record in records:
+        found = record.detectable
+        if record.status != "passed" or not isinstance(found, dict):
+            continue
+        kinds = values.setdefault(str(record.test_dtype), {"scale": [], "bias": []})
+        for kind, seen in kinds.items():
+            value = found.get(kind)
+            if isinstance(value, (int, float)) and not math.isnan(value):
+                seen.append(float(value))
+    out: dict[str, dict[str, Any]] = {}
+    for dtype in sorted(values):
+        kinds = values[dtype]
+        out[dtype] = {"records": max(len(v) for v in kinds.values())} | {
+            kind: {"median": statistics.median(seen), "worst": max(seen)}
+            for kind, seen in kinds.items()
+            if seen
+        }
+    return out
+
+
+def power_lines(power: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per dtype of ``power_by_dtype``, as the terminal summary prints it."""
+    lines = []
+    for dtype, figures in power.items():
+        parts = [
+            f"a {kind} of {_figure(f['median'])} (median), {_figure(f['worst'])} (worst)"
+            + (" of the RMS" if kind == "bias" else "")
+            for kind in ("scale", "bias")
+            if (f := figures.get(kind))
+        ]
+        if parts:
+            lines.append(
+                f"power {dtype}: {'; '.join(parts)}, the smallest each pass would have "
+                f"caught ({figures['records']} passed records)"
+            )
+    return lines
+
+
+def _figure(value: float) -> str:
+    return f"{value:.2g}" if math.isfinite(value) else "inf"
 
 
 def write_tables(run_dir: Path, records: list[DriftRecord], summary: dict[str, Any]) -> list[Path]:
