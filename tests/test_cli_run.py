@@ -135,6 +135,10 @@ def test_run_replays_its_own_set_alone_and_its_operators_by_exact_name(
     assert all(s.startswith("suites/operators/test_operators.py::test_") for s in suites[1:])
     assert "test_gelu_erf" in operators  # BERT's exact GELU, from its inventory
     assert "test_attention_sinks" not in operators and "test_linear_attention" not in operators
+    assert "--stream" not in extra
+    status = main(["run", str(model), "--sets", str(sets), "--report-dir", str(tmp_path / "r"),
+                   "--stream"])  # fmt: skip
+    assert status == 0 and "--stream" in list(asked["extra"])  # type: ignore[call-overload]
 
 
 def test_golden_only_collects_the_given_set_alone(bert: tuple[Path, Path]) -> None:

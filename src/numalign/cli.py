@@ -376,6 +376,7 @@ def _run(args: argparse.Namespace) -> int:
     return bring_up(
         Path(args.model_dir), Path(args.sets), Path(args.suites), Path(args.report_dir),
         device=args.device, dtypes=args.dtype, tier=args.tier, tp=args.tp, engine=args.engine,
+        stream=bool(args.stream),
     )  # fmt: skip
 
 
@@ -720,6 +721,7 @@ def _add_run(commands: Any) -> None:
     _suite_option(run, "--dtype")
     _suite_option(run, "--engine", default="transformers", choices=ENGINES)
     _suite_option(run, "--tp", type=int, default=1)
+    _suite_option(run, "--stream", action="store_true", default=False)
     run.set_defaults(handler=_run)
 
 

@@ -234,10 +234,12 @@ def bring_up(
     tier: str = "pr",
     tp: int = 1,
     engine: str = "transformers",
+    stream: bool = False,
 ) -> int:
     """Inventory, a capture when there is no fresh set, the suites on this model (on ``tp``
-    tensor-parallel ranks when above 1; through ``engine``'s model code) and on the operators
-    it uses, and the report paths.
+    tensor-parallel ranks when above 1; through ``engine``'s model code; with its weights
+    streamed unit by unit under ``stream``) and on the operators it uses, and the report
+    paths.
 
     Nothing is guessed: the model's set is ``sets/<model folder name>``, replayed alone
     (``--golden SET --golden-only``: a zoo set of the same name is not replayed) after its
@@ -289,6 +291,7 @@ def bring_up(
             "--golden-only",
             *(["--tp", str(tp)] if tp > 1 else []),
             *(["--engine", engine] if engine != "transformers" else []),
+            *(["--stream"] if stream else []),
         ],
     )
     if run_dir is not None:

@@ -333,7 +333,8 @@ def new_cache(model: Any, implementation: str, max_len: int) -> Any:
             return None  # the model's forward builds its own; ``filled_cache`` takes it back
         raise CacheUnsupported(f"{own}: a {implementation} cache is not one it takes")
     offloading = implementation.startswith("offloaded")
-    device = next((p.device for p in model.parameters()), None)
+    # a streamed model's parameters are on meta between units: it names its device itself
+    device = getattr(model, "device", None) or next((p.device for p in model.parameters()), None)
     if offloading and (device is None or device.type == "cpu"):
         raise CacheUnsupported(
             f"a {implementation} cache moves layers between an accelerator and the CPU (it "
