@@ -8,7 +8,7 @@ record with verdict "crashed"; a test that raised gets one with verdict "error".
 the test id tells of the test (suite, operator or point, candidate, dtype, case).
 
 Every reader (tables, baseline diff, merge, history, Allure, drift.html) takes
-:class:`DriftRecord`; :func:`read_records` reads schema versions 1 to 5. A non-finite number
+:class:`DriftRecord`; :func:`read_records` reads schema versions 1 to 6. A non-finite number
 is written as a string (``numalign.finite_json``) and read back as its float: a NaN metric is
 a finding, never a record lost or a session aborted.
 """
@@ -37,8 +37,9 @@ from numalign.testids import parse as parse_test_id
 #: "Infinity" or "-Infinity" (``finite_json``; it was null, or aborted the session); rule
 #: ``uncalibrated`` for a test skipped for want of calibration. 5: ``detectable``, the
 #: verdict's power (``compare.power``: the smallest scale and bias its rules would have
-#: caught; absent, read as None, before).
-SCHEMA_VERSION = 5
+#: caught; absent, read as None, before). 6: ``cause``, a failure's likely cause
+#: (``compare.cause``: label, evidence, confidence; absent, read as None, before).
+SCHEMA_VERSION = 6
 USER_PROPERTY = "numalign.drift"
 #: Lines of the traceback an error record keeps (where the exception came from).
 TRACEBACK_LINES = 20
@@ -61,7 +62,9 @@ END_MODES = ("logits", "continuation", "output")
 UNCALIBRATED = "uncalibrated"
 #: Fields that hold numbers (or, in ``metrics`` and ``budget``, dicts of them): read back
 #: through ``finite_json.decode``.
-_NUMBERS = ("metrics", "budget", "budget_used", "duration_s", "compile_s", "detectable")
+_NUMBERS = (
+    "metrics", "budget", "budget_used", "duration_s", "compile_s", "detectable", "cause",
+)  # fmt: skip
 
 
 @dataclass
@@ -141,6 +144,11 @@ class DriftRecord:
     #: have caught, of either sign (infinite: none would); None where the output is judged
     #: exactly (integers, selections, masks, rounding) or there was no comparison.
     detectable: dict[str, float] | None = None
+    #: A failure's likely cause (schema 6, ``compare.cause``): ``label`` (scale, offset,
+    #: epsilon, position, mask, precision, clamp, nonfinite, routing or unknown),
+    #: ``evidence`` (one line, with the numbers) and ``confidence`` in [0, 1]; None for a
+    #: pass, a record without a comparison, and records before schema 6.
+    cause: dict[str, Any] | None = None
     schema: int = SCHEMA_VERSION
 
     # -- construction -------------------------------------------------------------------------
@@ -161,12 +169,13 @@ class DriftRecord:
             budget=data["budget"],
             message=None if result.passed else result.message(),
             detectable=result.detectable.to_dict() if result.detectable else None,
+            cause=data["cause"],
             **context,
         )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DriftRecord:
-        """A record read back from JSON, schema 1 to 5. Schema 1 records named the golden
+        """A record read back from JSON, schema 1 to 6. Schema 1 records named the golden
         request only in ``case``; it becomes ``request`` for model records. Records before
         schema 3 keep their variant in ``swap`` alone (its fields stay None); a record keeps
         the schema it was written in (one without the field is schema 1)."""
@@ -351,7 +360,7 @@ def write_records(path: Path, records: Iterable[DriftRecord]) -> Path:
 
 
 def read_records(path: str | Path, *, whole: bool = False) -> list[DriftRecord]:
-    """Records of a run folder or a records.jsonl file (schema 1 to 5). A last line cut by a
+    """Records of a run folder or a records.jsonl file (schema 1 to 6). A last line cut by a
     crash is skipped; any other unreadable line is an error naming the file and line. With
     ``whole`` (a baseline: what it lacks would pass as "new" records, never as regressions),
     a cut last line and a file without a record are errors too, naming the file."""

@@ -235,7 +235,9 @@ def test_budget_failure_message_is_pinned() -> None:
         "Budget: max abs <= 0.03125 = 4 x control 0 + 1 ulp 0.03125; relative L2 <= "
         "0.007812 = 3 x control 0 + eps 0.007812\n"
         "Hint: check accumulation precision (accumulate reductions in float32), epsilon and "
-        "masks; the worst element is at (1, 1)"
+        "masks; the worst element is at (1, 1)\n"
+        "Likely cause: unknown (confidence 0.20): 1 of 4 elements carry 90% of the error: too "
+        "few to read a pattern from (a single wrong write, an index off by one, a stray value)"
     )
 
 
@@ -254,7 +256,9 @@ def test_tolerance_failure_message_is_pinned() -> None:
         "Relative L2 error: 0.06742; cosine 0.99797333; norm ratio 1.02025\n"
         "Budget: |actual - expected| <= atol + rtol * |expected| with rtol=1.3e-06, atol=1e-05\n"
         "Hint: check accumulation precision (accumulate reductions in float32), epsilon and "
-        "masks; the worst element is at (0, 2)"
+        "masks; the worst element is at (0, 2)\n"
+        "Likely cause: unknown (confidence 0.20): 1 of 6 elements carry 90% of the error: too "
+        "few to read a pattern from (a single wrong write, an index off by one, a stray value)"
     )
 
 
@@ -273,7 +277,9 @@ def test_nan_failure_message_is_pinned() -> None:
         "Non-finite: NaN 1 (reference 0), Inf 0 (reference 0)\n"
         "Budget: |actual - expected| <= atol + rtol * |expected| with rtol=5.2e-06, atol=4e-05\n"
         "Hint: a NaN appears at (1, 2) where the reference is finite: check fully masked rows "
-        "(softmax over all -inf must give zeros), 0/0 and sqrt or log of negative values"
+        "(softmax over all -inf must give zeros), 0/0 and sqrt or log of negative values\n"
+        "Likely cause: nonfinite (confidence 1.00): a NaN appears at (1, 2) where the reference "
+        "is finite"
     )
 
 

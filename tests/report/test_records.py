@@ -216,18 +216,18 @@ def test_records_of_schemas_1_2_and_3_are_read_with_their_keys(tmp_path) -> None
     assert {compile_label(r) for r in (one, two, three)} == {"compile=inductor:max-autotune"}
 
 
-def test_a_record_is_written_in_schema_5_and_keeps_its_schema_when_rewritten(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """New records say schema 5; an old record merged into a new file stays what it was (its
+def test_a_record_is_written_in_schema_6_and_keeps_its_schema_when_rewritten(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """New records say schema 6; an old record merged into a new file stays what it was (its
     fields were never filled), and a record without the field is schema 1."""
     from numalign.record import SCHEMA_VERSION, DriftRecord, write_records
 
-    assert SCHEMA_VERSION == 5 and DriftRecord(test_id="t").to_dict()["schema"] == 5
+    assert SCHEMA_VERSION == 6 and DriftRecord(test_id="t").to_dict()["schema"] == 6
     old = DriftRecord.from_dict(_OLD_RECORDS[1])
     write_records(tmp_path / "records.jsonl", [old, DriftRecord.from_dict(_NEW_RECORD)])
     assert [r.schema for r in read_records(tmp_path)] == [2, 3]
     assert DriftRecord.from_dict({"test_id": "t"}).schema == 1
-    (tmp_path / "records.jsonl").write_text(json.dumps({"schema": 6, "test_id": "t"}) + "\n")
-    with pytest.raises(ValueError, match="not a drift record of schema 1 to 5"):
+    (tmp_path / "records.jsonl").write_text(json.dumps({"schema": 7, "test_id": "t"}) + "\n")
+    with pytest.raises(ValueError, match="not a drift record of schema 1 to 6"):
         read_records(tmp_path)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from numalign.compare.budgets import Decision, ExactBudget, ToleranceBudget
+from numalign.compare.cause import Cause
 from numalign.compare.metrics import Metrics, compute_metrics
 from numalign.compare.result import CompareResult
 from numalign.compare.tolerances import DTYPE_TOLERANCES, Tolerance
@@ -131,7 +132,7 @@ def judge_left_out(result: CompareResult, left_out: LeftOut | None) -> CompareRe
         reason = f"{reason}; and {result.reason}"
     return replace(
         result, passed=False, rule="non-finite", reason=reason,
-        budget_used=max(result.budget_used, 1.0),
+        budget_used=max(result.budget_used, 1.0), cause=Cause("nonfinite", reason, 1.0),
         hint=(
             "padding rows are left out of the comparison, not out of the model: a NaN there "
             "reaches the real rows at the next attention; check rows that attend nowhere "

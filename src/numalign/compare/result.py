@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from numalign.compare.cause import Cause
 from numalign.compare.metrics import Metrics
 from numalign.compare.power import Detectable
 
@@ -32,6 +33,9 @@ class CompareResult:
     ``budget_used`` is the worst error over its allowance (above 1 fails). ``detectable``
     is the verdict's power (``compare.power``): the smallest scale and bias its rules would
     have caught; None for outputs judged exactly (integers, selections, masks, rounding).
+    ``cause`` is a failure's likely cause (``compare.cause``: a label, its evidence and a
+    confidence), read from the error's signature; None for a pass, and for results no
+    ``compare()`` concluded (rounding, routing flips), which keep their reason and hint.
     """
 
     name: str
@@ -47,6 +51,7 @@ class CompareResult:
     budget_used: float = 0.0
     hint: str | None = None
     detectable: Detectable | None = None
+    cause: Cause | None = None
 
     def message(self) -> str:
         """A failure message in the style of ``torch.testing.assert_close``: what, how
@@ -83,6 +88,8 @@ class CompareResult:
             lines.append(f"Budget: {self.budget_text()}")
         if self.hint:
             lines.append(f"Hint: {self.hint}")
+        if self.cause is not None and not self.passed:
+            lines.append(self.cause.line())
         return "\n".join(lines)
 
     def budget_text(self) -> str:
@@ -131,6 +138,7 @@ class CompareResult:
                 "metrics": self.metrics.to_dict(),
                 "control": self.control.to_dict() if self.control else None,
                 "detectable": self.detectable.to_dict() if self.detectable else None,
+                "cause": self.cause.to_dict() if self.cause else None,
             }
         )
         return out

@@ -339,6 +339,7 @@ def _table(records: list[DriftRecord]) -> list[dict[str, Any]]:
     for r in worst[:TABLE_ROWS]:
         m = r.metrics
         found = r.detectable if isinstance(r.detectable, dict) else {}
+        cause = r.cause if isinstance(r.cause, dict) and r.status in FAILING else {}
         rows.append({
             "used": _num(r.budget_used), "verdict": r.status, "what": _what(r),
             "suite": r.suite, "point": r.point, "candidate": r.candidate,
@@ -346,9 +347,18 @@ def _table(records: list[DriftRecord]) -> list[dict[str, Any]]:
             "swap": r.swap, "max_abs": _metric(m.get("max_abs")),
             "rel_l2": _metric(m.get("rel_l2")), "ulp_p99": _metric(m.get("ulp_p99")),
             "scale_caught": _metric(found.get("scale")), "bias_caught": _metric(found.get("bias")),
+            "cause": _cause(cause), "cause_evidence": cause.get("evidence") or "",
             "test_id": r.test_id, "anchor": None,
         })  # fmt: skip
     return rows
+
+
+def _cause(cause: dict[str, Any]) -> str:
+    """A failing record's likely cause, as the table shows it: "scale (0.97)"."""
+    if not cause.get("label"):
+        return ""
+    confidence = _num(cause.get("confidence"))
+    return f"{cause['label']} ({confidence:.2f})" if confidence is not None else cause["label"]
 
 
 def _messages(records: list[DriftRecord], *row_lists: list[dict[str, Any]]) -> list[dict[str, Any]]:
