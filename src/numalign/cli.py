@@ -115,6 +115,13 @@ def _capture(args: argparse.Namespace) -> int:
             "numalign capture: --offload-folder and --max-memory place a model with "
             "--device-map (e.g. --device-map auto --offload-folder DIR)"
         )
+    if args.stream and placement is not None:
+        from numalign.golden.stream import stream_choice
+
+        try:
+            stream_choice(args.model_dir, args.reference_dtype, True, placement=placement)
+        except ValueError as exc:
+            raise SystemExit(f"numalign capture: {exc}") from None
     from numalign.replay.ensemble import Member
 
     members = None
@@ -164,6 +171,7 @@ def _capture_set(args: argparse.Namespace, prompts: Any, members: Any, placement
         placement=placement,
         force=args.force,
         probes=not args.no_probes,
+        stream=args.stream,
     )
 
 
@@ -574,7 +582,9 @@ def _add_capture_requests(cap: argparse.ArgumentParser) -> None:
 
 def _add_capture_placement(cap: argparse.ArgumentParser) -> None:
     """capture: where a model too large for memory is placed (accelerate's big-model
-    placement)."""
+    placement), or whether its weights stream (``golden.stream``)."""
+    from numalign.golden.stream import STREAM_SHARE
+
     cap.add_argument(
         "--device-map",
         metavar="MAP",
@@ -591,6 +601,16 @@ def _add_capture_placement(cap: argparse.ArgumentParser) -> None:
         "--max-memory",
         metavar="DEVICE=SIZE,...",
         help="with --device-map: memory each device may hold, e.g. cpu=2GiB or 0=20GiB,cpu=64GiB",
+    )
+    cap.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="stream the reference's weights from the checkpoint's safetensors one unit "
+        "(decoder layer, embedding, norm, head) at a time, and every calibration member's: "
+        "peak memory one layer's weights, the set the same (default: streamed where the "
+        f"weights would take more than {STREAM_SHARE * 100:.0f}%% of the memory available, "
+        "said so; --no-stream: whole)",
     )
 
 

@@ -270,7 +270,8 @@ def bring_up(
         print(f"numalign run: [2/3] golden set {target} is fresh (same fingerprint)", flush=True)
     else:
         print(f"numalign run: [2/3] capturing {target}", flush=True)
-        capture_calibrated(model_dir, target, progress=None)
+        # --stream streams the capture too; else the capture chooses by the memory available
+        capture_calibrated(model_dir, target, progress=None, stream=True if stream else None)
     golden = GoldenSet.open(target)
     golden.check_fresh(model_dir)
     operators = [row["operator"] for row in inv.rows if row["status"] == "covered by candidates"]

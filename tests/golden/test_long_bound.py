@@ -60,7 +60,7 @@ def test_capture_refuses_a_long_request_before_the_model_loads(
     def load_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before the --long check")
 
-    monkeypatch.setattr(capture, "load_model", load_model)
+    monkeypatch.setattr(capture, "load_reference", load_model)
     code = main(["capture", str(ROOT / "golden" / "models" / "tiny-llama"),
                  "--out", str(tmp_path / "set"), "--long", "100000"])  # fmt: skip
     assert code == 1

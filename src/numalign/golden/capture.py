@@ -51,7 +51,6 @@ from numalign.golden.reference import (
     greedy_step,
     hooks,
     jsonable,
-    load_model,
     model_outputs,
     takes_cache,
 )
@@ -74,6 +73,7 @@ from numalign.golden.store import (
     replace_set,
     write_manifest,
 )
+from numalign.golden.stream import load_reference, stream_choice
 from numalign.golden.target import check_target, keep_version
 
 if TYPE_CHECKING:
@@ -282,6 +282,7 @@ def capture(
     finish_steps: int = 0,
     force: bool = False,
     probes: bool = True,
+    stream: bool | None = None,
 ) -> GoldenSet:
     """Captures a golden set of the model in ``model_dir`` into ``out`` (replaced atomically:
     an interrupted capture leaves any previous set untouched and no partial folder).
@@ -300,7 +301,14 @@ def capture(
 
     ``placement``: big-model loading (``reference.Placement``: accelerate's device map and
     disk offload), for a model whose weights do not fit in memory; the set is the same as an
-    in-memory capture's."""
+    in-memory capture's.
+
+    ``stream``: the reference streamed unit by unit from the checkpoint's safetensors
+    (``golden.stream``: its weights on meta but while a decoder layer, the embedding, a norm
+    or the head runs), for a model whose float32 weights do not fit in memory; every request,
+    point, decode step and probe runs through it unchanged, and the set is the unstreamed
+    capture's, bit for bit. None: streamed where the weights would not fit in the memory
+    available (``stream.stream_choice``), said on stderr."""
     import torch
 
     model_dir, out = Path(model_dir).resolve(), Path(out)
@@ -316,9 +324,11 @@ def capture(
     check_long_request(model_dir, long, max(continuation, decode_steps), reference_dtype,
                        attn_implementation, trust_remote_code,
                        in_memory=placement is None)  # fmt: skip
+    stream = resolve_stream(model_dir, reference_dtype, stream, placement)
     torch.manual_seed(0)
-    model = load_model(model_dir, reference_dtype, attn_implementation=attn_implementation,
-                       trust_remote_code=trust_remote_code, placement=placement)  # fmt: skip
+    model = load_reference(model_dir, reference_dtype, attn_implementation=attn_implementation,
+                           trust_remote_code=trust_remote_code, placement=placement,
+                           stream=stream)  # fmt: skip
     decoder = takes_cache(model)
     requests = _requests(model_dir, model, prompts=prompts, image=image, decoder=decoder,
                          long=long, far=far, max_position=max_position,
@@ -346,6 +356,17 @@ def capture(
         raise
     bar.close(done=True)
     return GoldenSet.open(out)
+
+
+def resolve_stream(
+    model_dir: str | Path, reference_dtype: str, stream: bool | None, placement: Placement | None
+) -> bool:
+    """Whether the capture streams its reference: as asked, or (``stream`` None) the
+    automatic choice (``stream.stream_choice``), which prints why where it streams."""
+    chosen, why = stream_choice(model_dir, reference_dtype, stream, placement=placement)
+    if why:
+        print(why, file=sys.stderr, flush=True)
+    return chosen
 
 
 def _requests(

@@ -36,8 +36,9 @@ from numalign.compare.logits import logits_stats
 from numalign.compare.routing import agreeing, is_routing
 from numalign.golden.decode import REFERENCE_CACHE, limit_message
 from numalign.golden.manifest import OUTPUT_POINT, CalibrationJson
-from numalign.golden.reference import Placement, forward_kwargs, load_model, model_outputs
+from numalign.golden.reference import Placement, forward_kwargs, model_outputs
 from numalign.golden.store import GoldenSet
+from numalign.golden.stream import load_reference
 from numalign.replay.decode import run_decode
 from numalign.replay.layer import (
     AloneUnsupported,
@@ -120,6 +121,7 @@ def calibrate(
     trust_remote_code: bool = False,
     device: str = "cpu",
     placement: Placement | None = None,
+    stream: bool = False,
 ) -> CalibrationJson:
     """One member's calibration of ``dtype`` (this process's kernels and threads, with
     ``attn_implementation``), as JSON holds it:
@@ -127,13 +129,13 @@ def calibrate(
     ``dtype``; {OUTPUT_POINT: {output name: {"accumulated": stats, "decode": stats}}} for the
     model's own outputs; {CACHE_POINT: {state: {"decode": stats}}} for the KV cache.
     DtypeUnsupported where the calibration fails and the model's own forward fails in
-    ``dtype`` too (``own_failure``)."""
+    ``dtype`` too (``own_failure``). ``stream``: the model streamed unit by unit from the
+    checkpoint (``golden.stream``), as a streamed capture's reference is."""
 
     torch_dtype = dtypes.torch_dtype(dtype)
-    model = load_model(model_dir, dtype, attn_implementation=attn_implementation,
-                       trust_remote_code=trust_remote_code, placement=placement)  # fmt: skip
-    if placement is None:  # else accelerate placed it
-        model = model.to(device)
+    model = load_reference(model_dir, dtype, attn_implementation=attn_implementation,
+                           trust_remote_code=trust_remote_code, placement=placement,
+                           stream=stream, device=device)  # fmt: skip
     masks = {r.name: request_mask(golden, r.name) for r in golden.requests}
     leans: _Leans = {}
     try:

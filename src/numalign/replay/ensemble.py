@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare.calibration import merge_statistics
-from numalign.golden.capture import capture
+from numalign.golden.capture import capture, resolve_stream
 from numalign.golden.manifest import CalibrationJson, calibration_from_json
 from numalign.replay.ensemble_member import (
     CODE_CHANGED,
@@ -241,11 +241,16 @@ def merge(tables: Sequence[CalibrationJson]) -> CalibrationJson:
 
 # -- running a member --------------------------------------------------------------------------
 def _run_in_subprocess(
-    member: Member, golden_path: Path, dtypes: Sequence[str], trust_remote_code: bool
+    member: Member,
+    golden_path: Path,
+    dtypes: Sequence[str],
+    trust_remote_code: bool,
+    stream: bool = False,
 ) -> MemberResult:
     """The member's calibrations from ``python -m numalign.replay.ensemble_member`` in a
     subprocess whose environment carries its settings (``subprocess.run`` ends it if this
-    process is interrupted, so no member outlives a capture)."""
+    process is interrupted, so no member outlives a capture); with ``stream``, its model
+    streamed unit by unit (``--stream``)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="numalign-member-") as scratch:
@@ -258,6 +263,8 @@ def _run_in_subprocess(
             command += ["--attn", member.attn_implementation]
         if trust_remote_code:
             command.append("--trust-remote-code")
+        if stream:
+            command.append("--stream")
         done = subprocess.run(
             command, env=member_environment(member.env), stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True, check=False,
@@ -285,11 +292,13 @@ def run_members(
     trust_remote_code: bool = False,
     placement: Placement | None = None,
     step: Callable[[str], None] | None = None,
+    stream: bool = False,
 ) -> list[tuple[Member, MemberResult]]:
     """Each (member, dtypes)'s calibrations, in order, one member at a time: members use
     every core they are given (torch's threads), and members run side by side oversubscribe
-    them (measured on 2 cores: 3.7x slower than one after another). A member that fails
-    raises EnsembleError."""
+    them (measured on 2 cores: 3.7x slower than one after another); with ``stream``, each
+    member's model streamed unit by unit (``golden.stream``). A member that fails raises
+    EnsembleError."""
     results: list[tuple[Member, MemberResult]] = []
     for member, dtypes in members:
         if step is not None:
@@ -297,11 +306,11 @@ def run_members(
         if member.in_process:
             results.append((member, calibrate_member(
                 golden_path, dtypes, member.threads, member.attn_implementation,
-                trust_remote_code, placement=placement,
+                trust_remote_code, placement=placement, stream=stream,
             )))  # fmt: skip
             continue
         results.append((member, _run_in_subprocess(member, golden_path, dtypes,
-                                                   trust_remote_code)))  # fmt: skip
+                                                   trust_remote_code, stream)))  # fmt: skip
     return results
 
 
@@ -319,13 +328,16 @@ def calibrate_set(
     trust_remote_code: bool = False,
     step: Callable[[str], None] | None = None,
     placement: Placement | None = None,
+    stream: bool = False,
 ) -> None:
     """Calibrates ``golden`` in each of ``dtypes`` over ``members`` (``default_members``
     when None) and stores the merged calibration with the members' descriptions. The
     reference member skips the reference's own dtype (its error there is zero by
     construction); a dtype no member calibrated keeps no calibration. Under ``placement``
     (a model too big for memory) only in-process members run: a subprocess would load the
-    whole model again."""
+    whole model again. With ``stream`` every member streams its model unit by unit
+    (``golden.stream``), in process and in subprocesses alike: none holds more than a
+    layer's weights."""
     if members is None:
         members = default_members(golden.reference.attn_implementation,
                                   device=golden.reference.device)  # fmt: skip
@@ -339,7 +351,7 @@ def calibrate_set(
     limits: dict[str, str] = {}
     for member, result in run_members(
         [(m, d) for m, d in planned if d], golden.path, trust_remote_code=trust_remote_code,
-        placement=placement, step=step,
+        placement=placement, step=step, stream=stream,
     ):  # fmt: skip
         for dtype, table in result.tables.items():
             tables[dtype].append(table)
@@ -398,10 +410,14 @@ def capture_calibrated(
 ) -> GoldenSet:
     """``numalign capture``: a capture (``golden.capture.capture``, same ``options``) that is
     calibrated in ``calibrate`` over the ensemble before it is moved into place, so a set
-    never appears without its calibration."""
+    never appears without its calibration. A streamed capture (``stream``, or the automatic
+    choice where it is None: ``golden.capture.resolve_stream``) streams every member."""
     # the one dtype parser, before anything loads (ValueError naming the allowed dtypes)
     dtypes = parse_dtypes(",".join(calibrate)) if calibrate else ()
     placement = options.get("placement")
+    # decided once, here: the capture's reference and every member stream alike
+    stream = resolve_stream(model_dir, options.get("reference_dtype", "float32"),
+                            options.pop("stream", None), placement)  # fmt: skip
     chosen = (
         list(members)
         if members is not None
@@ -410,8 +426,8 @@ def capture_calibrated(
 
     def finish(golden: GoldenSet, step: Callable[[str], None]) -> None:
         calibrate_set(golden, dtypes, members=chosen, trust_remote_code=trust_remote_code,
-                      step=step, placement=placement)  # fmt: skip
+                      step=step, placement=placement, stream=stream)  # fmt: skip
 
     steps = calibration_steps(options.get("reference_dtype", "float32"), dtypes, chosen)
     return capture(model_dir, out, trust_remote_code=trust_remote_code, finish=finish,
-                   finish_steps=steps if dtypes else 0, **options)  # fmt: skip
+                   finish_steps=steps if dtypes else 0, stream=stream, **options)  # fmt: skip

@@ -95,10 +95,12 @@ def calibrate_member(
     trust_remote_code: bool,
     *,
     placement: Placement | None = None,
+    stream: bool = False,
 ) -> MemberResult:
     """The calibrations of the set at ``golden_path`` with ``threads`` (None: as set) and
     ``attn_implementation`` (None: the set's own), and the dtypes the reference cannot run
-    in."""
+    in; with ``stream``, the model streamed unit by unit (``golden.stream``), as a streamed
+    capture's reference."""
     import torch
 
     golden = GoldenSet.open(golden_path)
@@ -115,6 +117,7 @@ def calibrate_member(
                     result.tables[dtype] = calibrate(
                         golden, golden.model_dir, dtype, attn_implementation=attn,
                         trust_remote_code=trust_remote_code, placement=placement,
+                        stream=stream,
                     )  # fmt: skip
                 except ValueError as exc:
                     # a model without this attention implementation (Gemma 2 has no SDPA
@@ -125,6 +128,7 @@ def calibrate_member(
                     result.tables[dtype] = calibrate(
                         golden, golden.model_dir, dtype, attn_implementation=attn,
                         trust_remote_code=trust_remote_code, placement=placement,
+                        stream=stream,
                     )  # fmt: skip
             except DtypeUnsupported as exc:  # the model's own limit: no calibration of it
                 result.limits[dtype] = exc.reason
@@ -143,6 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--attn", default=None, help="attention implementation (default: the set's)"
     )
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument(
+        "--stream", action="store_true", help="stream the model's weights unit by unit"
+    )
     parser.add_argument("--code", default=None, help="the capture's code_fingerprint")
     args = parser.parse_args(argv)
     if args.code is not None and args.code != code_fingerprint():
@@ -154,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return CODE_CHANGED
     result = calibrate_member(args.set, [d for d in args.dtypes.split(",") if d], args.threads,
-                              args.attn, args.trust_remote_code)  # fmt: skip
+                              args.attn, args.trust_remote_code, stream=args.stream)  # fmt: skip
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result.to_json()), encoding="utf-8")
     tmp.replace(args.out)
