@@ -289,7 +289,7 @@ def lean_limit(
     reach = max(abs(honest_range[0]), abs(honest_range[1]))
     wide = 0.0 if upstream is None or not math.isfinite(upstream) else abs(upstream)
     floor = _floor(dtype, reduction, t.lean_floor_roundoffs)
-    return reach + wide + t.lean_z * se + t.lean_spread * 2.0 * reach + floor
+    return reach + wide + _margin(se, 2.0 * reach, floor, t)
 
 
 def _findings(
@@ -342,8 +342,14 @@ def _beyond(
     if not (math.isfinite(value) and math.isfinite(se)):
         return None
     width = high - low if width is None else width
-    margin = t.lean_z * se + t.lean_spread * width + floor
+    margin = _margin(se, width, floor, t)
     outside = value - high if value > high else low - value if value < low else 0.0
     used = outside / margin if margin > 0 else (math.inf if outside > 0 else 0.0)
     z = outside / se if se > 0 else math.inf
     return LeanFinding(name, value, low, high, z, used)
+
+
+def _margin(se: float, width: float, floor: float, t: Thresholds) -> float:
+    """How far beyond the honest range a lean may lie: ``lean_z`` of its standard errors,
+    ``lean_spread`` of the range's ``width``, and the ``floor``."""
+    return t.lean_z * se + t.lean_spread * width + floor
