@@ -116,7 +116,7 @@ def _capture(args: argparse.Namespace) -> int:
             "--device-map (e.g. --device-map auto --offload-folder DIR)"
         )
     if args.stream and placement is not None:
-        from numalign.golden.stream import stream_choice
+        from numalign.golden.loading import stream_choice
 
         try:
             stream_choice(args.model_dir, args.reference_dtype, True, placement=placement)
@@ -583,7 +583,7 @@ def _add_capture_requests(cap: argparse.ArgumentParser) -> None:
 def _add_capture_placement(cap: argparse.ArgumentParser) -> None:
     """capture: where a model too large for memory is placed (accelerate's big-model
     placement), or whether its weights stream (``golden.stream``)."""
-    from numalign.golden.stream import STREAM_SHARE
+    from numalign.golden.loading import STREAM_SHARE
 
     cap.add_argument(
         "--device-map",

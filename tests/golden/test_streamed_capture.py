@@ -15,10 +15,10 @@ import torch
 from numalign.cli import main
 from numalign.golden import GoldenSet
 from numalign.golden import capture as capture_module
-from numalign.golden import stream as stream_module
+from numalign.golden import loading as loading_module
 from numalign.golden.capture import capture
+from numalign.golden.loading import STREAM_SHARE, checkpoint_bytes, stream_choice
 from numalign.golden.reference import Placement
-from numalign.golden.stream import STREAM_SHARE, checkpoint_bytes, stream_choice
 from numalign.replay.ensemble import Member, capture_calibrated
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,7 +144,7 @@ def _memory(monkeypatch: pytest.MonkeyPatch, share: float) -> int:
     weights = checkpoint_bytes(LLAMA, 4)
     assert weights is not None and weights > 0
     available = int(weights * share)
-    monkeypatch.setattr(stream_module, "available_memory", lambda: available)
+    monkeypatch.setattr(loading_module, "available_memory", lambda: available)
     return weights
 
 

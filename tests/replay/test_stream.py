@@ -1,4 +1,4 @@
-"""Streamed replay (``--stream``, ``replay.stream``): the same records as an unstreamed
+"""Streamed replay (``--stream``, ``golden.stream``): the same records as an unstreamed
 replay, for layer, full-model and decode replay, on a dense, an MoE (experts fused from
 per-expert checkpoint tensors) and a tied-embedding model; only the unit running holds real
 weights, and a layer replay reads only its unit's tensors; a checkpoint that lacks a
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from numalign.golden.reference import load_model
+from numalign.golden.stream import StreamError, StreamUnsupported, load_streamed
 from numalign.replay.engines.transformers import TransformersEngine
 from numalign.replay.model import open_fresh
-from numalign.replay.stream import StreamError, StreamUnsupported, load_streamed
 from numalign.replay.verdict import point_record, records
 from numalign.runtime.variant import Variant
 from numalign.settings import Settings

@@ -41,8 +41,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from numalign.compare.tolerances import FLOAT_FORMATS
+
 if TYPE_CHECKING:
     import torch
+
+    from numalign.compare.budgets import Decision
 
 __all__ = ["LABELS", "Cause", "find_cause"]
 
@@ -554,3 +558,40 @@ def _pct(fraction: float) -> str:
 
 def _g(value: float) -> str:
     return f"{value:.3g}"
+
+
+def float_cause(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    control: torch.Tensor | None,
+    decision: Decision,
+    dtype: str,
+    op_class: str,
+) -> Cause:
+    """The likely cause of a failing float comparison (``compare()``'s): ``nonfinite``
+    where rule "non-finite" failed, else read from the error's signature against the
+    truth and the control run now (without one, the dtype's rounding stands in for it)."""
+    if decision.rule == "non-finite":
+        return Cause("nonfinite", decision.reason, 1.0)
+    return find_cause(actual, expected, control=control, mantissa=FLOAT_FORMATS[dtype][0],
+                      selection=op_class == "selection")  # fmt: skip
+
+
+def exact_cause(decision: Decision, *, mask: bool, selection: bool) -> Cause | None:
+    """The cause of a failing exact comparison: ``mask`` for a mask that attends elsewhere,
+    ``nonfinite`` for its fill, ``routing`` for a selection that chooses other indices;
+    ``unknown`` for other integer outputs (their difference says no more)."""
+    if decision.passed:
+        return None
+    if decision.rule == "non-finite":
+        return Cause("nonfinite", decision.reason, 1.0)
+    if mask:
+        return Cause("mask", f"the mask attends elsewhere: {decision.reason}", 0.95)
+    if selection:
+        return Cause("routing", f"the chosen indices differ: {decision.reason}", 0.9)
+    return Cause("unknown", f"integer outputs differ: {decision.reason}", 0.0)
+
+
+def unexplained(decision: Decision) -> Cause:
+    """A failure no signature was read from (a shape's): its reason, confidence 0."""
+    return Cause("unknown", f"no elementwise signature to read: {decision.reason}", 0.0)

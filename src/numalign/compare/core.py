@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from numalign.compare.budgets import ControlBudget, Decision, ToleranceBudget
-from numalign.compare.cause import Cause, find_cause
+from numalign.compare.cause import Cause, exact_cause, float_cause, unexplained
 from numalign.compare.distribution import (
     ScaleRule,
     judge_distribution,
@@ -124,7 +124,7 @@ def compare(
         )
         budget_of = exact_decision.budget
         result.budget = budget_of.limits() if budget_of is not None else {}
-        result.cause = _exact_cause(exact_decision, mask=mask, selection=ties is not None
+        result.cause = exact_cause(exact_decision, mask=mask, selection=ties is not None
                                     or op_class == "selection")  # fmt: skip
         return result.conclude(exact_decision)
     if control is not None or control_errors is not None:
@@ -153,7 +153,7 @@ def compare(
         )  # fmt: skip
     decision = decision or _within(measured)
     if not decision.passed:  # a cause explains a failure; it never changes the verdict
-        result.cause = _float_cause(actual, expected, control, decision, dtype, op_class)
+        result.cause = float_cause(actual, expected, control, decision, dtype, op_class)
     return result.conclude(decision)
 
 
@@ -215,7 +215,7 @@ class _Builder:
             budget_used=used,
             hint=None if decision.passed else decision.hint,
             detectable=self.detectable,
-            cause=None if decision.passed else self.cause or _unexplained(decision),
+            cause=None if decision.passed else self.cause or unexplained(decision),
         )
 
 
@@ -439,43 +439,6 @@ def _power(
             propagated=propagated,
         )  # fmt: skip
     return detectable(expected, b, distribution=limits, scale=scale)
-
-
-def _float_cause(
-    actual: torch.Tensor,
-    expected: torch.Tensor,
-    control: torch.Tensor | None,
-    decision: Decision,
-    dtype: str,
-    op_class: str,
-) -> Cause:
-    """The likely cause of a failing float comparison (``compare.cause``): ``nonfinite``
-    where rule "non-finite" failed, else read from the error's signature against the
-    truth and the control run now (without one, the dtype's rounding stands in for it)."""
-    if decision.rule == "non-finite":
-        return Cause("nonfinite", decision.reason, 1.0)
-    return find_cause(actual, expected, control=control, mantissa=FLOAT_FORMATS[dtype][0],
-                      selection=op_class == "selection")  # fmt: skip
-
-
-def _exact_cause(decision: Decision, *, mask: bool, selection: bool) -> Cause | None:
-    """The cause of a failing exact comparison: ``mask`` for a mask that attends elsewhere,
-    ``nonfinite`` for its fill, ``routing`` for a selection that chooses other indices;
-    ``unknown`` for other integer outputs (their difference says no more)."""
-    if decision.passed:
-        return None
-    if decision.rule == "non-finite":
-        return Cause("nonfinite", decision.reason, 1.0)
-    if mask:
-        return Cause("mask", f"the mask attends elsewhere: {decision.reason}", 0.95)
-    if selection:
-        return Cause("routing", f"the chosen indices differ: {decision.reason}", 0.9)
-    return Cause("unknown", f"integer outputs differ: {decision.reason}", 0.0)
-
-
-def _unexplained(decision: Decision) -> Cause:
-    """A failure no signature was read from (a shape's): its reason, confidence 0."""
-    return Cause("unknown", f"no elementwise signature to read: {decision.reason}", 0.0)
 
 
 def _within(measured: _Measured) -> Decision:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from numalign.golden.decode import DEFAULT_DECODE_STEPS, record_decode
 from numalign.golden.fingerprint import fingerprint_and_files
 from numalign.golden.folders import clear_temporary, remove_abandoned, temporary_folder
+from numalign.golden.loading import load_reference, stream_choice
 from numalign.golden.long_bound import check_long_request
 from numalign.golden.manifest import (
     LOGIT_TRANSFORM,
@@ -73,7 +74,6 @@ from numalign.golden.store import (
     replace_set,
     write_manifest,
 )
-from numalign.golden.stream import load_reference, stream_choice
 from numalign.golden.target import check_target, keep_version
 
 if TYPE_CHECKING:
@@ -299,18 +299,9 @@ def capture(
     ``out`` must not exist, be empty or hold a set of this model (``folders.check_target``);
     ``force`` replaces a set of another model, kept under ``<sets>/.versions/``.
 
-    ``placement``: big-model loading (``reference.Placement``: accelerate's device map and
-    disk offload), for a model whose weights do not fit in memory; the set is the same as an
-    in-memory capture's.
-
-    ``stream``: the reference streamed unit by unit from the checkpoint's safetensors
-    (``golden.stream``: its weights on meta but while a decoder layer, the embedding, a norm
-    or the head runs), for a model whose float32 weights do not fit in memory; every request,
-    point, decode step and probe runs through it unchanged, and the set is the unstreamed
-    capture's, bit for bit. None: streamed where the weights would not fit in the memory
-    available (``stream.stream_choice``), said on stderr."""
-    import torch
-
+    For a model whose weights do not fit in memory, ``placement`` (``reference.Placement``:
+    accelerate's device map and disk offload) or ``stream`` (unit by unit from the
+    checkpoint, ``golden.stream``; None: ``resolve_stream`` chooses) give the same set."""
     model_dir, out = Path(model_dir).resolve(), Path(out)
     check_target(out, model_dir, force=force)  # first: never load a model to then refuse
     _check_counts(continuation=continuation, decode_steps=decode_steps, image=image,
@@ -318,17 +309,10 @@ def capture(
     # eager attention by default: the reference implementation, whose explicit 4D masks every
     # other attention implementation accepts when a point is replayed alone
     attn_implementation = attn_implementation or "eager"
-    # first: a folder without config.json, or a sharded checkpoint missing a shard its index
-    # names, is an error naming the file before anything loads; so is a --long too long
-    model_hash = fingerprint_and_files(model_dir)
-    check_long_request(model_dir, long, max(continuation, decode_steps), reference_dtype,
-                       attn_implementation, trust_remote_code,
-                       in_memory=placement is None)  # fmt: skip
-    stream = resolve_stream(model_dir, reference_dtype, stream, placement)
-    torch.manual_seed(0)
-    model = load_reference(model_dir, reference_dtype, attn_implementation=attn_implementation,
-                           trust_remote_code=trust_remote_code, placement=placement,
-                           stream=stream)  # fmt: skip
+    model_hash, model = _checked_reference(
+        model_dir, long, max(continuation, decode_steps), reference_dtype,
+        attn_implementation, trust_remote_code, placement, stream,
+    )  # fmt: skip
     decoder = takes_cache(model)
     requests = _requests(model_dir, model, prompts=prompts, image=image, decoder=decoder,
                          long=long, far=far, max_position=max_position,
@@ -358,11 +342,39 @@ def capture(
     return GoldenSet.open(out)
 
 
+def _checked_reference(
+    model_dir: Path,
+    long: int | None,
+    generated: int,
+    reference_dtype: str,
+    attn_implementation: str,
+    trust_remote_code: bool,
+    placement: Placement | None,
+    stream: bool | None,
+) -> tuple[tuple[str, dict[str, str]], Any]:
+    """The model folder's fingerprint and its files' (``fingerprint_and_files``), and the
+    reference loaded whole, placed or streamed (``resolve_stream``), seeded. The checks that
+    need no model come first: a folder without config.json, or a sharded checkpoint missing
+    a shard its index names, is an error naming the file before anything loads; so is a
+    --long too long (``long_bound``)."""
+    import torch
+
+    model_hash = fingerprint_and_files(model_dir)
+    check_long_request(model_dir, long, generated, reference_dtype, attn_implementation,
+                       trust_remote_code, in_memory=placement is None)  # fmt: skip
+    streamed = resolve_stream(model_dir, reference_dtype, stream, placement)
+    torch.manual_seed(0)
+    model = load_reference(model_dir, reference_dtype, attn_implementation=attn_implementation,
+                           trust_remote_code=trust_remote_code, placement=placement,
+                           stream=streamed)  # fmt: skip
+    return model_hash, model
+
+
 def resolve_stream(
     model_dir: str | Path, reference_dtype: str, stream: bool | None, placement: Placement | None
 ) -> bool:
     """Whether the capture streams its reference: as asked, or (``stream`` None) the
-    automatic choice (``stream.stream_choice``), which prints why where it streams."""
+    automatic choice (``loading.stream_choice``), which prints why where it streams."""
     chosen, why = stream_choice(model_dir, reference_dtype, stream, placement=placement)
     if why:
         print(why, file=sys.stderr, flush=True)

@@ -122,22 +122,13 @@ def load_model(
     from numalign.dtypes import torch_dtype
 
     transformers.utils.logging.disable_progress_bar()
-    config = transformers.AutoConfig.from_pretrained(
-        model_dir, local_files_only=True, trust_remote_code=trust_remote_code
-    )
-    arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    if cls is None:
-        cls = transformers.AutoModelForCausalLM
+    _, cls = model_class(model_dir, trust_remote_code)
     kwargs: dict[str, Any] = {
         "local_files_only": True,
         "dtype": torch_dtype(dtype),
         "trust_remote_code": trust_remote_code,
+        **implementations(attn_implementation, experts_implementation),
     }
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    if experts_implementation:
-        kwargs["experts_implementation"] = experts_implementation
     if tp_plan:
         kwargs["tp_plan"] = tp_plan
     if placement is not None:
@@ -157,14 +148,38 @@ def load_model(
             "safe_serialization=True)"
         ) from None
     model.eval()
+    attach_points(model)
+    return model
+
+
+def model_class(model_dir: str | Path, trust_remote_code: bool) -> tuple[Any, Any]:
+    """The folder's config and the transformers class its ``architectures`` names (the
+    causal-LM auto class where it names none transformers has)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(
+        model_dir, local_files_only=True, trust_remote_code=trust_remote_code
+    )
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    return config, cls if cls is not None else transformers.AutoModelForCausalLM
+
+
+def implementations(attention: str | None, experts: str | None) -> dict[str, str]:
+    """The loading keyword arguments of the attention and experts implementations asked
+    for (none: the model's own)."""
+    asked = {"attn_implementation": attention, "experts_implementation": experts}
+    return {key: value for key, value in asked.items() if value}
+
+
+def attach_points(model: Any) -> None:
+    """What the model computes outside its modules, as modules (capture points): the masks
+    it builds, what it does to its logits after the LM head."""
     from numalign.golden.logit_transform import attach_logit_transform
     from numalign.golden.mask_points import attach_mask_points
 
-    # what the model computes outside its modules, as modules (capture points): the masks it
-    # builds, what it does to its logits after the LM head
     attach_mask_points(model)
     attach_logit_transform(model)
-    return model
 
 
 def forward_kwargs(model: Any) -> dict[str, Any]:

@@ -26,10 +26,8 @@ set, and the replays, the verdicts and the records are the ones of an unstreamed
 records name the variant ``stream``).
 
 It lives below both the capture (``golden``, which never imports ``replay``) and the
-replays (``replay.stream`` re-exports it). :func:`load_reference` is the one switch between
-a whole model (``reference.load_model``) and a streamed one; :func:`stream_choice` is the
-capture's automatic choice (a reference whose weights would not fit in the memory available
-streams).
+replays (the model cache under ``--stream``); ``golden.loading`` chooses between a whole
+reference and a streamed one for the capture.
 """
 
 from __future__ import annotations
@@ -43,8 +41,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare.model_verdict import ReplayUnsupported
-from numalign.golden.long_bound import available_memory
-from numalign.golden.reference import ModelFolderError, Placement, check_model_dir, load_model
+from numalign.golden.reference import (
+    ModelFolderError,
+    attach_points,
+    check_model_dir,
+    implementations,
+    model_class,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -53,19 +56,6 @@ if TYPE_CHECKING:
 SHARD_INDEX = "model.safetensors.index.json"
 #: The one file of an unsharded checkpoint.
 SINGLE_FILE = "model.safetensors"
-#: The automatic choice streams a capture's reference whose weights (in the reference
-#: dtype) exceed this share of the memory available: besides the weights, an unstreamed
-#: capture holds the requests' activations (the long requests' attention scores and KV
-#: cache, ``long_bound``), the golden shard being written (up to 256 MB) and torch's and
-#: transformers' own (about 1 GB), and transformers' loading converts a layer's tensors
-#: (fusing MoE experts) with both forms held at once. A quarter of the memory left for those
-#: keeps a reference that loads from swapping; streaming one that would fit costs a read of
-#: the checkpoint per forward, so the share is not lower.
-STREAM_SHARE = 0.75
-#: Bytes per element of the safetensors dtypes (the header's names), to count a checkpoint's
-#: elements; a dtype not named here counts as 4 bytes (only the element count is used).
-_SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4,
-                      "F16": 2, "BF16": 2, "I16": 2, "U16": 2}  # fmt: skip
 
 
 class StreamUnsupported(ReplayUnsupported):
@@ -267,25 +257,14 @@ def load_streamed(
     from transformers.modeling_utils import LoadStateDictConfig
 
     from numalign.dtypes import torch_dtype
-    from numalign.golden.logit_transform import attach_logit_transform
-    from numalign.golden.mask_points import attach_mask_points
 
     folder = check_model_dir(model_dir)
     files = checkpoint_files(folder)
     target = torch.device(device)
     dt = torch_dtype(dtype)
-    config = transformers.AutoConfig.from_pretrained(
-        folder, local_files_only=True, trust_remote_code=trust_remote_code
-    )
-    arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    if cls is None:
-        cls = transformers.AutoModelForCausalLM
-    kwargs: dict[str, Any] = {"dtype": dt}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    if experts_implementation:
-        kwargs["experts_implementation"] = experts_implementation
+    config, cls = model_class(folder, trust_remote_code)
+    kwargs: dict[str, Any] = {"dtype": dt, **implementations(attn_implementation,
+                                                            experts_implementation)}  # fmt: skip
     with _parameters_on_meta(), no_init_weights():
         if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             model = cls._from_config(config, **kwargs)  # type: ignore[no-untyped-call]
@@ -312,8 +291,7 @@ def load_streamed(
     _hook(streamer)
     model.numalign_streamer = streamer
     _report_device(model, target)
-    attach_mask_points(model)
-    attach_logit_transform(model)
+    attach_points(model)
     return model
 
 
@@ -439,99 +417,3 @@ def _hook(streamer: Streamer) -> None:
 
             module.register_forward_pre_hook(enter)
             module.register_forward_hook(leave, always_call=True)
-
-
-# -- the capture's reference: whole or streamed -----------------------------------------------
-_STREAM_OR_PLACE = (
-    "--stream and --device-map are two ways of running a model whose weights do not fit in "
-    "memory: give one (--stream reads one layer at a time from the checkpoint's "
-    "safetensors; --device-map places and offloads the model with accelerate)"
-)
-
-
-def load_reference(
-    model_dir: str | Path,
-    dtype: str,
-    *,
-    attn_implementation: str | None,
-    trust_remote_code: bool,
-    experts_implementation: str | None = None,
-    placement: Placement | None = None,
-    stream: bool = False,
-    device: torch.device | str = "cpu",
-) -> Any:
-    """The reference model of ``model_dir`` in ``dtype`` on ``device``: whole
-    (``reference.load_model``, moved to ``device`` unless ``placement`` places it), or with
-    ``stream`` streamed unit by unit (:func:`load_streamed`, its weights on meta but while
-    a unit runs). The one place a capture and its calibration members load the model, so
-    that streaming is one switch. ValueError for ``stream`` with ``placement`` (two ways of
-    holding weights that do not fit: one at a time)."""
-    if stream:
-        if placement is not None:
-            raise ValueError(_STREAM_OR_PLACE)
-        return load_streamed(
-            model_dir, dtype, device, attn_implementation=attn_implementation,
-            experts_implementation=experts_implementation, trust_remote_code=trust_remote_code,
-        )  # fmt: skip
-    model = load_model(
-        Path(model_dir), dtype, attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code, experts_implementation=experts_implementation,
-        placement=placement,
-    )  # fmt: skip
-    return model if placement is not None else model.to(device)
-
-
-def checkpoint_bytes(model_dir: str | Path, dtype_bytes: int) -> int | None:
-    """The bytes of the checkpoint's tensors held in a dtype of ``dtype_bytes`` bytes per
-    element (4: float32), counted from the safetensors headers alone (no tensor is read);
-    None where the folder has no safetensors checkpoint (it cannot stream) or a header
-    cannot be read."""
-    try:
-        files = sorted(set(checkpoint_files(Path(model_dir)).values()))
-    except (OSError, ValueError, RuntimeError):  # no safetensors, an absent shard, no folder
-        return None
-    elements = 0
-    for file in files:
-        try:
-            with file.open("rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size))
-        except (OSError, ValueError):
-            return None
-        for name, entry in header.items():
-            if name == "__metadata__" or not isinstance(entry, dict):
-                continue
-            start, end = entry.get("data_offsets", (0, 0))
-            elements += (end - start) // _SAFETENSORS_BYTES.get(entry.get("dtype", ""), 4)
-    return elements * dtype_bytes
-
-
-def stream_choice(
-    model_dir: str | Path,
-    dtype: str,
-    asked: bool | None,
-    *,
-    placement: Placement | None = None,
-) -> tuple[bool, str | None]:
-    """Whether a capture of ``model_dir`` in ``dtype`` streams its reference, and the line
-    that says why where it was not asked (``asked`` None: the automatic choice). Asked
-    (``--stream``/``--no-stream``): as asked. Automatic: streams where the checkpoint's
-    weights in ``dtype`` (``checkpoint_bytes``) exceed ``STREAM_SHARE`` of the memory
-    available (``long_bound.available_memory``); never under big-model ``placement`` (the
-    user chose it) nor where the weights or the memory are not known."""
-    if asked and placement is not None:
-        raise ValueError(_STREAM_OR_PLACE)
-    if asked is not None:
-        return asked, None
-    if placement is not None:
-        return False, None
-    weights = checkpoint_bytes(model_dir, 8 if dtype == "float64" else 4)
-    available = available_memory()
-    if weights is None or available is None or weights <= STREAM_SHARE * available:
-        return False, None
-    return True, (
-        f"numalign capture: the {dtype} reference needs {weights / 1e9:.1f} GB and "
-        f"{available / 1e9:.1f} GB is available: streaming its weights unit by unit "
-        f"(--stream; more than {STREAM_SHARE:.0%} of the memory available streams, "
-        "--no-stream loads it whole)"
-    )

@@ -35,10 +35,10 @@ from numalign.compare.lean import LeanSums
 from numalign.compare.logits import logits_stats
 from numalign.compare.routing import agreeing, is_routing
 from numalign.golden.decode import REFERENCE_CACHE, limit_message
+from numalign.golden.loading import load_reference
 from numalign.golden.manifest import OUTPUT_POINT, CalibrationJson
 from numalign.golden.reference import Placement, forward_kwargs, model_outputs
 from numalign.golden.store import GoldenSet
-from numalign.golden.stream import load_reference
 from numalign.replay.decode import run_decode
 from numalign.replay.layer import (
     AloneUnsupported,

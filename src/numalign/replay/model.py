@@ -107,8 +107,8 @@ class ModelCache:
         from numalign.replay.swap import SwapUnmatched, apply_swaps, parse_swaps
 
         assert variant.dtype is not None, "a model loads in a dtype"
-        if variant.stream:  # weights on the device one unit at a time (replay.stream)
-            from numalign.replay.stream import load_streamed
+        if variant.stream:  # weights on the device one unit at a time (golden.stream)
+            from numalign.golden.stream import load_streamed
 
             try:
                 return load_streamed(

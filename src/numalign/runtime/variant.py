@@ -27,7 +27,7 @@ class Variant:
     where it is not resolved yet), the dtype, the attention and experts implementations
     asked for (None: the model's own), the kernel swaps (``--swap`` specs, in order), the
     compile variant (None: eager), the tensor-parallel ranks (1: one process), whether the
-    weights stream from the checkpoint unit by unit (``--stream``, ``replay.stream``), the
+    weights stream from the checkpoint unit by unit (``--stream``, ``golden.stream``), the
     decode's KV cache (None outside decode) and the engine's own account of what it ran
     (vLLM: its version, attention backend and graph mode; None for transformers)."""
 
