@@ -19,6 +19,7 @@ their own history (``compiled/history.jsonl``).
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from numalign import finite_json
 from numalign.golden import GoldenSet, GoldenSetError
 from numalign.replay.ensemble import DEFAULT_CALIBRATION, capture_calibrated
 
@@ -38,6 +40,9 @@ VERSIONS = ".versions"
 COMPILED_SUITE_FILES = ("test_layers.py", "test_model.py", "test_decode.py")
 #: Folder of the compiled runs under the nightly report folder.
 COMPILED_DIR = "compiled"
+#: Rows of each kind of the ratchet the nightly prints under its line (regressions.json and
+#: drift.html have them all).
+RATCHET_SHOWN = 10
 
 
 @dataclass
@@ -174,6 +179,8 @@ def nightly(
             f"numalign nightly: report {run_dir / 'drift.html'}"
             + (f" (baseline {baseline})" if baseline else " (first run: no baseline)")
         )
+        for line in ratchet_lines(run_dir):
+            print(f"numalign nightly: {line}")
     if compile_backend:
         print(f"numalign nightly: [3/3] the suites compiled ({compile_backend})", flush=True)
         compiled_status = run_compiled(
@@ -182,6 +189,21 @@ def nightly(
         )  # fmt: skip
         status = status or compiled_status
     return status
+
+
+def ratchet_lines(run_dir: Path, shown: int = RATCHET_SHOWN) -> list[str]:
+    """The ratchet of a run against its baseline, from its regressions.json: its line, then
+    up to ``shown`` rows of each kind; none where the run had no baseline."""
+    from numalign.report.ratchet import ratchet_line, ratchet_row
+
+    path = run_dir / "regressions.json"
+    if not path.is_file():
+        return []
+    diff = finite_json.decode(json.loads(path.read_text(encoding="utf-8")))
+    lines = [ratchet_line(diff)]
+    for kind, key in (("loosened", "loosened"), ("lost power", "weakened")):
+        lines += [f"  {kind} {ratchet_row(row)}" for row in (diff.get(key) or [])[:shown]]
+    return lines
 
 
 def run_compiled(

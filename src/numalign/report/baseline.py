@@ -8,6 +8,7 @@ from typing import Any
 
 from numalign.compare import tolerances
 from numalign.record import DriftRecord
+from numalign.report.ratchet import RATCHET_FACTOR, ratchet, ratchet_line
 
 #: A record regresses when its budget use grows beyond this factor of the baseline's: twice
 #: the error is beyond run-to-run noise of deterministic inputs, well before a failure.
@@ -28,6 +29,10 @@ class BaselineDiff:
     #: golden sets (model names) recaptured since the baseline: their records compare a new
     #: golden version, and what moved is the model, not the kernels
     recaptured: list[str] = field(default_factory=list)
+    #: the ratchet (``report.ratchet``): budgets loosened and power lost beyond its factor
+    loosened: list[dict[str, Any]] = field(default_factory=list)
+    weakened: list[dict[str, Any]] = field(default_factory=list)
+    ratchet_factor: float = RATCHET_FACTOR
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -37,7 +42,14 @@ class BaselineDiff:
             "new": self.new,
             "vanished": self.vanished,
             "recaptured": self.recaptured,
+            "loosened": self.loosened,
+            "weakened": self.weakened,
+            "ratchet_factor": self.ratchet_factor,
         }
+
+    def ratchet_line(self) -> str:
+        """The ratchet's one line (``report.ratchet.ratchet_line``)."""
+        return ratchet_line(self.to_dict())
 
 
 def diff_runs(
@@ -51,7 +63,7 @@ def diff_runs(
     ``noise_floor``, overridable in ``[tool.numalign.thresholds]``), or that passed in the
     baseline and fail or crash now, even while others still pass; a record of an expected
     failure (xfailed) is never flagged. Lists keys new in this run and keys that vanished
-    from it."""
+    from it. Runs the ratchet over the matched records (``report.ratchet``)."""
     if factor <= 1.0:
         raise ValueError(f"the regression factor must be above 1, got {factor}")
     before = {r.key: r for r in baseline if r.verdict != "skipped"}
@@ -91,6 +103,9 @@ def diff_runs(
                     "verdict": record.status,
                 }
             )
+    diff.loosened, diff.weakened = ratchet(
+        (record, before[key]) for key, record in now.items() if key in before
+    )
     diff.vanished = sorted(set(before) - set(now))
     diff.recaptured = sorted(set(diff.recaptured))
     diff.regressed.sort(key=lambda r: -(r["growth"] or float("inf")))

@@ -76,6 +76,11 @@ def render_run(
         variants = side_by_side(records, baseline_records)
         baseline_dict = rendered.diff.to_dict() | {"path": str(baseline)}
         summary["regressions"] = len(rendered.diff.regressed)
+        summary["ratchet"] = {
+            "loosened": len(rendered.diff.loosened),
+            "weakened": len(rendered.diff.weakened),
+            "factor": rendered.diff.ratchet_factor,
+        }
         regressions = run_dir / "regressions.json"
         write_text_atomic(regressions, finite_json.dumps(baseline_dict, indent=2) + "\n")
         rendered.written.append(regressions)
