@@ -28,13 +28,15 @@ def browser():  # type: ignore[no-untyped-def]
         browser.close()
 
 
-def _open(browser, run: Path, records: list[DriftRecord], height: int = 1800, **render):  # type: ignore[no-untyped-def]
+def _open(  # type: ignore[no-untyped-def]
+    browser, run: Path, records: list[DriftRecord], height: int = 1800, width: int = 1300, **render
+):
     """Renders ``records`` into ``run`` and opens drift.html with every network request
     blocked; returns the page and the lists of console errors and blocked requests."""
     run.mkdir()
     write_records(run / "records.jsonl", records)
     render_run(run, **render)
-    page = browser.new_page(viewport={"width": 1300, "height": height})
+    page = browser.new_page(viewport={"width": width, "height": height})
     errors: list[str] = []
     blocked: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
@@ -50,6 +52,15 @@ def _open(browser, run: Path, records: list[DriftRecord], height: int = 1800, **
     page.route("**/*", route)
     page.goto((run / "drift.html").as_uri())
     return page, errors, blocked
+
+
+def _message_opens(page) -> None:  # type: ignore[no-untyped-def]
+    """A followed link to a failure message opens it, once: the page opens it on the
+    ``hashchange`` event, which the browser fires after the click returns (counting at once
+    raced it)."""
+    opened = page.locator("details[open] pre")
+    opened.first.wait_for(state="visible", timeout=5_000)  # 5 s: the event takes milliseconds
+    assert opened.count() == 1
 
 
 def test_drift_report_renders_sorts_and_filters_offline(
@@ -81,7 +92,7 @@ def test_drift_report_renders_sorts_and_filters_offline(
     page.locator("#filter").fill("")
     # a failure links to its message
     page.locator("#offenders a[href^='#msg-']").first.click()
-    assert page.locator("details[open] pre").count() == 1
+    _message_opens(page)
     page.screenshot(path=str(run / "drift.png"), full_page=True)
     assert (run / "drift.png").stat().st_size > 10_000
     assert errors == [] and blocked == []
@@ -193,7 +204,7 @@ def test_the_first_screen_names_every_failure(  # type: ignore[no-untyped-def]
     assert width <= FIRST_SCREEN["width"], width
     # a failure's link opens its message
     decode_row.locator("a").click()
-    assert page.locator("details[open] pre").count() == 1
+    _message_opens(page)
     # the navigation bar reaches every section, and stays on screen while scrolling
     targets = page.locator("nav#nav a").evaluate_all("els => els.map(e => e.hash.slice(1))")
     sections = page.locator("main > section").evaluate_all("els => els.map(e => e.id)")
@@ -237,5 +248,82 @@ def test_the_first_screen_names_every_failure(  # type: ignore[no-untyped-def]
     page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(run / "first-screen.png"))
     shutil.copy(run / "first-screen.png", tmp_path / "first-screen.png")
+    assert errors == [] and blocked == []
+    page.close()
+
+
+#: A smaller laptop's window: the answer must fit it too.
+SMALL_SCREEN = {"width": 1280, "height": 800}
+
+
+def _diverging_records(run_records: list[DriftRecord]) -> list[DriftRecord]:
+    """``run_records`` and a model test failing first at ``model.layers.1.mlp``, locally,
+    its candidate 2% too large there (a real comparison: its likely cause is a scale) and
+    every point after it failing worse; and an operator test with a long id failing with a
+    long evidence (each must wrap in its cell, never widen the page)."""
+    import torch
+
+    from numalign.compare import compare
+
+    test_id = "suites/models/test_model.py::test_model[tiny-mistral-bfloat16]"
+    gen = torch.Generator().manual_seed(0)
+    truth = torch.randn(16, 256, generator=gen, dtype=torch.float64)
+    candidate = (truth * 1.02).to(torch.bfloat16)
+    point = "model.layers.1.mlp"
+    result = compare(candidate, truth, control=truth.to(torch.bfloat16), name=point)
+    first = DriftRecord.from_result(
+        result, test_id=test_id, suite="models", model="tiny-mistral", mode="accumulated",
+        request="text-leftpad", candidate="transformers", outcome="failed",
+    )  # fmt: skip
+    first.first_divergence = {"point": first.point, "kind": "local", "request": "text-leftpad"}
+    later = [
+        first.with_fields(point=f"model.layers.{i}.mlp", budget_used=2.0 * i,
+                          first_divergence=None,
+                          cause={"label": "precision", "confidence": 0.4, "evidence": "e"})
+        for i in range(2, 6)
+    ]  # fmt: skip
+    long = DriftRecord(
+        "suites/operators/test_operators.py::test_rms_norm[fused" + "_fused" * 30 + "-bfloat16-c]",
+        suite="operators", point="rms_norm", verdict="failed", outcome="failed", budget_used=9.0,
+        cause={"label": "clamp", "confidence": 0.7, "evidence": "the error " * 80 + "at 8"},
+    )  # fmt: skip
+    return [*run_records, first, *later, long]
+
+
+def test_the_first_screen_says_where_it_diverged_and_why(  # type: ignore[no-untyped-def]
+    browser, tmp_path: Path, run_records: list[DriftRecord]
+) -> None:
+    records = _diverging_records(run_records)
+    first = next(r for r in records if r.first_divergence and r.model == "tiny-mistral")
+    assert first.cause is not None and first.cause["label"] == "scale"  # the real comparison's
+    run = tmp_path / "diverging"
+    page, errors, blocked = _open(browser, run, records, **SMALL_SCREEN)
+    assert errors == [] and blocked == []
+    row = page.locator("#failures tr", has_text="test_model[tiny-mistral-bfloat16]")
+    divergence, cause = row.locator("td.first-divergence"), row.locator("td.cause")
+    assert divergence.inner_text() == "model.layers.1.mlp (local)"
+    assert cause.inner_text().startswith("scale (0.99)")  # the divergent record's, not the worst's
+    assert "explains" in cause.inner_text()  # its evidence, on a second line
+    # both on the first screen, unscrolled
+    for cell in (divergence, cause):
+        box = cell.bounding_box()
+        assert box is not None and box["y"] + box["height"] <= SMALL_SCREEN["height"], box
+        assert box["x"] + box["width"] <= SMALL_SCREEN["width"], box
+    # a long evidence is cut in the cell (whole in its title); the page is never wider than
+    # the window: long evidence and test ids wrap in their cells
+    long = page.locator("#failures tr", has_text="test_rms_norm").locator("td.cause")
+    assert long.inner_text().endswith("\u2026")
+    assert long.get_attribute("title") == "the error " * 80 + "at 8"
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= SMALL_SCREEN["width"], width
+    # what passed, and what it could see, follows the failures in the same section, and
+    # begins on the first screen
+    passed = page.locator("#verdict #passed")
+    assert "What passed, and what it could see" in passed.inner_text()
+    top = passed.bounding_box()
+    assert top is not None and top["y"] < SMALL_SCREEN["height"], top
+    assert page.locator("#summary #power").count() == 0
+    page.screenshot(path=str(run / "first-screen.png"))
+    shutil.copy(run / "first-screen.png", tmp_path / "answer-first-screen.png")
     assert errors == [] and blocked == []
     page.close()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import re
+from html.parser import HTMLParser
 
 from numalign.record import DriftRecord
 from numalign.report.html import point_place, render_html
@@ -107,3 +109,173 @@ def test_points_per_engine_count_what_was_judged_and_what_was_not() -> None:
     assert '<td>tiny-mistral</td><td>vllm</td><td class="num">3</td><td class="num">1</td>' in row
     reason = "vLLM&#39;s LlamaForCausalLM has no module ... qkv_proj"
     assert f'title="{reason}">model.layers.0.self_attn.q_proj' in row
+
+
+class _Cells(HTMLParser):
+    """The rows of one table of a page (by its id): per cell, its text and its title."""
+
+    def __init__(self, table_id: str) -> None:
+        super().__init__()
+        self.table_id, self.inside, self.cell = table_id, False, None
+        self.rows: list[list[tuple[str, str]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "table" and dict(attrs).get("id") == self.table_id:
+            self.inside = True
+        elif self.inside and tag == "tr":
+            self.rows.append([])
+        elif self.inside and tag in ("td", "th"):
+            self.cell = ["", dict(attrs).get("title") or ""]
+        elif self.inside and tag in ("small", "br") and self.cell is not None:
+            self.cell[0] += "\n"  # the cause's evidence: its second line
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "table":
+            self.inside = False
+        elif self.inside and tag in ("td", "th") and self.cell is not None:
+            self.rows[-1].append((re.sub(r"[ \t]+", " ", self.cell[0]).strip(), self.cell[1]))
+            self.cell = None
+
+    def handle_data(self, data: str) -> None:
+        if self.cell is not None:
+            self.cell[0] += data
+
+
+def _rows(html: str, table_id: str) -> list[dict[str, tuple[str, str]]]:
+    """The body rows of a table as {header: (text, title)}."""
+    parser = _Cells(table_id)
+    parser.feed(html)
+    header = [text for text, _ in parser.rows[0]]
+    return [dict(zip(header, row, strict=True)) for row in parser.rows[1:]]
+
+
+def _answer_records() -> list[DriftRecord]:
+    """A run with the answer to show first: a model test failing first at a local point
+    (with a likely cause) and worse further on (with another), a decode test whose divergent
+    record has no cause, an operator failing (no divergence), and passes that could see."""
+    model = "suites/models/test_model.py::test_model[tiny-x-bfloat16]"
+    decode = "suites/models/test_decode.py::test_decode[tiny-x-bfloat16-dynamic]"
+    at = {"suite": "models", "model": "tiny-x", "golden_fingerprint": "abcdef0123456789" * 4}
+    scale = {"label": "scale", "evidence": "error = +2% x value explains 97% of its energy",
+             "confidence": 0.97}  # fmt: skip
+    first = DriftRecord(model, point="model.layers.1.mlp", mode="accumulated", verdict="failed",
+                        budget_used=1.5, request="text-leftpad", cause=scale, **at,
+                        first_divergence={"point": "model.layers.1.mlp", "kind": "local",
+                                          "request": "text-leftpad"})  # fmt: skip
+    later = first.with_fields(
+        point="model.layers.2",
+        budget_used=4.0,
+        first_divergence=None,
+        cause={"label": "precision", "evidence": "e", "confidence": 0.4},
+    )
+    step = DriftRecord(decode, point="model.layers.0.self_attn", mode="decode", step=3,
+                       verdict="failed", budget_used=2.0, request="text-leftpad", **at,
+                       first_divergence={"point": "model.layers.0.self_attn", "step": 3,
+                                         "request": "text-leftpad", "kind": "decode",
+                                         "located": "local"})  # fmt: skip
+    worst_step = step.with_fields(step=4, budget_used=6.0, first_divergence=None,
+                                  cause={"label": "offset", "evidence": "a constant shift",
+                                         "confidence": 0.81})  # fmt: skip
+    operator = DriftRecord("suites/operators/test_operators.py::test_gelu[fused-bfloat16-c]",
+                           suite="operators", point="gelu", verdict="failed", budget_used=3.0,
+                           cause={"label": "clamp", "evidence": "at |values| >= 8",
+                                  "confidence": 0.6})  # fmt: skip
+    passes = [
+        DriftRecord(
+            f"suites/models/test_layers.py::test_layer[tiny-x/model.layers.{i}-bfloat16]",
+            point=f"model.layers.{i}",
+            mode="isolated",
+            detectable={"scale": 0.004 * (i + 1), "bias": 0.01 * (i + 1)},
+            **at,
+        )
+        for i in range(3)
+    ]
+    # an all-zero truth cannot be scaled: this pass could catch no scale at all
+    zeros = DriftRecord("suites/operators/test_operators.py::test_relu[fused-bfloat16-zeros]",
+                        suite="operators", point="relu", detectable={"scale": math.inf,
+                                                                     "bias": 0.02})  # fmt: skip
+    return [first, later, step, worst_step, operator, *passes, zeros]
+
+
+def test_the_verdict_opens_on_what_failed_where_and_why_then_what_passed() -> None:
+    html = render_html(_answer_records(), HEADER)
+    verdict = html[html.index('<section id="verdict">') : html.index('<section id="summary">')]
+    rows = {row["test"][0]: row for row in _rows(verdict, "failures")}
+    model = rows["suites/models/test_model.py::test_model[tiny-x-bfloat16]"]
+    assert model["first divergence"] == ("model.layers.1.mlp (local)", "request text-leftpad")
+    # the cause of the record that diverged first, not of the worst one further on
+    evidence = "error = +2% x value explains 97% of its energy"
+    assert model["likely cause"] == (f"scale (0.97)\n{evidence}", evidence)
+    assert model["use of budget"][0] == "4"  # the worst record's use, as before
+    decode = rows["suites/models/test_decode.py::test_decode[tiny-x-bfloat16-dynamic]"]
+    assert decode["first divergence"][0] == "model.layers.0.self_attn, step 3 (decode, local)"
+    assert decode["likely cause"][0] == "offset (0.81)\na constant shift"  # the worst's
+    operator = rows["suites/operators/test_operators.py::test_gelu[fused-bfloat16-c]"]
+    assert operator["first divergence"] == ("", "")
+    assert operator["likely cause"][0] == "clamp (0.60)\nat |values| >= 8"
+    # then what passed, with what it could see, in the verdict and not in the summary
+    assert verdict.index('id="failures"') < verdict.index("What passed, and what it could see")
+    assert html.count('id="power"') == 1 and 'id="power"' in verdict
+    power = {(row["suite"][0], row["dtype"][0]): row for row in _rows(verdict, "power")}
+    layers = power[("models", "bfloat16")]
+    assert layers["passed tests"][0] == "3" and layers["passed records"][0] == "3"
+    assert layers["scale caught: median"][0] == "0.008"  # of 0.004, 0.008 and 0.012
+    assert layers["scale caught: worst"][0] == "0.012"
+    assert layers["bias caught: worst"][0] == "0.03"
+    zeros = power[("operators", "bfloat16")]
+    assert zeros["scale caught: worst"][0] == "inf" and zeros["passed tests"][0] == "1"
+    assert "inf: some pass could catch none" in verdict
+    assert "half of these passes" in verdict  # the sentence that says what they mean
+
+
+def test_the_header_names_each_golden_set_with_its_short_fingerprint() -> None:
+    records = _answer_records()
+    records.append(DriftRecord("t", golden_fingerprint="0123456789abcdef" * 4))  # no name
+    html = render_html(records, HEADER)
+    header = html[html.index("<header>") : html.index("</header>")]
+    assert "golden sets</dt><dd>2: " in header
+    assert f'<span title="{"abcdef0123456789" * 4}">tiny-x (abcdef012345)</span>' in header
+    assert ">0123456789ab</span>" in header  # a set no record names: its hash alone
+
+
+def test_the_ratchet_lists_budgets_loosened_and_power_lost() -> None:
+    row = {"test_id": "suites/models/test_model.py::test_model[tiny-x-bfloat16]",
+           "point": "model.layers.1.mlp", "output": "0", "dtype": "bfloat16",
+           "measure": "max_abs", "baseline": 0.01, "now": 0.016, "growth": 1.6, "records": 2,
+           "recaptured": True}  # fmt: skip
+    lost = row | {"measure": "scale", "baseline": 0.004, "now": math.inf, "growth": math.inf,
+                  "records": 1, "recaptured": False}  # fmt: skip
+    diff = {"factor": 2.0, "compared": 9, "regressed": [], "new": [], "vanished": [],
+            "recaptured": ["tiny-x"], "path": "b"}  # fmt: skip
+
+    def section(baseline: dict[str, object]) -> str:
+        html = render_html(_answer_records(), HEADER, baseline=baseline)
+        return html[html.index('<section id="regressions">') : html.index('<section id="trend">')]
+
+    moved = section(diff | {"loosened": [row], "weakened": [lost], "ratchet_factor": 1.25})
+    assert "<h3>Budgets loosened beyond 1.25x</h3>" in moved
+    title = "Power lost beyond 1.25x (the smallest error a pass would catch grew)"
+    assert f"<h3>{title}</h3>" in moved
+    (loosened,) = _rows(moved, "ratchet-loosened")
+    assert [loosened[k][0] for k in ("point", "measure", "baseline", "now", "growth", "records",
+                                     "golden set")] == [
+        "model.layers.1.mlp", "max_abs", "0.01", "0.016", "1.6x", "2", "recaptured"]  # fmt: skip
+    (weakened,) = _rows(moved, "ratchet-weakened")
+    assert [weakened[k][0] for k in ("measure", "now", "growth", "golden set")] == [
+        "scale", "inf", "inf", ""]  # fmt: skip
+    assert "No budget loosened and no power lost" not in moved
+    only = section(diff | {"loosened": [row], "weakened": [], "ratchet_factor": 1.25})
+    assert "No power lost beyond 1.25x." in only and 'id="ratchet-weakened"' not in only
+    still = section(diff | {"loosened": [], "weakened": [], "ratchet_factor": 1.25})
+    assert "No budget loosened and no power lost beyond 1.25x." in still
+    # the real diff's dict (``BaselineDiff.to_dict``): a budget that doubled is a row (2x is
+    # beyond the ratchet's factor, 1.5)
+    from numalign.report.baseline import diff_runs
+
+    before = DriftRecord("t::test_mlp", point="mlp", budget={"max_abs": 0.01}, budget_used=0.1)
+    real = diff_runs([before.with_fields(budget={"max_abs": 0.02})], [before]).to_dict()
+    (doubled,) = _rows(section(real | {"path": "b"}), "ratchet-loosened")
+    found = [doubled[k][0] for k in ("test", "measure", "growth")]
+    assert found == ["t::test_mlp", "max_abs", "2x"]
+    older = section(diff)  # a regressions.json written before the ratchet
+    assert "No regressions." in older and "loosened" not in older and "Power lost" not in older

@@ -11,6 +11,16 @@ from typing import Any
 from numalign import finite_json
 from numalign.record import END_MODES, FAILING, STATUSES, DriftRecord
 from numalign.report.charts import PALETTE, Series, budget_color, line_chart
+from numalign.report.first_screen import (
+    cause_text,
+    failures,
+    golden_sets,
+    metric,
+    num,
+    passes,
+    ratchet_rows,
+    what,
+)
 from numalign.report.tables import power_by_dtype
 from numalign.report.verdict import judge_run
 
@@ -40,17 +50,6 @@ CURVE_MODES: tuple[tuple[str, str], ...] = (
 )
 
 
-def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
-
-
-def _metric(value: Any) -> float | None:
-    """A metric as the table shows it: a number, NaN and infinities included (the page's
-    JSON writes them as finite_json does and the table prints them), else None."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if ok else None
-
-
 def _summary_rows(records: list[DriftRecord]) -> list[dict[str, Any]]:
     """Records per suite and dtype of the test (not of each output: an operator's indices
     are int64 in a bfloat16 test), per status."""
@@ -63,39 +62,6 @@ def _summary_rows(records: list[DriftRecord]) -> list[dict[str, Any]]:
     ]
 
 
-def _what(r: DriftRecord) -> str:
-    """The model, or the operator, a record is about."""
-    return r.model or (r.point or "?").split(".")[0]
-
-
-def _failures(records: list[DriftRecord], status: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Per test whose records have one of ``status``, its worst such record: what (model or
-    operator), dtype, variant, point, request, step, use of budget, the test, how many of its
-    records share the status; worst first (no use of budget: an error, the worst)."""
-    by_test: dict[str, list[DriftRecord]] = defaultdict(list)
-    for r in records:
-        if r.status in status:
-            by_test[r.test_id].append(r)
-
-    def badness(r: DriftRecord) -> float:
-        used = _num(r.budget_used)
-        return math.inf if used is None else used
-
-    ranked: list[tuple[float, str, dict[str, Any]]] = []
-    for test_id, items in by_test.items():
-        worst = max(items, key=badness)
-        ranked.append((badness(worst), test_id, {
-            "what": _what(worst), "dtype": worst.test_dtype, "swap": worst.swap or "",
-            "point": worst.point or "", "request": worst.request or worst.case or "",
-            "step": worst.step, "used": _num(worst.budget_used), "status": worst.status,
-            "test_id": test_id, "count": len(items), "rule": worst.rule or "",
-            "reason": worst.xfail_reason if worst.status == "xfailed" else worst.reason,
-            "anchor": None,
-        }))  # fmt: skip
-    ranked.sort(key=lambda item: (-item[0], item[1]))
-    return [row for _, _, row in ranked]
-
-
 def _heatmap(records: list[DriftRecord]) -> dict[str, Any]:
     worst: dict[tuple[str, str], float] = {}
     for record in records:
@@ -103,7 +69,7 @@ def _heatmap(records: list[DriftRecord]) -> dict[str, Any]:
             continue
         if record.status == "xfailed":  # expected: listed apart, not coloured as a failure
             continue
-        used = _num(record.budget_used)
+        used = num(record.budget_used)
         if used is None and record.status in FAILING:
             used = math.inf
         if used is None:
@@ -168,7 +134,7 @@ def _curves(records: list[DriftRecord]) -> list[dict[str, Any]]:
                     where, layer, kind = point_place(r.point or "")
                     if r.mode != mode or where != stack or layer is None:
                         continue
-                    used = _num(r.budget_used)
+                    used = num(r.budget_used)
                     previous = lines[kind][layer]
                     if used is not None and (previous is None or used > previous):
                         lines[kind][layer] = used
@@ -210,7 +176,7 @@ def _decode_chart(model: str, dtype: str, items: list[DriftRecord]) -> str:
             continue
         i = at[int(r.step)]
         kind = point_place(r.point or "")[2]
-        used = _num(r.budget_used)
+        used = num(r.budget_used)
         if used is not None and (lines[kind][i] is None or used > (lines[kind][i] or 0.0)):
             lines[kind][i] = used
         if r.status in FAILING and (first_failing is None or i < first_failing[0]):
@@ -232,7 +198,7 @@ def _outside(items: list[DriftRecord]) -> list[dict[str, Any]]:
     worst: dict[tuple[str, str], float] = {}
     for r in items:
         if point_place(r.point or "")[0] is None and r.mode and r.point:
-            used = _num(r.budget_used)
+            used = num(r.budget_used)
             key = (r.point, r.mode)
             if used is not None and used >= worst.get(key, -1.0):
                 worst[key] = used
@@ -252,10 +218,10 @@ def _end_results(records: list[DriftRecord]) -> list[dict[str, Any]]:
         m, b = r.metrics, r.budget
         if r.mode == "logits":
             row["logits"] = {
-                "verdict": r.status, "used": _num(r.budget_used),
-                "top1": _num(m.get("top1_agreement")), "top5": _num(m.get("top5_overlap")),
-                "kl": _num(m.get("kl_max")), "kl_budget": _num(b.get("kl_max")),
-                "max_abs": _num(m.get("max_abs")), "max_abs_budget": _num(b.get("max_abs")),
+                "verdict": r.status, "used": num(r.budget_used),
+                "top1": num(m.get("top1_agreement")), "top5": num(m.get("top5_overlap")),
+                "kl": num(m.get("kl_max")), "kl_budget": num(b.get("kl_max")),
+                "max_abs": num(m.get("max_abs")), "max_abs_budget": num(b.get("max_abs")),
                 "reason": r.reason,
             }  # fmt: skip
         elif r.mode == "continuation":
@@ -265,7 +231,7 @@ def _end_results(records: list[DriftRecord]) -> list[dict[str, Any]]:
             }  # fmt: skip
         else:
             row["items"].append({"point": r.point, "verdict": r.status,
-                                 "used": _num(r.budget_used)})  # fmt: skip
+                                 "used": num(r.budget_used)})  # fmt: skip
     return [rows[k] for k in sorted(rows)]
 
 
@@ -311,28 +277,28 @@ def _trend(history: list[dict[str, Any]]) -> list[dict[str, str]]:
         charts[(suite, group.split(" ")[0])].append((suite, group))
     labels = [str(h.get("run_id")) for h in history]
     out = []
-    for (suite, what), members in sorted(charts.items()):
+    for (suite, subject), members in sorted(charts.items()):
         series = []
         for k, (_, group) in enumerate(members):
             values = [
-                _num(((h.get("worst_budget_used") or {}).get(suite) or {}).get(group))
+                num(((h.get("worst_budget_used") or {}).get(suite) or {}).get(group))
                 for h in history
             ]
-            name = group.partition(" ")[2] or ("points" if suite == "models" else what)
+            name = group.partition(" ")[2] or ("points" if suite == "models" else subject)
             series.append(Series(name, values, PALETTE[k % len(PALETTE)]))
-        title = f"{suite}/{what}: worst use of budget per run"
+        title = f"{suite}/{subject}: worst use of budget per run"
         svg = line_chart(series, labels, title=title, y_label="use of budget",
                          threshold=(1.0, "budget"))  # fmt: skip
-        out.append({"key": f"{suite}/{what}", "svg": svg})
+        out.append({"key": f"{suite}/{subject}", "svg": svg})
     return out
 
 
 def _table(records: list[DriftRecord]) -> list[dict[str, Any]]:
     def badness(r: DriftRecord) -> float:
         if r.status in FAILING:
-            used = _num(r.budget_used)
+            used = num(r.budget_used)
             return math.inf if used is None else 1e300 + used
-        return _num(r.budget_used) or 0.0
+        return num(r.budget_used) or 0.0
 
     worst = sorted((r for r in records if r.verdict != "skipped"), key=badness, reverse=True)
     rows: list[dict[str, Any]] = []
@@ -341,24 +307,16 @@ def _table(records: list[DriftRecord]) -> list[dict[str, Any]]:
         found = r.detectable if isinstance(r.detectable, dict) else {}
         cause = r.cause if isinstance(r.cause, dict) and r.status in FAILING else {}
         rows.append({
-            "used": _num(r.budget_used), "verdict": r.status, "what": _what(r),
+            "used": num(r.budget_used), "verdict": r.status, "what": what(r),
             "suite": r.suite, "point": r.point, "candidate": r.candidate,
             "dtype": r.test_dtype, "case": r.request or r.case, "step": r.step,
-            "swap": r.swap, "max_abs": _metric(m.get("max_abs")),
-            "rel_l2": _metric(m.get("rel_l2")), "ulp_p99": _metric(m.get("ulp_p99")),
-            "scale_caught": _metric(found.get("scale")), "bias_caught": _metric(found.get("bias")),
-            "cause": _cause(cause), "cause_evidence": cause.get("evidence") or "",
+            "swap": r.swap, "max_abs": metric(m.get("max_abs")),
+            "rel_l2": metric(m.get("rel_l2")), "ulp_p99": metric(m.get("ulp_p99")),
+            "scale_caught": metric(found.get("scale")), "bias_caught": metric(found.get("bias")),
+            "cause": cause_text(cause), "cause_evidence": cause.get("evidence") or "",
             "test_id": r.test_id, "anchor": None,
         })  # fmt: skip
     return rows
-
-
-def _cause(cause: dict[str, Any]) -> str:
-    """A failing record's likely cause, as the table shows it: "scale (0.97)"."""
-    if not cause.get("label"):
-        return ""
-    confidence = _num(cause.get("confidence"))
-    return f"{cause['label']} ({confidence:.2f})" if confidence is not None else cause["label"]
 
 
 def _messages(records: list[DriftRecord], *row_lists: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -374,7 +332,7 @@ def _messages(records: list[DriftRecord], *row_lists: list[dict[str, Any]]) -> l
     out: list[dict[str, Any]] = []
 
     def badness(r: DriftRecord) -> float:  # no use of budget (shape, error): the worst
-        used = _num(r.budget_used)
+        used = num(r.budget_used)
         return math.inf if used is None else used
 
     def rank(kv: tuple[str, list[DriftRecord]]) -> tuple[bool, float]:
@@ -385,7 +343,7 @@ def _messages(records: list[DriftRecord], *row_lists: list[dict[str, Any]]) -> l
         failing.sort(key=lambda r: -badness(r))
         anchor = anchors[test_id] = f"msg-{len(out)}"
         others = [
-            {"point": r.point, "request": r.request or r.case, "used": _num(r.budget_used),
+            {"point": r.point, "request": r.request or r.case, "used": num(r.budget_used),
              "verdict": r.status}
             for r in failing[1 : 1 + MESSAGE_OTHERS]
         ]  # fmt: skip
@@ -437,27 +395,29 @@ def render_html(
         autoescape=select_autoescape(["html", "j2"]),
     )
     rows = _table(records)
-    failures = _failures(records, FAILING)
-    expected = _failures(records, ("xfailed",))
-    messages = _messages(records, rows, failures, expected)
+    failing = failures(records, FAILING)
+    expected = failures(records, ("xfailed",))
+    messages = _messages(records, rows, failing, expected)
     tests = dict(summary.get("tests") or {})
     # the run's verdict: render_run's (its session checked), else the records' own
     judged = None if "verdict" in summary else judge_run(records, tests)
     verdict = str(summary["verdict"]) if judged is None else judged.verdict
     notes = list(summary.get("verdict_notes") or []) if judged is None else judged.notes
-    fingerprints = sorted({str(r.golden_fingerprint) for r in records if r.golden_fingerprint})
+    power = summary.get("power") or power_by_dtype(records)
+    passed = passes(records, power)
     return env.get_template("drift.html.j2").render(
         summary=summary,
         summary_rows=_summary_rows(records),
-        power=summary.get("power") or power_by_dtype(records),
+        passes=passed,
+        passes_by_suite=any(row["suite"] for row in passed),
         statuses=STATUSES,
         tests=tests,
         test_total=sum(tests.values()),
         records_by_status={o: sum(1 for r in records if r.status == o) for o in STATUSES},
         run_verdict=verdict,
         verdict_notes=notes,
-        failures=failures[:FAILURES_LISTED],
-        failures_more=max(0, len(failures) - FAILURES_LISTED),
+        failures=failing[:FAILURES_LISTED],
+        failures_more=max(0, len(failing) - FAILURES_LISTED),
         expected=expected[:FAILURES_LISTED],
         heatmap=_heatmap(records),
         curves=_curves(records),
@@ -465,12 +425,13 @@ def render_html(
         end_results=_end_results(records),
         coverage=_coverage(records),
         baseline=baseline,
+        ratchet=ratchet_rows(baseline),
         variants=_colored(variants),
         compiled=compiled,
         trends=_trend(history or []),
         rows_json=_script_json(rows),
         messages=messages,
-        fingerprints=fingerprints,
+        golden_sets=golden_sets(records),
         record_count=len(records),
         table_rows=len(rows),
     )
