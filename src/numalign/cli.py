@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -246,6 +247,8 @@ def _golden(args: argparse.Namespace) -> int:
             "tensor(s) verified; model fresh"
         )
         return 0
+    if args.action == "power":
+        return _golden_power(g)
     m, ref = g.manifest, g.reference
     print(f"set        {g.path}")
     print(f"model      {g.model.name} ({g.model.architecture}) at {g.model_dir}")
@@ -260,6 +263,7 @@ def _golden(args: argparse.Namespace) -> int:
         f"size       {g.disk_bytes() / 1e6:.2f} MB on disk, "
         f"{g.unique_tensor_bytes() / 1e6:.2f} MB of unique tensors"
     )
+    _show_power(m.power)
     for point in g.points:
         calls = [c for request in point.calls.values() for c in request]
         outputs = ", ".join(
@@ -270,8 +274,40 @@ def _golden(args: argparse.Namespace) -> int:
     return 0
 
 
+def _golden_power(g: Any) -> int:
+    """``golden power``: the set's power per point computed from its calibration and
+    written into its manifest (its model checked fresh first: the figures are of it)."""
+    from numalign.replay.set_power import power_line, set_power
+
+    g.check_fresh()
+    started = time.monotonic()
+    power = set_power(g)
+    g.write_power(power)
+    outputs = sum(len(modes) for points in power.values() for outputs in points.values()
+                  for modes in outputs.values())  # fmt: skip
+    print(f"{g.path}: power of {outputs} point output(s) and mode(s) written in "
+          f"{time.monotonic() - started:.1f} s; {power_line(power)}")  # fmt: skip
+    return 0
+
+
+def _show_power(power: Any) -> None:
+    """``golden show``'s lines of the set's power: per dtype and mode, the median and worst
+    figure over its point outputs (or that the set holds none)."""
+    from numalign.replay.set_power import power_summary
+
+    if not power:
+        print("power      none stored (numalign golden power SET computes it)")
+        return
+    print("power      what a pass catches: scale relative, bias in RMS (median / worst)")
+    for dtype, modes in power_summary(power).items():
+        for mode, s in modes.items():
+            print(f"  {dtype:9} {mode:11} scale {s['scale_median']:.3g} / {s['scale_worst']:.3g}"
+                  f"  bias {s['bias_median']:.3g} / {s['bias_worst']:.3g}"
+                  f"  ({int(s['outputs'])} outputs)")  # fmt: skip
+
+
 def _set_folder(target: str) -> Path:
-    """A set's folder from what ``golden show|verify`` was given: a folder, or the name of a
+    """A set's folder from what ``golden show|verify|power`` was given: a folder, or the name of a
     set under the default sets folder as ``golden ls`` prints it (a folder of that name
     where the command runs comes first)."""
     folder = Path(target)
@@ -823,12 +859,13 @@ def _add_cache(commands: Any) -> None:
 
 
 def _add_golden(commands: Any) -> None:
-    """numalign golden ls | show | verify"""
+    """numalign golden ls | show | verify | power"""
     golden = _subparser(commands, "golden", help="list, show and verify golden sets")
     golden.add_argument(
-        "action", choices=["ls", "show", "verify"],
+        "action", choices=["ls", "show", "verify", "power"],
         help="ls: the sets of a folder; show: one set's contents; verify: its checksums and "
-        "its model's fingerprint",
+        "its model's fingerprint; power: (re)compute and store what a pass at each point "
+        "would catch, from its calibration",
     )  # fmt: skip
     golden.add_argument(
         "target", nargs="?",

@@ -27,6 +27,10 @@ def test_a_capture_in_a_log_prints_one_line_per_step(
         line for line in capsys.readouterr().err.splitlines()
         if line.startswith("numalign capture set:")
     ]  # fmt: skip
+    # after the capture's steps, one line of the power computed from the calibration
+    assert re.match(r"numalign capture set: power per point written to its manifest, median "
+                    r"detectable scale bfloat16 \d", lines.pop()), lines  # fmt: skip
+    assert set(golden.manifest.power) == {"bfloat16"}
     steps = len(golden.requests) + 1
     assert len(lines) == steps + 1  # each step's line, then the closing one
     for i, line in enumerate(lines[:-1], 1):

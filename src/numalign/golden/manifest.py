@@ -9,7 +9,8 @@ the members' descriptions; each statistic the ensemble's worst, with ``<stat>_sp
 (``PROBE_REQUEST``), which is no request: inputs of the point alone that no request makes
 (``golden.probes``); sets without it are read as before. Format 1 and 2 sets are read as
 they are: they have no decode steps (1), their calibration is one member's (1, 2), and they
-are judged as before.
+are judged as before. Any format may hold ``power``: per dtype, point, output and mode,
+what a pass would catch (``PowerJson``, ``replay.set_power``); sets before it have none.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from numalign.compare.calibration import CACHE_POINT as CACHE_POINT
 from numalign.compare.calibration import OUTPUT_POINT as OUTPUT_POINT
 from numalign.compare.calibration import Calibration as Calibration
 from numalign.compare.calibration import ControlStats as ControlStats
+from numalign.finite_json import decode as _decode_finite
+from numalign.finite_json import encode as _encode_finite
 
 FORMAT = "numalign.golden/3"
 #: Formats this numalign reads: format 1 sets have no decode steps, format 1 and 2 sets a
@@ -243,6 +246,32 @@ def _object(value: Any) -> dict[str, Any]:
     return value
 
 
+#: A set's power as JSON holds it (``replay.set_power``): {dtype: {point: {output path:
+#: {mode: {"scale": s, "bias": b}}}}}, the smallest relative scale and additive bias (in
+#: units of the truth's RMS) a pass there would catch (``compare.power.Detectable``);
+#: infinity, written "Infinity" (``numalign.finite_json``), where none would.
+PowerJson = dict[str, dict[str, dict[str, dict[str, dict[str, float]]]]]
+
+
+def power_from_json(data: Any) -> PowerJson:
+    """A set's power from its JSON form ("Infinity" read back as the float); TypeError or
+    AttributeError where a level is not an object or a figure not a number."""
+    return {
+        dtype: {point: {path: {mode: {name: _figure(value) for name, value in figures.items()}
+                               for mode, figures in modes.items()}
+                        for path, modes in outputs.items()}
+                for point, outputs in points.items()}
+        for dtype, points in data.items()
+    }  # fmt: skip
+
+
+def _figure(value: Any) -> float:
+    number = _decode_finite(value)
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        raise TypeError(f"a power figure is a number, not {number!r}")
+    return float(number)
+
+
 @dataclass
 class Manifest:
     """Everything ``manifest.json`` holds (docs/reference/golden-format.md; format 2 adds
@@ -268,6 +297,9 @@ class Manifest:
     #: dtype -> the error the reference's own code raised in it at calibration (XLNet's
     #: float32 positional tables against bfloat16 weights): replay in it is skipped with it
     dtype_limits: dict[str, str] = field(default_factory=dict)
+    #: dtype -> point -> output path -> mode -> what a pass would catch (``PowerJson``;
+    #: empty in sets before it was stored)
+    power: PowerJson = field(default_factory=dict)
     created: str = ""
     format: str = FORMAT
 
@@ -301,6 +333,8 @@ class Manifest:
             data["ensemble"] = self.ensemble
         if self.dtype_limits:
             data["dtype_limits"] = self.dtype_limits
+        if self.power:
+            data["power"] = _encode_finite(self.power)
         return data
 
     @classmethod
@@ -357,6 +391,7 @@ class Manifest:
                 },
                 ensemble={k: list(v) for k, v in data.get("ensemble", {}).items()},
                 dtype_limits={str(k): str(v) for k, v in data.get("dtype_limits", {}).items()},
+                power=power_from_json(data.get("power", {})),
                 created=str(data.get("created", "")),
                 format=found,
             )
@@ -383,6 +418,7 @@ class Manifest:
 _TOP_LEVEL = frozenset({
     "format", "created", "model", "reference", "requests", "points", "logits", "outputs",
     "continuation", "tensors", "shards", "calibration", "decode", "ensemble", "dtype_limits",
+    "power",
 })  # fmt: skip
 
 

@@ -36,6 +36,7 @@ from numalign.golden.manifest import (
     Manifest,
     ModelInfo,
     Point,
+    PowerJson,
     ReferenceInfo,
     Request,
     ShardInfo,
@@ -307,6 +308,21 @@ class GoldenSet:
         self.manifest.calibration[dtype] = calibration
         if members is not None:
             self.manifest.ensemble[dtype] = list(members)
+        # the power of ``dtype`` was computed from the calibration it replaces: stale
+        self.manifest.power.pop(dtype, None)
+        write_manifest(self.path, self.manifest)
+
+    def power(self, dtype: str, point: str, path: str, mode: str) -> dict[str, float] | None:
+        """What a pass of one point output in ``dtype`` and ``mode`` would catch (``scale``
+        relative, ``bias`` in units of the truth's RMS; infinity where nothing would), as
+        ``replay.set_power`` stored it; None where the set holds no figure of it."""
+        figures = self.manifest.power.get(dtype, {}).get(point, {}).get(path, {}).get(mode)
+        return dict(figures) if figures is not None else None
+
+    def write_power(self, power: PowerJson) -> None:
+        """Stores the set's power (``replay.set_power``), replacing any before it (the
+        manifest replaced atomically)."""
+        self.manifest.power = power
         write_manifest(self.path, self.manifest)
 
     def write_dtype_limit(self, dtype: str, reason: str) -> None:
@@ -315,6 +331,7 @@ class GoldenSet:
         self.manifest.dtype_limits[dtype] = reason
         self.manifest.calibration.pop(dtype, None)
         self.manifest.ensemble.pop(dtype, None)
+        self.manifest.power.pop(dtype, None)
         write_manifest(self.path, self.manifest)
 
     def keys(self) -> Iterator[str]:

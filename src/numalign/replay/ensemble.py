@@ -29,6 +29,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ from numalign.replay.ensemble_member import (
     member_command,
     member_environment,
 )
+from numalign.replay.set_power import model_config, power_line, set_power
 from numalign.settings import parse_dtypes
 
 if TYPE_CHECKING:
@@ -409,8 +411,10 @@ def capture_calibrated(
     **options: Any,
 ) -> GoldenSet:
     """``numalign capture``: a capture (``golden.capture.capture``, same ``options``) that is
-    calibrated in ``calibrate`` over the ensemble before it is moved into place, so a set
-    never appears without its calibration. A streamed capture (``stream``, or the automatic
+    calibrated in ``calibrate`` over the ensemble, and its power per point computed from that
+    calibration (``replay.set_power``), before it is moved into place, so a set never
+    appears without its calibration and power (a line says the power's median scale, unless
+    ``progress`` is False). A streamed capture (``stream``, or the automatic
     choice where it is None: ``golden.capture.resolve_stream``) streams every member."""
     # the one dtype parser, before anything loads (ValueError naming the allowed dtypes)
     dtypes = parse_dtypes(",".join(calibrate)) if calibrate else ()
@@ -427,7 +431,14 @@ def capture_calibrated(
     def finish(golden: GoldenSet, step: Callable[[str], None]) -> None:
         calibrate_set(golden, dtypes, members=chosen, trust_remote_code=trust_remote_code,
                       step=step, placement=placement, stream=stream)  # fmt: skip
+        if dtypes:  # before the set is placed: a calibrated set never appears without it
+            config = model_config(golden.model_dir, trust_remote_code)
+            golden.write_power(set_power(golden, config=config))
 
     steps = calibration_steps(options.get("reference_dtype", "float32"), dtypes, chosen)
-    return capture(model_dir, out, trust_remote_code=trust_remote_code, finish=finish,
-                   finish_steps=steps if dtypes else 0, stream=stream, **options)  # fmt: skip
+    golden = capture(model_dir, out, trust_remote_code=trust_remote_code, finish=finish,
+                     finish_steps=steps if dtypes else 0, stream=stream, **options)  # fmt: skip
+    if golden.manifest.power and options.get("progress") is not False:  # as its progress
+        print(f"numalign capture {golden.name}: power per point written to its manifest, "
+              f"{power_line(golden.manifest.power)}", file=sys.stderr, flush=True)  # fmt: skip
+    return golden

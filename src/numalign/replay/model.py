@@ -68,10 +68,13 @@ def check_dtype(golden: GoldenSet, dtype: str | None) -> None:
         )
 
 
-def hidden_and_depth(model: Any) -> tuple[int, int]:
-    config = (
-        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    )
+def hidden_and_depth(model: Any = None, *, config: Any = None) -> tuple[int, int]:
+    """The hidden size and depth (layers) a control's reduction length is built from
+    (``control_for``), of ``model``'s config or of ``config`` itself (a set's power is
+    computed without loading the model: ``replay.set_power``); 1 for what the config does
+    not name."""
+    config = model.config if config is None else config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 1
     depth = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 1
     return int(hidden), int(depth)
