@@ -262,7 +262,7 @@ def test_the_ratchet_lists_budgets_loosened_and_power_lost() -> None:
         "model.layers.1.mlp", "max_abs", "0.01", "0.016", "1.6x", "2", "recaptured"]  # fmt: skip
     (weakened,) = _rows(moved, "ratchet-weakened")
     assert [weakened[k][0] for k in ("measure", "now", "growth", "golden set")] == [
-        "scale", "inf", "inf", ""]  # fmt: skip
+        "scale", "inf", "to inf", ""]  # fmt: skip
     assert "No budget loosened and no power lost" not in moved
     only = section(diff | {"loosened": [row], "weakened": [], "ratchet_factor": 1.25})
     assert "No power lost beyond 1.25x." in only and 'id="ratchet-weakened"' not in only

@@ -9,6 +9,7 @@ from collections import defaultdict
 from typing import Any
 
 from numalign.record import FAILING, DriftRecord
+from numalign.report.ratchet import growth_text
 from numalign.report.tables import power_by_dtype
 
 #: Characters of a likely cause's evidence shown under it in the failures table (the whole
@@ -176,19 +177,14 @@ def golden_sets(records: list[DriftRecord]) -> list[dict[str, str]]:
 
 def ratchet_rows(baseline: dict[str, Any] | None) -> dict[str, Any] | None:
     """The ratchet's rows of a baseline diff (``report.ratchet``: budgets loosened and power
-    lost beyond its factor), each growth written ("1.6x", "inf": a figure that caught
-    nothing any more); None for a diff written before the ratchet (an older
+    lost beyond its factor), each growth written as the terminal writes it
+    (``ratchet.growth_text``); None for a diff written before the ratchet (an older
     regressions.json). ``beyond``: the factor as the titles say it, "1.25x"."""
     if not baseline or ("loosened" not in baseline and "weakened" not in baseline):
         return None
 
     def rows(key: str) -> list[dict[str, Any]]:
-        out = []
-        for row in baseline.get(key) or []:
-            growth = metric(row.get("growth"))
-            text = "n/a" if growth is None else "inf" if math.isinf(growth) else f"{growth:.3g}x"
-            out.append(row | {"growth_text": text})
-        return out
+        return [row | {"growth_text": growth_text(row)} for row in baseline.get(key) or []]
 
     factor = num(baseline.get("ratchet_factor"))
     beyond = f"{factor:g}x" if factor is not None else "the ratchet's factor"

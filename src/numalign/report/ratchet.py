@@ -131,7 +131,7 @@ def ratchet_line(diff: dict[str, Any]) -> str:
     def part(rows: list[dict[str, Any]], what: str) -> str:
         points = len({(r["test_id"], r["point"], r["output"]) for r in rows})
         counted = f"{points} point{'' if points == 1 else 's'} {what}"
-        return f"{counted} (up to {rows[0]['growth']:.3g}x)" if rows else counted
+        return f"{counted} (up to {growth_text(rows[0])})" if rows else counted
 
     loosened, weakened = diff.get("loosened") or [], diff.get("weakened") or []
     factor = diff.get("ratchet_factor", RATCHET_FACTOR)
@@ -153,9 +153,20 @@ def ratchet_row(row: dict[str, Any]) -> str:
     )
     extra = f"{row['records']} records" + (", recaptured" if row["recaptured"] else "")
     return (
-        f"{row['growth']:.3g}x  {row['measure']} {row['baseline']:.3g} -> {row['now']:.3g} "
+        f"{growth_text(row)}  {row['measure']} {row['baseline']:.3g} -> {row['now']:.3g} "
         f"({extra})  {where}"
     )
+
+
+def growth_text(row: dict[str, Any]) -> str:
+    """A row's growth as the ratchet's lines write it: "1.6x"; "from 0" where the baseline's
+    figure was zero (a lean range of width zero that opened); "to inf" where the figure now
+    catches nothing."""
+    if math.isinf(row["now"]):
+        return "to inf"
+    if row["baseline"] <= 0:
+        return "from 0"
+    return f"{row['growth']:.3g}x"
 
 
 def _grew(before: float, now: float, factor: float) -> bool:
