@@ -49,19 +49,29 @@ def test_default_members_move_every_knob_below_the_machines_own() -> None:
     members = {m.name: m for m in default_members("eager", flags=EPYC, cores=2)}
     assert set(members) == {"reference", "low", "mid"}
     low, mid = members["low"], members["mid"]
-    assert low.env == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "default"}
+    # MKL's generic path: another machine's float32 matrix products (MKL picks its kernel
+    # by the CPU, whatever oneDNN and ATen are set to)
+    assert low.env == {
+        "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE",
+    }  # fmt: skip
     # float32 only: ATen's scalar kernels emulate 16-bit arithmetic slowly
     assert (low.threads, low.attn_implementation, low.dtypes) == (1, "sdpa", ("float32",))
-    # one oneDNN level below the machine's own (AVX512_CORE_BF16), ATen at AVX2, every core
-    assert mid.env == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx2"}
+    # one oneDNN level below the machine's own (AVX512_CORE_BF16), ATen and MKL at AVX2,
+    # every core
+    assert mid.env == {
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
+    }  # fmt: skip
     assert (mid.threads, mid.attn_implementation, mid.dtypes) == (2, "sdpa", None)
-    # an AVX2-only machine has no lower oneDNN level: ATen's scalar kernels still differ, and
-    # mid changes threads and attention in process
+    # an AVX2-only machine has no lower oneDNN level: ATen's scalar kernels and MKL's generic
+    # path still differ, and mid forces MKL's AVX2 path with threads and attention
     avx2 = {m.name: m for m in default_members("sdpa", flags=frozenset({"avx2"}), cores=4)}
     assert set(avx2) == {"reference", "low", "mid"}
-    assert avx2["low"].env == {"ATEN_CPU_CAPABILITY": "default"}
+    assert avx2["low"].env == {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
     assert avx2["low"].attn_implementation == "eager"
-    assert avx2["mid"].in_process and avx2["mid"].threads == 4
+    assert avx2["mid"].env == {"MKL_CBWR": "AVX2"} and avx2["mid"].threads == 4
+    # without AVX2 (another architecture) nothing selects kernels: in process
+    bare = {m.name: m for m in default_members("sdpa", flags=frozenset(), cores=4)}
+    assert bare["mid"].in_process
     # an accelerator: the other attention, in process
     cuda = default_members("sdpa", device="cuda")
     assert [(m.name, m.in_process, m.attn_implementation) for m in cuda] == [
@@ -69,8 +79,8 @@ def test_default_members_move_every_knob_below_the_machines_own() -> None:
         ("attn=eager", True, "eager"),
     ]
     assert describe(low) == (
-        "low: ATEN_CPU_CAPABILITY=default, ONEDNN_MAX_CPU_ISA=AVX2, threads=1, attn=sdpa, "
-        "dtypes=float32"
+        "low: ATEN_CPU_CAPABILITY=default, MKL_CBWR=COMPATIBLE, ONEDNN_MAX_CPU_ISA=AVX2, "
+        "threads=1, attn=sdpa, dtypes=float32"
     )
 
 

@@ -167,12 +167,20 @@ def default_members(
     members that between them change every knob another machine would (each knob to a value
     the reference does not use), so that two subprocesses cover what a full grid would:
 
-    - ``low``: oneDNN at AVX2, ATen's scalar kernels, one thread, the other attention;
-      float32 only (ATen's scalar kernels emulate 16-bit arithmetic: float16 took 79 s where
-      float32 took 17 s on SmolLM2-135M);
+    - ``low``: oneDNN at AVX2, ATen's scalar kernels, MKL's generic code path
+      (``MKL_CBWR=COMPATIBLE``), one thread, the other attention; float32 only (ATen's
+      scalar kernels emulate 16-bit arithmetic: float16 took 79 s where float32 took 17 s on
+      SmolLM2-135M);
     - ``mid``: oneDNN one level below the machine's own (where there is one), ATen at AVX2,
-      every core, the other attention; every dtype (on a CPU without a lower level it runs in
-      process, threads and attention only).
+      MKL's AVX2 code path (``MKL_CBWR=AVX2``, where the CPU has AVX2), every core, the other
+      attention; every dtype (on a CPU without a lower level or AVX2 it runs in process,
+      threads and attention only).
+
+    MKL computes torch's float32 matrix products on x86 and picks its kernel by the CPU, not
+    by oneDNN's or ATen's settings: the zoo captured on an Intel CPU with AVX-512 (MKL's
+    AVX-512 path) failed tiny-qwen3-next's linear attention alone in float32 at 1.07 of its
+    budget on an AMD EPYC with AVX-512, where MKL takes its AVX2 path (the same result as
+    ``MKL_CBWR=AVX2`` there; ``COMPATIBLE`` gave 0.60), under every oneDNN and ATen setting.
 
     So float32 has two members besides the reference (which is exact there: the golden set is
     the reference in float32) and the 16-bit dtypes have the reference and ``mid``; the
@@ -188,12 +196,12 @@ def default_members(
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     isas = _levels(ONEDNN_ISAS, flags)
     atens = _levels(ATEN_CAPABILITIES, flags)
-    low_env = {"ATEN_CPU_CAPABILITY": "default"}
+    low_env = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
     if len(isas) > 1:
         low_env["ONEDNN_MAX_CPU_ISA"] = isas[0]
     members.append(Member("low", low_env, threads=1, attn_implementation=other,
                           dtypes=("float32",)))  # fmt: skip
-    mid_env: dict[str, str] = {}
+    mid_env: dict[str, str] = {"MKL_CBWR": "AVX2"} if "avx2" in flags else {}
     if len(isas) > 2:
         mid_env["ONEDNN_MAX_CPU_ISA"] = isas[-2]
     if len(atens) > 2:
