@@ -198,3 +198,19 @@ def test_no_planted_bug_class_gets_a_wrong_label_with_confidence() -> None:
     ]
     assert not wrong, "\n".join(wrong)
     assert set(EXPECTED) == {kernel for kernel, _ in found}
+
+
+def test_an_error_at_some_cached_positions_after_a_decode_step_is_the_caches() -> None:
+    """A cache state's error confined to some positions: after a decode step, an entry
+    written stale or into the wrong slot; at the prefill's cache (step 0) or with another
+    signature (a scale in every key is its projection's), the label stays."""
+    from numalign.compare.cause import Cause, in_cache
+
+    confined = Cause("mask", "the error lies in 2 of 30 rows of dim 0", 0.95)
+    found = in_cache(confined, "layers.0.keys", 3)
+    assert found is not None and (found.label, found.confidence) == ("cache", 0.95)
+    assert "layers.0.keys after decode step 3" in found.evidence
+    assert in_cache(confined, "layers.0.keys", 0) == confined
+    scaled = Cause("scale", "error = +2% x value", 0.99)
+    assert in_cache(scaled, "layers.0.keys", 3) == scaled
+    assert in_cache(None, "layers.0.keys", 3) is None

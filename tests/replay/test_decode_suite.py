@@ -110,6 +110,13 @@ def test_a_cache_written_one_slot_off_fails_where_the_honest_cache_passes(
     cache = [r for r in records if r.point and r.point.startswith("(cache).layers.0.keys")]
     assert any(r.verdict == "failed" and r.swap == "cache=static" for r in cache)
     assert all(r.verdict == "passed" for r in cache if r.swap == "cache=dynamic")
+    # and say what kind of error it is: an entry at one slot, after a decode step
+    stale = [r for r in cache if r.verdict == "failed" and (r.step or 0) >= 1]
+    assert stale and {(r.cause or {}).get("label") for r in stale} == {"cache"}, [
+        r.cause for r in stale
+    ]
+    # as sure as the labels the docs' confusion table counts as sure (compare/cause.py)
+    assert all((r.cause or {}).get("confidence", 0) >= 0.5 for r in stale), [r.cause for r in stale]
 
 
 def test_models_the_paged_engine_cannot_serve_are_skipped_with_the_reason(

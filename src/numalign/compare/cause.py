@@ -26,13 +26,16 @@ label's confidence is the share of the error's energy (``sum d**2``) that model 
   precision;
 - ``routing``: a selection (top-k, experts) chooses other indices; ``mask`` for a mask that
   attends elsewhere (both from ``compare.exact``'s decisions);
+- ``cache``: the KV cache's entries after a decode step carry an error confined to some
+  positions (the ``mask`` or ``position`` signature, read on the cache's state): an entry
+  written stale or into the wrong slot (``in_cache``: the decode replay's judge of the
+  cache's states applies it, by step);
 - ``unknown``: no model explains most of the error (confidence below ``LABEL_AT``).
 
 The rule is never a wrong label with high confidence: a label needs its model to explain at
 least ``LABEL_AT`` of the energy, and its confidence is that share, shrunk where the
 signature is only partly the label's. Statistics are float64 on the CPU, a few passes, on
-at most ``MAX_ELEMENTS`` elements (leading slices beyond it). Decode-only causes (a stale
-cache entry by step) are not read here.
+at most ``MAX_ELEMENTS`` elements (leading slices beyond it).
 """
 
 from __future__ import annotations
@@ -48,13 +51,16 @@ if TYPE_CHECKING:
 
     from numalign.compare.budgets import Decision
 
-__all__ = ["LABELS", "Cause", "find_cause"]
+__all__ = ["LABELS", "Cause", "find_cause", "in_cache"]
 
 #: The labels, in the order the docs list them.
 LABELS: tuple[str, ...] = (
     "scale", "offset", "epsilon", "position", "mask", "precision", "clamp", "nonfinite",
-    "routing", "unknown",
+    "routing", "cache", "unknown",
 )  # fmt: skip
+#: Labels of an error confined to some positions: in the KV cache's entries after a decode
+#: step, an entry written stale or into the wrong slot (``in_cache``).
+CONFINED = ("mask", "position")
 #: The least share of the error's energy a label's model must explain to be given.
 LABEL_AT = 0.6
 #: Elements read at most: beyond it, the leading slices of the first dimension(s).
@@ -590,6 +596,23 @@ def exact_cause(decision: Decision, *, mask: bool, selection: bool) -> Cause | N
     if selection:
         return Cause("routing", f"the chosen indices differ: {decision.reason}", 0.9)
     return Cause("unknown", f"integer outputs differ: {decision.reason}", 0.0)
+
+
+def in_cache(cause: Cause | None, state: str, step: int) -> Cause | None:
+    """The cause of a failing comparison of the KV cache's ``state`` (``layers.0.keys``)
+    after decode step ``step`` (0: the prefill's): an error confined to some of the cached
+    positions (``CONFINED``) after a decode step is an entry written stale or into the wrong
+    slot, ``cache``, as sure as that signature; any other signature keeps its label (a scale
+    in every key is its projection's, not the cache's), and so does the prefill's cache (its
+    positions are the prompt's: a mask's)."""
+    if cause is None or cause.label not in CONFINED or step < 1:
+        return cause
+    return Cause(
+        "cache",
+        f"a stale or misplaced entry in the KV cache's {state} after decode step {step}: "
+        f"{cause.evidence}",
+        cause.confidence,
+    )
 
 
 def unexplained(decision: Decision) -> Cause:

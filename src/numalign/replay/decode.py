@@ -14,10 +14,12 @@ and the paged serving engine (``replay.paged``) hands on the same pairs
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from numalign import dtypes
 from numalign.compare.calibration import control_for
+from numalign.compare.cause import in_cache
 from numalign.compare.decode_verdict import DecodeVerdict
 from numalign.compare.model_verdict import PointResult, compare_point, judge_logits, label
 from numalign.compare.tolerances import thresholds_of
@@ -233,6 +235,8 @@ def _judge(
             verdict.logits.append(judged)
             return
         result = compare_point(actual, expected, label(point, path), control, policy)
+        if point == CACHE_POINT:  # an error at some cached positions is a cache's
+            result = replace(result, cause=in_cache(result.cause, path, step))
         verdict.points.append(
             PointResult(point, order.get(point, len(order)), request, path, result,
                         "decode", finished=len(verdict.points), step=step, call=call)
