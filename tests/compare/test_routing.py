@@ -107,6 +107,9 @@ def test_more_flips_than_the_ensembles_fail_as_a_selection() -> None:
                            None)  # fmt: skip
     assert not result.passed and result.rule == "ties", result.message()
     assert "choose other experts" in result.reason
+    # its likely cause says so: a routing change, not the weights' signature
+    assert result.cause is not None and result.cause.label == "routing"
+    assert "Likely cause: routing" in result.message()
 
 
 def test_the_allowance_is_a_poisson_bound_on_the_ensembles_fraction() -> None:

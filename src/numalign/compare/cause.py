@@ -61,6 +61,10 @@ LABELS: tuple[str, ...] = (
 #: Labels of an error confined to some positions: in the KV cache's entries after a decode
 #: step, an entry written stale or into the wrong slot (``in_cache``).
 CONFINED = ("mask", "position")
+#: The confidence of ``routing`` read from a rule that counted other choices (a selection's
+#: indices, a router's tokens beyond the honest flips): the choice differs for certain; what
+#: is left to doubt is whether a tie the honest members never met moved it.
+ROUTING_CONFIDENCE = 0.9
 #: The least share of the error's energy a label's model must explain to be given.
 LABEL_AT = 0.6
 #: Elements read at most: beyond it, the leading slices of the first dimension(s).
@@ -594,7 +598,7 @@ def exact_cause(decision: Decision, *, mask: bool, selection: bool) -> Cause | N
     if mask:
         return Cause("mask", f"the mask attends elsewhere: {decision.reason}", 0.95)
     if selection:
-        return Cause("routing", f"the chosen indices differ: {decision.reason}", 0.9)
+        return Cause("routing", f"the chosen indices differ: {decision.reason}", ROUTING_CONFIDENCE)
     return Cause("unknown", f"integer outputs differ: {decision.reason}", 0.0)
 
 

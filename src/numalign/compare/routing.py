@@ -23,6 +23,7 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from numalign.compare.cause import ROUTING_CONFIDENCE, Cause
 from numalign.compare.result import CompareResult
 from numalign.compare.tolerances import Thresholds
 
@@ -85,6 +86,7 @@ def judge_flips(
     return replace(
         result, passed=False, rule="ties", budget=budget,
         budget_used=max(result.budget_used, used), reason=why,
+        cause=Cause("routing", f"the chosen experts differ: {why}", ROUTING_CONFIDENCE),
         hint=(
             "the router chooses differently, not only at near ties: check the scores it "
             "chooses by (a bias, a softmax or sigmoid in the wrong dtype or place), k and "
