@@ -86,6 +86,12 @@ class DriftCollector:
         self.session: dict[str, Any] | None = None
         self.verdict: RunVerdict | None = None
 
+    def release(self) -> None:
+        """Drops the records held for the closing summary, once it is written (the
+        session's end: ``plugin.release_records``); what was written stays on disk."""
+        self.records = []
+        self.unwritten = []
+
     # -- pytest hooks -------------------------------------------------------------------------
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.selected = max(self.selected or 0, len(session.items))
