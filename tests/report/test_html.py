@@ -279,3 +279,25 @@ def test_the_ratchet_lists_budgets_loosened_and_power_lost() -> None:
     assert found == ["t::test_mlp", "max_abs", "2x"]
     older = section(diff)  # a regressions.json written before the ratchet
     assert "No regressions." in older and "loosened" not in older and "Power lost" not in older
+
+
+def test_the_ratchets_tables_show_the_largest_rows_and_count_the_rest() -> None:
+    """A recalibrated large model may loosen thousands of points: the page lists the
+    first RATCHET_ROWS of each kind (largest growth first, as the diff sorts them) and
+    counts the rest, which regressions.json keeps."""
+    from numalign.report.first_screen import RATCHET_ROWS
+
+    rows = [{"test_id": f"t{i}", "point": f"p{i}", "output": "0", "dtype": "float32",
+             "measure": "max_abs", "baseline": 1.0, "now": 2.0, "growth": 2.0, "records": 1,
+             "recaptured": False} for i in range(RATCHET_ROWS + 5)]  # fmt: skip
+    diff = {"factor": 2.0, "compared": 9, "regressed": [], "new": [], "vanished": [],
+            "recaptured": [], "path": "b", "loosened": rows, "weakened": [],
+            "ratchet_factor": 1.5}  # fmt: skip
+    html = render_html(_answer_records(), HEADER, baseline=diff)
+    table = html[
+        html.index('id="ratchet-loosened"') : html.index(
+            "</table>", html.index('id="ratchet-loosened"')
+        )
+    ]
+    assert table.count("<tr>") == RATCHET_ROWS + 1  # the header's row and the rows shown
+    assert "and 5 more rows (regressions.json has them all)." in html

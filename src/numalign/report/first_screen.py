@@ -17,6 +17,9 @@ from numalign.report.tables import power_by_dtype
 #: short and the first screen still lists the failing tests (most evidence is shorter:
 #: "error = +2% x value explains 99% of its energy" is 47).
 EVIDENCE_SHOWN = 90
+#: Rows of each of the ratchet's tables in the page, largest growth first (regressions.json
+#: has them all): a recalibrated large model may loosen thousands of points at once.
+RATCHET_ROWS = 200
 #: Hex digits of a golden set's fingerprint shown in the header: 48 bits, which two of a
 #: hundred sets share by chance with odds of about 2e-11, short enough to read by a name.
 FINGERPRINT_SHOWN = 12
@@ -184,11 +187,15 @@ def ratchet_rows(baseline: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
 
     def rows(key: str) -> list[dict[str, Any]]:
-        return [row | {"growth_text": growth_text(row)} for row in baseline.get(key) or []]
+        shown = (baseline.get(key) or [])[:RATCHET_ROWS]
+        return [row | {"growth_text": growth_text(row)} for row in shown]
+
+    more = {k: max(0, len(baseline.get(k) or []) - RATCHET_ROWS) for k in ("loosened", "weakened")}
 
     factor = num(baseline.get("ratchet_factor"))
     beyond = f"{factor:g}x" if factor is not None else "the ratchet's factor"
-    return {"beyond": beyond, "loosened": rows("loosened"), "weakened": rows("weakened")}
+    return {"beyond": beyond, "loosened": rows("loosened"), "weakened": rows("weakened"),
+            "more": more}  # fmt: skip
 
 
 def cause_text(cause: dict[str, Any]) -> str:
