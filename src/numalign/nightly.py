@@ -192,18 +192,14 @@ def nightly(
 
 
 def ratchet_lines(run_dir: Path, shown: int = RATCHET_SHOWN) -> list[str]:
-    """The ratchet of a run against its baseline, from its regressions.json: its line, then
-    up to ``shown`` rows of each kind; none where the run had no baseline."""
-    from numalign.report.ratchet import ratchet_line, ratchet_row
+    """The ratchet of a run against its baseline, from its regressions.json
+    (``report.ratchet.ratchet_lines``); none where the run had no baseline."""
+    from numalign.report.ratchet import ratchet_lines as lines_of
 
     path = run_dir / "regressions.json"
     if not path.is_file():
         return []
-    diff = finite_json.decode(json.loads(path.read_text(encoding="utf-8")))
-    lines = [ratchet_line(diff)]
-    for kind, key in (("loosened", "loosened"), ("lost power", "weakened")):
-        lines += [f"  {kind} {ratchet_row(row)}" for row in (diff.get(key) or [])[:shown]]
-    return lines
+    return lines_of(finite_json.decode(json.loads(path.read_text(encoding="utf-8"))), shown)
 
 
 def run_compiled(

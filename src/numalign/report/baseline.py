@@ -8,7 +8,7 @@ from typing import Any
 
 from numalign.compare import tolerances
 from numalign.record import DriftRecord
-from numalign.report.ratchet import RATCHET_FACTOR, ratchet, ratchet_line
+from numalign.report.ratchet import RATCHET_FACTOR, ratchet
 
 #: A record regresses when its budget use grows beyond this factor of the baseline's: twice
 #: the error is beyond run-to-run noise of deterministic inputs, well before a failure.
@@ -46,10 +46,6 @@ class BaselineDiff:
             "weakened": self.weakened,
             "ratchet_factor": self.ratchet_factor,
         }
-
-    def ratchet_line(self) -> str:
-        """The ratchet's one line (``report.ratchet.ratchet_line``)."""
-        return ratchet_line(self.to_dict())
 
 
 def diff_runs(

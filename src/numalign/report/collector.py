@@ -30,7 +30,7 @@ from numalign.record import (
 )
 from numalign.report.baseline import BaselineDiff
 from numalign.report.history import HISTORY_FILE
-from numalign.report.ratchet import ratchet_row
+from numalign.report.ratchet import ratchet_lines
 from numalign.report.retention import prune_runs
 from numalign.report.run import render_run
 from numalign.report.session import write_session
@@ -254,14 +254,11 @@ class DriftCollector:
             for item in self.diff.regressed[:WORST_SHOWN]:
                 growth = f"{item['growth']:.3g}x" if item["growth"] else "newly failing"
                 tr.write_line(f"  regressed {growth:>10}  {item['test_id']}")
-            moved = self.diff.loosened or self.diff.weakened
-            tr.write_line(f"numalign: {self.diff.ratchet_line()}", yellow=bool(moved))
-            for kind, rows in (
-                ("loosened", self.diff.loosened),
-                ("lost power", self.diff.weakened),
-            ):
-                for row in rows[:WORST_SHOWN]:
-                    tr.write_line(f"  {kind} {ratchet_row(row)}")
+            moved = bool(self.diff.loosened or self.diff.weakened)
+            line, *rows = ratchet_lines(self.diff.to_dict(), WORST_SHOWN)
+            tr.write_line(f"numalign: {line}", yellow=moved)
+            for row in rows:
+                tr.write_line(row)
         if self.pruned:
             tr.write_line(
                 f"numalign: removed {len(self.pruned)} old run(s) of {self.settings.report_dir} "

@@ -8,7 +8,7 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from numalign.record import FAILING, DriftRecord
+from numalign.record import DriftRecord, outcome_of
 from numalign.report.ratchet import growth_text
 from numalign.report.tables import power_by_dtype
 
@@ -132,7 +132,7 @@ def passes(records: list[DriftRecord], power: dict[str, dict[str, Any]]) -> list
     groups: dict[tuple[str, str], list[DriftRecord]] = defaultdict(list)
     for r in records:
         groups[(str(r.suite or "") if split else "", str(r.test_dtype))].append(r)
-    outcomes = _test_outcomes(records)
+    outcomes = outcome_of(records)
     rows = []
     for (suite, dtype), items in sorted(groups.items()):
         figures = (power_by_dtype(items) if split else power).get(dtype) or {}
@@ -143,22 +143,6 @@ def passes(records: list[DriftRecord], power: dict[str, dict[str, Any]]) -> list
                          "judged": figures.get("records", 0), "scale": figures.get("scale"),
                          "bias": figures.get("bias")})  # fmt: skip
     return rows
-
-
-def _test_outcomes(records: list[DriftRecord]) -> dict[str, str]:
-    """Each test's outcome as pytest counted it (``DriftRecord.outcome``); for records
-    written before outcomes, failed where a record fails, else passed where one passed."""
-    statuses: dict[str, set[str]] = defaultdict(set)
-    outcome: dict[str, str] = {}
-    for r in records:
-        statuses[r.test_id].add(r.status)
-        if r.outcome:
-            outcome.setdefault(r.test_id, r.outcome)
-    for test_id, seen in statuses.items():
-        if test_id not in outcome:
-            failed = bool(seen & set(FAILING))
-            outcome[test_id] = "failed" if failed else "passed" if "passed" in seen else "skipped"
-    return outcome
 
 
 def golden_sets(records: list[DriftRecord]) -> list[dict[str, str]]:

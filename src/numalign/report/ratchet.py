@@ -145,6 +145,15 @@ def ratchet_line(diff: dict[str, Any]) -> str:
     return line
 
 
+def ratchet_lines(diff: dict[str, Any], shown: int) -> list[str]:
+    """The ratchet as the terminal and the nightly print it: its line (``ratchet_line``),
+    then up to ``shown`` rows of each kind (``ratchet_row``)."""
+    lines = [ratchet_line(diff)]
+    for kind, key in (("loosened", "loosened"), ("lost power", "weakened")):
+        lines += [f"  {kind} {ratchet_row(row)}" for row in (diff.get(key) or [])[:shown]]
+    return lines
+
+
 def ratchet_row(row: dict[str, Any]) -> str:
     """One ratchet row as the terminal and the nightly print it: ``1.6x  max_abs 2.1e-05 ->
     3.4e-05 (12 records, recaptured)  TEST :: POINT``."""
