@@ -13,7 +13,7 @@ from numalign.record_errors import error_property_for, outcome_for, recorded_err
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
 from numalign.replay.model import ReplayUnsupported
 from numalign.replay.tensor_parallel import RankCrashed, RankFailed, TensorParallelUsageError
-from numalign.runtime.compiled import CompileError, CompileStats
+from numalign.runtime.compiled import CompileError, CompileStats, KnownCompileError
 
 TEST = "suites/models/test_model.py::test_model[tiny-llama-bfloat16]"
 OP = "suites/operators/test_operators.py::test_rms_norm[fused-float16-aligned-4x8]"
@@ -63,7 +63,7 @@ def test_a_compiler_failure_is_an_error_record_with_what_compiling_cost() -> Non
 
 
 def test_a_known_compiler_bug_is_an_expected_failure_its_record_kept() -> None:
-    ending, message, (record,) = _ended(CompileError("inductor: boom", known="issue 123"))
+    ending, message, (record,) = _ended(KnownCompileError("inductor: boom", known="issue 123"))
     assert ending == "XFailed" and message == "known compiler bug: issue 123\ninductor: boom"
     assert record.verdict == "error"
 
@@ -116,3 +116,48 @@ def test_the_report_hook_records_a_raise_with_its_traceback_and_trusts_a_judged_
     _, value = error_property_for(OP, failed, [])  # type: ignore[misc]
     assert DriftRecord.from_dict(value).message == "budget exceeded"  # type: ignore[arg-type]
     assert error_property_for(OP, None, []) is None
+
+
+def _numalign_exceptions() -> list[type[BaseException]]:
+    """Every exception class defined in numalign's modules (imported: torch-free ones and
+    those the test environment can import)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import numalign
+
+    found = []
+    for info in pkgutil.walk_packages(numalign.__path__, "numalign."):
+        if info.name.startswith(("numalign.replay.engines.vllm", "numalign.plugin")):
+            continue  # vLLM itself is not installed here; the plugin registers hooks
+        module = importlib.import_module(info.name)
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == info.name and issubclass(cls, BaseException):
+                found.append(cls)
+    return found
+
+
+def test_every_exception_numalign_defines_is_one_of_the_five_kinds() -> None:
+    from numalign import errors
+
+    kinds = (errors.Unsupported, errors.BrokenData, errors.Crashed, errors.KnownDivergence,
+             errors.UsageError)  # fmt: skip
+    exceptions = [c for c in _numalign_exceptions() if not issubclass(c, Warning)]
+    assert len(exceptions) > 25  # the walk reached the packages' modules
+    strays = [c.__qualname__ for c in exceptions
+              if c.__module__ != "numalign.errors" and not issubclass(c, kinds)]  # fmt: skip
+    assert strays == []
+
+
+def test_each_kind_ends_the_test_its_own_way() -> None:
+    from numalign import errors
+
+    ending, _, records = _ended(errors.Unsupported("no SDPA path"))
+    assert (ending, records) == ("Skipped", [])
+    ending, _, (record,) = _ended(errors.BrokenData("shard 2 truncated"))
+    assert (ending, record.verdict) == ("Failed", "error")
+    ending, _, (record,) = _ended(errors.UsageError("--tp 3: 8 heads do not split"))
+    assert (ending, record.verdict, record.error) == ("Failed", "error", "UsageError")
+    ending, _, (record,) = _ended(errors.Crashed("member low exited 1"))
+    assert (ending, record.verdict) == ("Failed", "error")

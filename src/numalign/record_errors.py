@@ -3,23 +3,26 @@
 A test runs its body in :func:`recorded_errors`; an exception the policy knows ends the test
 as :func:`outcome_for` says, with its record:
 
-- broken, stale or corrupted golden data (``GoldenSetError``): an ``error`` record holding
+- broken, stale or corrupted golden data (``BrokenData``): an ``error`` record holding
   what the test id tells (the set is broken whatever the variant) and a failure with the
   set's own message (it says how to fix it);
-- a path this model cannot take here (transformers lacks it, the serving engine does not
-  support the model, no tensor-parallel plan, ...): a skip with its reason, no record;
+- a path this model cannot take here (``Unsupported``: transformers lacks it, the serving
+  engine does not support the model, no tensor-parallel plan, ...): a skip with its reason,
+  no record;
 - a golden set without calibration of a point in the dtype (``Uncalibrated``: captured with
   ``--calibrate ''``): a skip with its reason and a ``skipped`` record of rule
   ``uncalibrated``, so that the reports can tell a run that judged little from a pass;
-- a compiler's failure (``--compile``): an ``error`` record with the test's fields and what
-  compiling cost; a known upstream compiler bug is an expected failure (xfail), its record
-  kept; any other fails the test;
-- a model that does not split over ``--tp`` ranks: an ``error`` record and a failure;
-- a tensor-parallel rank or the serving engine that raised: an ``error`` record, or
-  ``crashed`` when it died or hung (the session goes on: the next test starts afresh), and a
-  failure.
+- a known defect outside the candidate (``KnownDivergence``: an upstream compiler bug under
+  ``--compile``): an expected failure (xfail), its ``error`` record kept;
+- what numalign drove failing under it (``Crashed``: a compiler, a tensor-parallel rank, the
+  serving engine, a calibration member): an ``error`` record with the test's fields (and
+  what compiling cost), or ``crashed`` when it died or hung (the session goes on: the next
+  test starts afresh), and a failure;
+- options or inputs that cannot work together (``UsageError``: a model that does not split
+  over ``--tp`` ranks, say): an ``error`` record and a failure.
 
-Any other exception propagates: pytest reports it, and the plugin's report hook gives the
+The policy dispatches on the kinds of ``numalign.errors``, never on a module's classes. Any
+other exception propagates: pytest reports it, and the plugin's report hook gives the
 test an ``error`` record with the exception's type, message and the last lines of its
 traceback (:func:`error_property_for`), unless the test's own records already tell its
 failure (``pytest.fail`` or an assertion after recording).
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
+from numalign.errors import BrokenData, Crashed, KnownDivergence, NumalignError, Unsupported
 from numalign.record import (
     TRACEBACK_LINES,
     UNCALIBRATED,
@@ -77,22 +81,13 @@ def outcome_for(exc: BaseException, test_id: str, **context: Any) -> ErrorOutcom
     ``context``: the fields its record carries besides what the test id tells (the
     candidate, device, case, execution variant). None: an exception the policy leaves to
     pytest and the plugin's report hook."""
-    from numalign.compare.model_verdict import ReplayUnsupported, Uncalibrated
-    from numalign.golden import GoldenSetError
-    from numalign.golden.reference import CacheUnsupported
-    from numalign.replay.engines.errors import EngineError, EngineUnsupported
-    from numalign.replay.layer import AloneUnsupported
-    from numalign.replay.paged import PagedUnsupported
-    from numalign.replay.tensor_parallel import (
-        NoTensorParallelPlan,
-        TensorParallelError,
-        TensorParallelUsageError,
-    )
-    from numalign.runtime.compiled import CompileError
+    from numalign.compare.model_verdict import Uncalibrated
 
     text = str(exc)
     kind = type(exc).__name__
-    if isinstance(exc, GoldenSetError):
+    if not isinstance(exc, NumalignError):
+        return None
+    if isinstance(exc, BrokenData):  # the set is broken whatever the variant
         return ErrorOutcome("fail", text, error_record(test_id, kind, text))
     if isinstance(exc, Uncalibrated):  # not judged: the reports count it apart
         reason = (text.splitlines() or [""])[0][:500]
@@ -100,23 +95,17 @@ def outcome_for(exc: BaseException, test_id: str, **context: Any) -> ErrorOutcom
             test_id, "skipped", rule=UNCALIBRATED, reason=reason, **context
         )
         return ErrorOutcome("skip", text, record)
-    unsupported = (ReplayUnsupported, PagedUnsupported, CacheUnsupported, AloneUnsupported,
-                   NoTensorParallelPlan, EngineUnsupported)  # fmt: skip
-    if isinstance(exc, unsupported):
+    if isinstance(exc, Unsupported):
         return ErrorOutcome("skip", text)
-    if isinstance(exc, CompileError):
-        record = error_record(test_id, kind, text, **(context | exc.record_fields()))
-        if exc.known:  # an upstream compiler bug: expected while it lasts, recorded
-            return ErrorOutcome("xfail", f"known compiler bug: {exc.known}\n{exc}", record)
-        return ErrorOutcome("fail", text, record)
-    if isinstance(exc, TensorParallelUsageError):
-        return ErrorOutcome("fail", text, error_record(test_id, kind, text, **context))
-    if isinstance(exc, (TensorParallelError, EngineError)):  # a rank, or the serving engine
-        if exc.crashed:
-            reason = (text.splitlines() or [""])[0][:500]
-            return ErrorOutcome("fail", text, crashed_record(test_id, text, reason, **context))
-        return ErrorOutcome("fail", text, error_record(test_id, kind, text, **context))
-    return None
+    fields = context | exc.record_fields()
+    if isinstance(exc, KnownDivergence):  # a known defect outside the candidate: recorded
+        record = error_record(test_id, kind, text, **fields)
+        return ErrorOutcome("xfail", f"known {exc.defect}: {exc.known}\n{exc}", record)
+    if isinstance(exc, Crashed) and exc.crashed:  # died or hung: the session goes on
+        reason = (text.splitlines() or [""])[0][:500]
+        return ErrorOutcome("fail", text, crashed_record(test_id, text, reason, **fields))
+    # crashed under the test (raised), or a usage error: an error record and a failure
+    return ErrorOutcome("fail", text, error_record(test_id, kind, text, **fields))
 
 
 @contextmanager

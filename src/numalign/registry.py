@@ -22,6 +22,7 @@ from numalign.compare import OP_CLASSES, Budget
 
 # the rounding judge's data, at home in compare.rounding: catalogue modules import it from here
 from numalign.compare.rounding import DEFAULT_LAYOUT, ROUND_TO_NEAREST, CodeLayout, RoundingRule
+from numalign.errors import UsageError
 from numalign.names import did_you_mean
 
 #: The built-in catalogue: one module per operator family.
@@ -53,7 +54,7 @@ ENTRY_POINT_GROUP = "numalign.candidates"
 T = TypeVar("T")
 
 
-class RegistryError(LookupError):
+class RegistryError(UsageError, LookupError):
     """An unknown name, or a name registered twice."""
 
 

@@ -68,6 +68,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from numalign.errors import UsageError
+
 if TYPE_CHECKING:
     import torch
 
@@ -156,7 +158,7 @@ def _json_exact(value: Any) -> bool:
     return False
 
 
-class CacheSecretError(RuntimeError):
+class CacheSecretError(UsageError, RuntimeError):
     """The truth cache's secret has nowhere to live (no ``$NUMALIGN_CACHE_SECRET``, no
     ``$XDG_CACHE_HOME``, and no home directory to write to); the message says what to set."""
 

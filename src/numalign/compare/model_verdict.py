@@ -27,12 +27,13 @@ from numalign.compare.tolerances import (
     Thresholds,
     thresholds_of,
 )
+from numalign.errors import Unsupported
 
 if TYPE_CHECKING:
     import torch
 
 
-class ReplayUnsupported(RuntimeError):
+class ReplayUnsupported(Unsupported, RuntimeError):
     """A model verdict that cannot be reached as asked: the test is skipped with the reason
     (replay raises it where transformers cannot load the model with the asked-for
     implementation: Gemma 2 has no SDPA path, say)."""

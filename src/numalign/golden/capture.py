@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from numalign.errors import BrokenData
 from numalign.golden.decode import DEFAULT_DECODE_STEPS, record_decode
 from numalign.golden.fingerprint import fingerprint_and_files
 from numalign.golden.folders import clear_temporary, remove_abandoned, temporary_folder
@@ -589,7 +590,7 @@ def _head_output(model: Any, wanted: bool) -> Iterator[list[Any]]:
         handle.remove()
 
 
-class NonFiniteReferenceError(ValueError):
+class NonFiniteReferenceError(BrokenData, ValueError):
     """The reference produced NaN or Inf: a set of it would pass any replay vacuously."""
 
 

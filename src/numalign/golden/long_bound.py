@@ -8,6 +8,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+from numalign.errors import UsageError
 from numalign.golden.requests import long_length, max_positions
 
 #: Rows of the long requests (``long_requests``: the length and three quarters of it), the
@@ -25,7 +26,7 @@ CONFIG_SIZES = {
 }
 
 
-class LongRequestError(ValueError):
+class LongRequestError(UsageError, ValueError):
     """A long request the model's positions or this machine's memory cannot take, refused
     before the model loads; the message says by how much and what --long would do."""
 

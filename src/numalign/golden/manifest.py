@@ -26,6 +26,7 @@ from numalign.compare.calibration import CACHE_POINT as CACHE_POINT
 from numalign.compare.calibration import OUTPUT_POINT as OUTPUT_POINT
 from numalign.compare.calibration import Calibration as Calibration
 from numalign.compare.calibration import ControlStats as ControlStats
+from numalign.errors import BrokenData
 from numalign.finite_json import decode as _decode_finite
 from numalign.finite_json import encode as _encode_finite
 
@@ -43,7 +44,7 @@ PROBE_REQUEST = "probe"
 LOGIT_TRANSFORM = "logit_transform"
 
 
-class GoldenSetError(RuntimeError):
+class GoldenSetError(BrokenData, RuntimeError):
     """A golden set that cannot be used as it is; the message says why and what to do."""
 
 

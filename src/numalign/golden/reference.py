@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from numalign.errors import BrokenData, Unsupported
 from numalign.settings import KV_CACHES
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def parse_max_memory(text: str) -> dict[str, str]:
     return memory
 
 
-class ModelFolderError(ValueError):
+class ModelFolderError(BrokenData, ValueError):
     """A model folder numalign cannot read as a Hugging Face model: what is missing, and what
     makes one."""
 
@@ -304,7 +305,7 @@ def greedy_step(model: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch
 OWN_CACHE_STANDS_FOR = "dynamic"
 
 
-class CacheUnsupported(RuntimeError):
+class CacheUnsupported(Unsupported, RuntimeError):
     """The model cannot decode with the asked-for cache (it builds a cache class of its own):
     a decode replay with that cache is skipped with the reason."""
 

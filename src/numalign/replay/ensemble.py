@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare.calibration import merge_statistics
+from numalign.errors import Crashed
 from numalign.golden.capture import capture, resolve_stream
 from numalign.golden.manifest import CalibrationJson, calibration_from_json
 from numalign.replay.ensemble_member import (
@@ -75,7 +76,7 @@ _KEYS = ("onednn", "aten", "threads", "attn", "dtypes")
 SPREAD_STATS = ("max_abs", "rel_l2")
 
 
-class EnsembleError(RuntimeError):
+class EnsembleError(Crashed, RuntimeError):
     """A member of the calibration ensemble could not run; the message says which and why."""
 
 

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare.exact import LeftOut, fill_faults
+from numalign.errors import Unsupported
 from numalign.golden.reference import hooks, jsonable
 from numalign.golden.routing import point_tensors
 
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from numalign.golden.store import Call, GoldenSet
 
 
-class AloneUnsupported(RuntimeError):
+class AloneUnsupported(Unsupported, RuntimeError):
     """A module that needs state the model shares between layers (Gemma 4's
     ``shared_kv_states``) cannot be replayed alone: its layer replay and isolated calibration
     are skipped with the reason."""

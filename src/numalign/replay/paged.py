@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare.routing import ROUTING
+from numalign.errors import Crashed, Unsupported
 from numalign.golden.manifest import OUTPUT_POINT
 from numalign.golden.reference import hooks, own_cache
 from numalign.golden.requests import REPLAY_PAGE_SIZE, unservable
@@ -50,14 +51,14 @@ ENGINE_TIMEOUT_S = 300.0
 OnPair = Callable[..., None]
 
 
-class PagedUnsupported(RuntimeError):
+class PagedUnsupported(Unsupported, RuntimeError):
     """transformers' paged engine cannot serve this model (layer types its paged cache does
     not hold: linear attention, convolutions, hybrid or chunked layers; MLA's compressed cache;
     a model with a cache of its own; a compiled model): the paged replay is skipped with the
     reason."""
 
 
-class PagedServingError(RuntimeError):
+class PagedServingError(Crashed, RuntimeError):
     """The paged engine failed, or did not finish, serving the golden requests."""
 
 

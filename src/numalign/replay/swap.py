@@ -12,10 +12,11 @@ from typing import Any
 import torch
 
 from numalign.compare.tolerances import SWAP_PROBE_EPS
+from numalign.errors import UsageError
 from numalign.registry import OPERATORS, Candidate, Operator, candidates, load_catalogue
 
 
-class SwapError(ValueError):
+class SwapError(UsageError, ValueError):
     """A swap that cannot be applied; the message says why and what to do."""
 
 

@@ -39,6 +39,8 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from numalign.errors import Crashed, Unsupported, UsageError
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -73,7 +75,7 @@ def receive(connection: Connection) -> Any:
     return pickle.loads(connection.recv_bytes())
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(Crashed, RuntimeError):
     """A tensor-parallel replay that did not return: ``crashed`` when a rank died or hung
     (the group was stopped), else a rank raised."""
 
@@ -96,11 +98,11 @@ class RankTimeout(TensorParallelError):
     crashed = True
 
 
-class TensorParallelUsageError(ValueError):
+class TensorParallelUsageError(UsageError, ValueError):
     """The model cannot be split over the asked-for number of ranks."""
 
 
-class NoTensorParallelPlan(RuntimeError):
+class NoTensorParallelPlan(Unsupported, RuntimeError):
     """transformers has no tensor-parallel plan for the model: it is replayed on one process
     only (the model suites skip it with this reason)."""
 

@@ -55,6 +55,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from numalign.errors import Crashed, KnownDivergence
+
 if TYPE_CHECKING:
     import torch
 
@@ -84,7 +86,7 @@ _compile_clock: dict[str, float] = {"total": 0.0, "since": 0.0}
 _REASONS_SHOWN = 3
 
 
-class CompileError(RuntimeError):
+class CompileError(Crashed, RuntimeError):
     """A backend failed to compile what a test runs: the test fails with the backend's
     message (and gets an ``error`` record), the session goes on. ``known``: the upstream
     compiler bug it is (:data:`KNOWN_COMPILER_BUGS`), where it is one; such a test is an
@@ -101,6 +103,13 @@ class CompileError(RuntimeError):
     def record_fields(self) -> dict[str, Any]:
         """The compile fields of the failed test's error record."""
         return self.spent.record_fields() if self.spent is not None else {}
+
+
+class KnownCompileError(CompileError, KnownDivergence):
+    """A compile failure that is a known upstream compiler bug (``known``): an expected
+    failure while it lasts."""
+
+    defect = "compiler bug"
 
 
 @dataclass(frozen=True)
@@ -320,13 +329,14 @@ def run_compiled(
         if not _is_compile_failure(exc):
             raise
         stats.add(_since(before))
-        raise CompileError(
+        known = known_bug(exc)
+        raise (KnownCompileError if known else CompileError)(
             f"{what} failed to compile with torch.compile backend {spec.backend!r}"
             f"{f' (mode {spec.mode})' if spec.mode else ''}: {_explain(exc)}"
             "\nHint: run it eager (without --compile) to tell the "
             "backend's fault from the code's; TORCH_LOGS=graph_breaks,recompiles shows what "
             "Dynamo traced",
-            known=known_bug(exc),
+            known=known,
             spent=stats.take(),
         ) from None
     seen = _since(before)

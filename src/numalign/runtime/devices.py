@@ -10,6 +10,8 @@ import os
 import re
 from typing import TYPE_CHECKING
 
+from numalign.errors import UsageError
+
 if TYPE_CHECKING:
     import torch
 
@@ -41,7 +43,7 @@ def parse_device(spec: str) -> tuple[str, int | None]:
     return kind, int(index) if index is not None else None
 
 
-class DeviceUnavailableError(RuntimeError):
+class DeviceUnavailableError(UsageError, RuntimeError):
     """The asked-for device is not present on this machine."""
 
 

@@ -10,13 +10,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from numalign.errors import Crashed
 from numalign.sweep.shrink import shrink
 
 #: Tokens of the forward a built model must run (batch 1).
 CHECK_TOKENS = 8
 
 
-class BuildError(RuntimeError):
+class BuildError(Crashed, RuntimeError):
     """transformers could not build (or run) the type's tiny model; the message is its own."""
 
 
