@@ -11,9 +11,15 @@ pytest_plugins = ["pytester"]
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _one_thread() -> None:
-    """Two cores are shared by the xdist workers: one torch thread each."""
+def _worker_setup() -> None:
+    """Two cores are shared by the xdist workers: one torch thread each. The modules that
+    register torch operator libraries (the compiler's, the functional collectives') are
+    imported before any test runs: pytester removes from ``sys.modules`` what a test imported
+    while it ran, and importing such a module again registers its library twice (a
+    RuntimeError in every later test of the worker that compiles or captures)."""
     import torch
+    import torch._dynamo
+    import torch.distributed._functional_collectives
 
     torch.set_num_threads(1)
 

@@ -123,9 +123,9 @@ def attach_mask_points(model: torch.nn.Module) -> list[str]:
             owners[id(config)] = (name, module)  # the innermost holder wins
     names = []
     for name, owner in owners.values():
-        code = sys.modules.get(type(owner).__module__)
+        code = _namespace(type(owner))
         added = []
-        for function_name, function in sorted(vars(code).items() if code else ()):
+        for function_name, function in sorted(code.items()):
             if not MASK_FUNCTION.match(function_name) or not callable(function):
                 continue
             if isinstance(function, _Route):
@@ -133,7 +133,7 @@ def attach_mask_points(model: torch.nn.Module) -> list[str]:
             elif "config" not in _parameters(function):
                 continue  # not a builder of the model's masks (flex attention's own)
             else:
-                setattr(code, function_name, _Route(function, function_name))
+                code[function_name] = _Route(function, function_name)
             module = owner._modules.get(function_name)
             if not isinstance(module, MaskFunction):
                 module = MaskFunction(function, owner.config)
@@ -146,6 +146,18 @@ def attach_mask_points(model: torch.nn.Module) -> list[str]:
             owner._modules.clear()
             owner._modules.update({n: children.pop(n) for n in added} | children)
     return names
+
+
+def _namespace(cls: type) -> dict[str, Any]:
+    """The globals ``cls``'s forward reads its mask builders from: its own function's (through
+    any decorator), not ``sys.modules``' entry for its module name, which is another module
+    object once the file was imported again (pytester's runs drop what they imported)."""
+    forward = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
+    found = getattr(forward, "__globals__", None)
+    if isinstance(found, dict) and found.get("__name__") == cls.__module__:
+        return found
+    module = sys.modules.get(cls.__module__)
+    return vars(module) if module is not None else {}
 
 
 def _signature(function: Callable[..., Any]) -> inspect.Signature | None:
