@@ -19,11 +19,11 @@ import torch
 from numalign.cli import main
 from numalign.compare.calibration import control_for
 from numalign.compare.model_verdict import compare_point, label
+from numalign.compare.pooled import POOLED
 from numalign.golden import GoldenSet, GoldenSetError
 from numalign.golden.manifest import Manifest
 from numalign.golden.reference import load_model
 from numalign.replay.layer import kept_positions, request_mask
-from numalign.replay.leans import POOLED
 from numalign.replay.model import hidden_and_depth, replay_layer
 from numalign.replay.set_power import model_config, set_power
 

@@ -15,7 +15,7 @@ relative L2, ...), the cosine (lowest), the norm ratio (farthest from 1) and the
 exact zeros (highest), which the distribution rule judges a candidate against; and the range
 of the isolated errors' leans (``compare.lean``: scale and offset, per channel the most
 significant), pooled over every request and call, which the lean rule of layer replay judges
-a candidate's against (``replay.leans``).
+a candidate's against (``compare.pooled``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from numalign.compare.calibration import (
 from numalign.compare.lean import LeanSums
 from numalign.compare.logits import logits_stats
 from numalign.compare.routing import agreeing, is_routing
+from numalign.errors import Unsupported
 from numalign.golden.decode import REFERENCE_CACHE, limit_message
 from numalign.golden.loading import load_reference
 from numalign.golden.manifest import OUTPUT_POINT, CalibrationJson
@@ -84,7 +85,7 @@ def _json_safe(stats: dict[str, float]) -> dict[str, float | None]:
     return {k: (v if math.isfinite(v) else None) for k, v in stats.items()}
 
 
-class DtypeUnsupported(RuntimeError):
+class DtypeUnsupported(Unsupported, RuntimeError):
     """The reference's own code cannot run in a dtype (XLNet's positional tables stay float32
     against bfloat16 weights; DeepSeek-V4 keeps float32 projections that float16 hidden
     states meet): the set records it (``Manifest.dtype_limits``), with no calibration of the
@@ -206,7 +207,7 @@ def _isolated(
     leans: _Leans,
 ) -> _Worst:
     """Each point's module alone in the dtype, fed the golden inputs; its outputs' leans
-    pooled into ``leans`` (``replay.leans``: judged alone only)."""
+    pooled into ``leans`` (``compare.pooled``: judged alone only)."""
     isolated: _Worst = {}
     for point in {p.name: p for p in golden.points}.values():
         module = model.get_submodule(point.name)

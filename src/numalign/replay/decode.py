@@ -14,15 +14,11 @@ and the paged serving engine (``replay.paged``) hands on the same pairs
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from numalign import dtypes
-from numalign.compare.calibration import control_for
-from numalign.compare.cause import in_cache
 from numalign.compare.decode_verdict import DecodeVerdict
-from numalign.compare.model_verdict import PointResult, compare_point, judge_logits, label
-from numalign.compare.tolerances import thresholds_of
+from numalign.compare.judge import Observation
 from numalign.golden.decode import cache_family, step_outputs
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.golden.reference import (
@@ -36,8 +32,7 @@ from numalign.golden.reference import (
 )
 from numalign.golden.requests import unservable
 from numalign.replay.layer import CallOrder
-from numalign.replay.leans import PointLeans
-from numalign.replay.model import hidden_and_depth
+from numalign.replay.model import hidden_and_depth, judge_of
 from numalign.replay.observe import observe_calls
 from numalign.replay.shards import whole
 
@@ -191,9 +186,15 @@ def replay_decode(
     from numalign.replay.paged import replay_paged_requests
 
     verdict = DecodeVerdict(implementation)
-    hidden, _ = hidden_and_depth(model)
-    leans = PointLeans(golden, dtype, hidden, thresholds_of(policy), mode="decode")
-    on_pair = _judge(golden, model, dtype, verdict, policy, leans)
+    judge = judge_of(golden, dtype, "decode", hidden_and_depth(model), policy)
+    torch_dtype = dtypes.torch_dtype(dtype)
+
+    def on_pair(request: str, step: int, point: str, path: str, actual: Any,
+                expected: Any, call: int = 0) -> None:  # fmt: skip
+        # a tensor-parallel rank's shard gathered whole
+        actual = whole(actual.float().cpu().to(torch_dtype), tuple(expected.shape))
+        judge.observe(Observation(point, path, request, actual, expected, call=call, step=step))
+
     if implementation == "paged":
         served = replay_paged_requests(golden, model, device, on_pair)
         for request in golden.decode_requests:
@@ -202,50 +203,11 @@ def replay_decode(
                 verdict.unmapped[f"request {request}"] = reason
     else:
         for request in golden.decode_requests:
-            run_decode(golden, model, request, implementation, dtypes.torch_dtype(dtype), device,
-                       on_pair)  # fmt: skip
-    verdict.points += leans.results()  # each point's lean, every step and request pooled
+            run_decode(golden, model, request, implementation, torch_dtype, device, on_pair)
+    # each point's lean, every step and request pooled
+    verdict.points = judge.points + judge.pooled()
+    verdict.logits = judge.logits
     return verdict
-
-
-def _judge(
-    golden: GoldenSet,
-    model: Any,
-    dtype: str,
-    verdict: DecodeVerdict,
-    policy: Any,
-    leans: PointLeans | None = None,
-) -> OnPair:
-    """An ``OnPair`` that judges each pair within its decode calibration into ``verdict``,
-    pooling the capture points' outputs into ``leans`` (the cache's states are no point)."""
-
-    hidden, depth = hidden_and_depth(model)
-    order = {p.name: p.order for p in golden.points}
-    torch_dtype = dtypes.torch_dtype(dtype)
-
-    def on_pair(request: str, step: int, point: str, path: str, actual: Any,
-                expected: Any, call: int = 0) -> None:  # fmt: skip
-        control = control_for(
-            golden, dtype, point, path, "decode", hidden, depth, thresholds_of(policy)
-        )
-        actual = whole(actual.float().cpu().to(torch_dtype), tuple(expected.shape))
-        if point == OUTPUT_POINT:
-            judged = judge_logits(request, actual, expected, control, policy)
-            judged.step = step
-            verdict.logits.append(judged)
-            return
-        result = compare_point(actual, expected, label(point, path), control, policy)
-        if point == CACHE_POINT:  # an error at some cached positions is a cache's
-            result = replace(result, cause=in_cache(result.cause, path, step))
-        verdict.points.append(
-            PointResult(point, order.get(point, len(order)), request, path, result,
-                        "decode", finished=len(verdict.points), step=step, call=call)
-        )  # fmt: skip
-        if leans is not None and point != CACHE_POINT:
-            leans.add(point, path, actual, expected, order.get(point, len(order)),
-                      verdict.points[-1].finished)  # fmt: skip
-
-    return on_pair
 
 
 def decode_calibrated(golden: GoldenSet, dtype: str) -> bool:

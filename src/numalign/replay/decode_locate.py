@@ -23,19 +23,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from numalign import dtypes
-from numalign.compare.calibration import control_for
-from numalign.compare.model_verdict import DecodeLocation, compare_point, label
-from numalign.compare.tolerances import thresholds_of
+from numalign.compare.model_verdict import DecodeLocation
 from numalign.golden.decode import step_outputs
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.replay.decode import run_decode
 from numalign.replay.inputs import detached
-from numalign.replay.model import hidden_and_depth
+from numalign.replay.model import hidden_and_depth, judge_of
 from numalign.replay.shards import whole
 
 if TYPE_CHECKING:
     import torch
 
+    from numalign.compare.judge import Judge
     from numalign.compare.model_verdict import PointResult
     from numalign.golden.store import GoldenSet
 
@@ -71,7 +70,8 @@ def locate_decode(
     mine = next((c for c in calls if c.point == first.point and c.index == first.call), None)
     if mine is None:
         return DecodeLocation("unlocated", None, f"{first.point} was not called at the step")
-    own = _own_error(golden, model, mine, first.path, dtype, policy)
+    judge = judge_of(golden, dtype, "isolated", hidden_and_depth(model), policy)
+    own = _own_error(judge, model, mine, first.path)
     if isinstance(own, str):
         return DecodeLocation("unlocated", None, own)
     if not own.passed:
@@ -82,7 +82,7 @@ def locate_decode(
         )  # fmt: skip
     before = calls[: calls.index(mine)]
     for call in reversed(before):
-        checked = _own_error(golden, model, call, "0", dtype, policy)
+        checked = _own_error(judge, model, call, "0")
         if not isinstance(checked, str) and not checked.passed:
             return DecodeLocation(
                 "accumulated", call.point,
@@ -122,11 +122,9 @@ def _step_calls(
     return found
 
 
-def _own_error(
-    golden: GoldenSet, model: Any, call: _StepCall, path: str, dtype: str, policy: Any
-) -> Any:
-    """The call's output against its module in float32 on the same input, within the point's
-    isolated budget; a string saying why the module cannot run again."""
+def _own_error(judge: Judge, model: Any, call: _StepCall, path: str) -> Any:
+    """The call's output against its module in float32 on the same input, judged within the
+    point's isolated budget by ``judge``; a string saying why the module cannot run again."""
     import torch
 
     if any(k in call.kwargs for k in _CACHE_KWARGS) or not call.args:
@@ -140,13 +138,9 @@ def _own_error(
         reference = dict(step_outputs(exact(*_up(call.args), **_up(call.kwargs)))).get(path)
     if not isinstance(reference, torch.Tensor):
         return f"{call.point}'s float32 copy gives no output {path}"
-    hidden, depth = hidden_and_depth(model)
-    control = control_for(
-        golden, dtype, call.point, path, "isolated", hidden, depth, thresholds_of(policy)
-    )
     expected = reference.detach().double().cpu()
     actual = whole(actual.detach().cpu(), tuple(expected.shape))  # a tensor-parallel shard
-    return compare_point(actual, expected, label(call.point, path), control, policy)
+    return judge.compare(call.point, path, actual, expected)
 
 
 def _up(value: Any) -> Any:

@@ -14,19 +14,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from numalign import dtypes
 from numalign.compare import CompareResult
-from numalign.compare.calibration import control_for
-from numalign.compare.exact import LeftOut, judge_left_out
+from numalign.compare.exact import LeftOut
+from numalign.compare.judge import Judge, Observation
+from numalign.compare.locate import locate, locate_logits
 from numalign.compare.logits import near_tie
 from numalign.compare.model_verdict import (
     ContinuationResult,
-    Divergence,
     ModelVerdict,
     PointResult,
     ReplayUnsupported,
-    compare_point,
-    first_divergence,
-    judge_logits,
-    label,
     logit_transform,
 )
 from numalign.compare.tolerances import thresholds_of
@@ -41,7 +37,6 @@ from numalign.replay.layer import (
     replay_call,
     request_mask,
 )
-from numalign.replay.leans import POOLED, PointLeans
 from numalign.replay.observe import observe
 from numalign.replay.shards import whole
 from numalign.runtime.compiled import compile_model, take_stats
@@ -241,10 +236,8 @@ def replay_layer(
     """Every recorded call of ``point`` replayed alone; each output against the golden one
     within the isolated calibration's budget."""
 
-    hidden, depth = hidden_and_depth(model)
     module = model.get_submodule(point.name)
-    results = []
-    leans = PointLeans(golden, dtype, hidden, thresholds_of(policy))
+    judge = judge_of(golden, dtype, "isolated", hidden_and_depth(model), policy)
     for request, calls in point.calls.items():
         mask = request_mask(golden, request)
         for index, call in enumerate(calls):
@@ -255,26 +248,30 @@ def replay_layer(
                 actual = outputs.get(path)
                 if actual is None:  # e.g. attention weights, which only eager returns
                     continue
-                expected = kept_positions(golden.tensor(key), mask)
-                control = control_for(
-                    golden,
-                    dtype,
-                    point.name,
-                    path,
-                    "isolated",
-                    hidden,
-                    depth,
-                    thresholds_of(policy),
-                )
-                faults = left_out(actual.detach(), golden.tensor(key), mask)
-                actual = kept_positions(actual.detach(), mask)
-                gathered = whole(actual, tuple(expected.shape))  # a tensor-parallel shard
-                result = judge_left_out(compare_point(gathered, expected, label(point.name, path),
-                                                      control, policy), faults)  # fmt: skip
-                results.append(PointResult(point.name, point.order, request, path, result,
-                                           mode="isolated", call=index))  # fmt: skip
-                leans.add(point.name, path, actual, expected, point.order, len(results))
-    return results + leans.results()
+                truth = golden.tensor(key)
+                expected = kept_positions(truth, mask)
+                faults = left_out(actual.detach(), truth, mask)
+                # a tensor-parallel rank's shard gathered whole
+                actual = whole(kept_positions(actual.detach(), mask), tuple(expected.shape))
+                judge.observe(Observation(point.name, path, request, actual, expected,
+                                          call=index, left_out=faults))  # fmt: skip
+    return judge.points + judge.pooled()
+
+
+def judge_of(
+    golden: GoldenSet,
+    dtype: str,
+    mode: str,
+    hidden_depth: tuple[int, int],
+    policy: Any = None,
+    *,
+    leans: bool = True,
+) -> Judge:
+    """The judge of a replay of ``golden`` in ``dtype`` and ``mode``, its points in the
+    set's order (``hidden_depth``: ``hidden_and_depth`` of the model replayed; ``leans``:
+    whether it pools each point's outputs into a lean)."""
+    order = {p.name: p.order for p in golden.points}
+    return Judge(golden, dtype, mode, *hidden_depth, policy, order=order, leans=leans)
 
 
 def replay_model(
@@ -287,9 +284,8 @@ def replay_model(
 
     torch_dtype = dtypes.torch_dtype(dtype)
     hidden, depth = hidden_and_depth(model)
-    points = {p.name: p for p in golden.points}
-    verdict = ModelVerdict(points=[])
-    leans = PointLeans(golden, dtype, hidden, thresholds_of(policy), mode="accumulated")
+    judge = judge_of(golden, dtype, "accumulated", (hidden, depth), policy)
+    verdict = ModelVerdict(points=judge.points, logits=judge.logits, outputs=judge.outputs)
     # faults in the rows a request's mask leaves out, judged with the point's own result
     pending: dict[tuple[str, str, str, int], LeftOut] = {}
     for request in golden.requests:
@@ -301,19 +297,10 @@ def replay_model(
         def on_output(
             point: str, path: str, actual: Any, expected: Any, call: int, name: str = name
         ) -> None:
-            control = control_for(
-                golden, dtype, point, path, "accumulated", hidden, depth, thresholds_of(policy)
-            )
             actual = whole(actual, tuple(expected.shape))  # a tensor-parallel rank's shard
-            result = compare_point(actual, expected, label(point, path), control, policy)
-            result = judge_left_out(result, pending.pop((name, point, path, call), None))
-            verdict.points.append(
-                PointResult(point, points[point].order, name, path, result,
-                            finished=len(verdict.points), call=call)
-            )  # fmt: skip
-            # the lean ranks where the point's first result does, in the first divergence
-            leans.add(point, path, actual, expected, points[point].order,
-                      verdict.points[-1].finished)  # fmt: skip
+            faults = pending.pop((name, point, path, call), None)
+            judge.observe(Observation(point, path, name, actual, expected, call=call,
+                                      left_out=faults))  # fmt: skip
 
         def on_left_out(
             point: str, path: str, faults: LeftOut, call: int, name: str = name
@@ -328,21 +315,15 @@ def replay_model(
         for output, key in golden.final_outputs(name).items():
             actual = kept_positions(finals[output].detach().float().cpu(), mask)
             expected = kept_positions(golden.tensor(key), mask)
-            control = control_for(
-                golden, dtype, OUTPUT_POINT, output, "output", hidden, depth, thresholds_of(policy)
-            )
-            if output == "logits":
-                logits = whole(actual.to(torch_dtype), tuple(expected.shape))
-                judged = judge_logits(name, logits, expected, control, policy)
-                verdict.logits.append(judged)
-                logits_budget = judged.values.budget.get("max_abs", 0.0) if judged.values else 0.0
-                continue
             final = whole(actual.to(torch_dtype), tuple(expected.shape))
-            result = compare_point(final, expected, output, control, policy)
-            verdict.outputs.append(PointResult(output, len(points), name, "0", result, "output"))
+            if output == "logits":
+                judged = judge.judge_logits(name, final, expected)
+                logits_budget = judged.values.budget.get("max_abs", 0.0) if judged.values else 0.0
+            else:
+                judge.judge_output(name, output, final, expected)
         continuation = golden.continuation(name)
         if continuation is not None and logits_budget > 0:
-            later = later_positions_budget(golden, dtype, hidden, depth, policy)
+            later = later_positions_budget(judge, torch_dtype)
             agreement = continuation_agreement(
                 model,
                 name,
@@ -354,133 +335,57 @@ def replay_model(
                 thresholds_of(policy),
             )
             verdict.continuation.append(agreement)
-    verdict.points += leans.results()  # each point's lean, every request pooled
-    verdict.divergence = locate(golden, model, verdict.points, dtype, device, policy)
-    failing_logits = [lg for lg in verdict.logits if not lg.passed and lg.values is not None]
-    if verdict.divergence is None and failing_logits:
-        # every point within budget and the logits not: the model's logit transform where it
-        # is a point and fails alone; else a point that fails alone (its error, within its
-        # budget in the whole model, carried on to the logits); else after the last capture
-        # point (the logit transform the config names)
-        first = failing_logits[0]
-        assert first.values is not None
-        if _fails_alone(golden, model, LOGIT_TRANSFORM, dtype, device, policy):
-            verdict.divergence = Divergence(LOGIT_TRANSFORM, "local", first.request, first.values)
-            return verdict
-        named = _failing_upstream(golden, model, verdict.points, len(verdict.points), dtype,
-                                  device, policy)  # fmt: skip
-        if named:
-            verdict.divergence = Divergence(
-                OUTPUT_POINT, "accumulated", first.request, first.values, named=named
-            )
-        else:
-            verdict.divergence = Divergence(
-                OUTPUT_POINT, "output", first.request, first.values,
-                why_unlocated=logit_transform(model.config),
-            )  # fmt: skip
+    verdict.points += judge.pooled()  # each point's lean, every request pooled
+    alone = _AloneOnTransformers(golden, model, dtype, device, policy)
+    verdict.divergence = locate(verdict.points, alone) or locate_logits(
+        verdict.points, verdict.logits, alone, LOGIT_TRANSFORM, logit_transform(model.config)
+    )
     return verdict
 
 
-def locate(
-    golden: GoldenSet,
-    model: Any,
-    results: list[PointResult],
-    dtype: str,
-    device: torch.device,
-    policy: Any = None,
-) -> Divergence | None:
-    """The first divergence of a whole-model replay, located: ``local`` when its point,
-    replayed alone on the golden inputs, leaves the isolated budget too, ``accumulated`` when
-    the error comes from upstream."""
-    failing = first_divergence(results)
-    if failing is None:
-        return None
-    try:
-        alone = replay_layer(golden, model, golden.point(failing.point), dtype, device, policy)
-    except AloneUnsupported as exc:  # the whole model's verdict stands; only not located
-        return Divergence(failing.point, "unlocated", failing.request, failing.result, str(exc))
-    if any(not r.result.passed for r in alone):
-        return Divergence(failing.point, "local", failing.request, failing.result)
-    if failing.request == POOLED:  # a lean pooled over requests: no one call to refeed
-        named = _failing_upstream(golden, model, results, failing.finished, dtype, device, policy)
-        return Divergence(failing.point, "accumulated", failing.request, failing.result,
-                          named=named)  # fmt: skip
-    hidden, depth = hidden_and_depth(model)
+@dataclass
+class _AloneOnTransformers:
+    """The transformers model's points replayed alone, for the judge to locate a divergence
+    (``compare.locate.Alone``)."""
 
-    def judge(path: str, actual: Any, expected: Any) -> CompareResult:
-        control = control_for(
-            golden, dtype, failing.point, path, "isolated", hidden, depth, thresholds_of(policy)
-        )
-        actual = whole(actual, tuple(expected.shape))  # a tensor-parallel rank's shard
-        return compare_point(actual, expected, label(failing.point, path), control, policy)
+    golden: GoldenSet
+    model: Any
+    dtype: str
+    device: torch.device
+    policy: Any
 
-    faulty = input_at_fault(golden, model, failing.point, failing.request, failing.call,
-                            judge, device, dtypes.torch_dtype(dtype))  # fmt: skip
-    keywords = [f for f in faulty or () if not f.name.startswith("args[")]
-    if keywords:
-        return Divergence(failing.point, "input", failing.request, failing.result,
-                          inputs=tuple((f.name, f.differs) for f in keywords))  # fmt: skip
-    named = _failing_upstream(golden, model, results, failing.finished, dtype, device, policy)
-    return Divergence(failing.point, "accumulated", failing.request, failing.result,
-                      named=named)  # fmt: skip
+    def replay_alone(self, point: str) -> list[PointResult]:
+        if point not in {p.name for p in self.golden.points}:
+            raise AloneUnsupported(f"the set has no point {point}")
+        return replay_layer(self.golden, self.model, self.golden.point(point), self.dtype,
+                            self.device, self.policy)  # fmt: skip
+
+    def inputs_at_fault(self, failing: PointResult) -> tuple[tuple[str, str], ...] | None:
+        judge = judge_of(self.golden, self.dtype, "isolated", hidden_and_depth(self.model),
+                         self.policy)  # fmt: skip
+
+        def judged(path: str, actual: Any, expected: Any) -> CompareResult:
+            actual = whole(actual, tuple(expected.shape))  # a tensor-parallel rank's shard
+            return judge.compare(failing.point, path, actual, expected)
+
+        faulty = input_at_fault(self.golden, self.model, failing.point, failing.request,
+                                failing.call, judged, self.device,
+                                dtypes.torch_dtype(self.dtype))  # fmt: skip
+        if faulty is None:
+            return None
+        return tuple((f.name, f.differs) for f in faulty if not f.name.startswith("args["))
 
 
-#: How many points before an accumulated divergence are replayed alone to find the one that
-#: errs itself: a block's worth (norms, attention, MLP) and the block before it.
-UPSTREAM_POINTS = 8
-
-
-def _failing_upstream(
-    golden: GoldenSet,
-    model: Any,
-    results: list[PointResult],
-    finished: int,
-    dtype: str,
-    device: torch.device,
-    policy: Any,
-) -> str | None:
-    """The latest of the ``UPSTREAM_POINTS`` points that finished before the ``finished``-th
-    result (in the order the forward called them) that fails alone on the golden inputs, its
-    pooled lean included: the module whose error, within its own budget in the whole model,
-    the failing point (or the logits) carries on."""
-    first: dict[str, int] = {}
-    for r in results:
-        if r.finished < finished:
-            first[r.point] = min(first.get(r.point, r.finished), r.finished)
-    before = sorted(first.items(), key=lambda item: item[1])
-    for point, _ in reversed(before[-UPSTREAM_POINTS:]):
-        if point != OUTPUT_POINT and _fails_alone(golden, model, point, dtype, device, policy):
-            return point
-    return None
-
-
-def _fails_alone(
-    golden: GoldenSet, model: Any, point: str, dtype: str, device: torch.device, policy: Any
-) -> bool:
-    """Whether the set's ``point`` fails replayed alone on the golden inputs, its pooled lean
-    included (False where the set has no such point, or it cannot run alone)."""
-    if point not in {p.name for p in golden.points}:
-        return False
-    try:
-        alone = replay_layer(golden, model, golden.point(point), dtype, device, policy)
-    except AloneUnsupported:  # needs the model's shared state: not judged alone
-        return False
-    return any(not r.result.passed for r in alone)
-
-
-def later_positions_budget(
-    golden: GoldenSet, dtype: str, hidden: int, depth: int, policy: Any
-) -> Callable[[Any, Any], float]:
+def later_positions_budget(judge: Judge, torch_dtype: Any) -> Callable[[Any, Any], float]:
     """The max-abs budget of logits at a position after the prompt, from the set's decode
     calibration (0 where it has none): ``budget(actual, expected)``."""
-    control = control_for(golden, dtype, OUTPUT_POINT, "logits", "decode", hidden, depth,
-                          thresholds_of(policy))  # fmt: skip
-    torch_dtype = dtypes.torch_dtype(dtype)
+    control = judge.control(OUTPUT_POINT, "logits", "decode")
 
     def budget(actual: Any, expected: Any) -> float:
         if not control.calibrated:
             return 0.0
-        result = compare_point(actual.to(torch_dtype), expected, "logits", control, policy)
+        result = judge.compare(OUTPUT_POINT, "logits", actual.to(torch_dtype), expected,
+                               "decode", "logits")  # fmt: skip
         return float(result.budget.get("max_abs", 0.0))
 
     return budget

@@ -4,22 +4,20 @@ session's settings ask for."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign import dtypes
 from numalign.compare.decode_verdict import DecodeVerdict
+from numalign.compare.signature import Signature, unexplained
 from numalign.replay.decode import decode_unavailable, replay_decode
 from numalign.replay.decode_locate import locate_decode
-from numalign.replay.leans import POOLED
 from numalign.replay.model import ModelCache, open_fresh
 from numalign.replay.paged import PAGED_ATTENTION, PagedUnsupported, paged_divergence
 
 if TYPE_CHECKING:
     import torch
 
-    from numalign.compare.lean import Lean
     from numalign.golden.store import GoldenSet
     from numalign.settings import Settings
 
@@ -94,94 +92,24 @@ def known_divergence(
     reason = paged_divergence(model)
     if reason is None:
         return None
-    unexplained = _unexplained(golden, verdict, dtype, device)
-    if unexplained:
+    if unexplained(verdict, _signature(golden, dtype, device)):
         return None
     return reason
 
 
-def _unexplained(
-    golden: GoldenSet, verdict: DecodeVerdict, dtype: str, device: torch.device | str
-) -> list[str]:
-    """The failing results of ``verdict`` whose errors differ from the signature model's
-    (the reference without soft-capping, decoded with the reference's cache) by more than
-    their budget."""
+def _signature(golden: GoldenSet, dtype: str, device: torch.device | str) -> Signature:
+    """The errors of the signature model (the reference without soft-capping, decoded with
+    the reference's cache) on every decode request."""
     import torch
 
-    from numalign.compare import compute_metrics
-    from numalign.compare.lean import LeanSums
-    from numalign.compare.logits import logits_stats
     from numalign.golden.decode import REFERENCE_CACHE
-    from numalign.golden.manifest import OUTPUT_POINT
     from numalign.replay.decode import run_decode
     from numalign.replay.paged import signature_model
 
-    torch_dtype = dtypes.torch_dtype(dtype)
     model = signature_model(golden, dtype, device)
-    errors: dict[tuple[str, int, str, str, int], tuple[float, float, float]] = {}
-    leans: dict[tuple[str, str], LeanSums] = {}
-
-    def on_pair(request: str, step: int, point: str, path: str, actual: Any,
-                expected: Any, call: int = 0) -> None:  # fmt: skip
-        m = compute_metrics(actual, expected)
-        kl = logits_stats(actual, expected, 0.0).kl_max if point == OUTPUT_POINT else 0.0
-        errors[(request, step, point, path, call)] = (m.max_abs, m.rel_l2, kl)
-        leans.setdefault((point, path), LeanSums()).add(actual, expected)
-
+    signature = Signature()
     with torch.no_grad():
         for request in golden.decode_requests:
-            run_decode(golden, model, request, REFERENCE_CACHE, torch_dtype, device, on_pair)
-    out = []
-    for r in verdict.points:
-        if r.result.passed:
-            continue
-        if r.request == POOLED:  # a pooled lean: against the signature model's own lean
-            sums = leans.get((r.point, r.path))
-            if sums is None or not _same_lean(r.result.budget, sums.finish()):
-                out.append(f"{r.point}'s pooled lean")
-            continue
-        signature = errors.get((r.request, r.step or 0, r.point, r.path, r.call))
-        if signature is None or not _within(r.result, signature[:2]):
-            out.append(f"{r.point} at step {r.step}, request {r.request}")
-    for lg in verdict.logits:
-        if lg.passed or lg.values is None or lg.stats is None:
-            continue
-        signature = errors.get((lg.request, lg.step or 0, OUTPUT_POINT, "logits", 0))
-        # to second order a KL divergence is a squared distance (half the chi-squared of the
-        # log-ratio), so the engine's and the signature's distances from the reference differ
-        # by at most the distance between them: within the budget's when they agree
-        kl_ok = signature is not None and abs(
-            math.sqrt(max(lg.stats.kl_max, 0.0)) - math.sqrt(max(signature[2], 0.0))
-        ) <= math.sqrt(lg.kl_budget)
-        if signature is None or not (_within(lg.values, signature[:2]) and kl_ok):
-            out.append(f"the logits at step {lg.step}, request {lg.request}")
-    return out
-
-
-def _same_lean(budget: dict[str, float], signature: Lean | None) -> bool:
-    """The engine's pooled lean (``budget``'s ``lean_scale`` and ``lean_offset``, from
-    ``replay.leans``) is one the signature model explains: of the signature's sign where it
-    leans beyond the honest range, and no larger than the signature's lean plus the honest
-    range's width (widened by the upstream allowance both ways) and three standard errors of
-    each (the signature decodes with the reference's cache, so its steps' errors differ in
-    detail, not in kind)."""
-    if signature is None:
-        return False
-    upstream = budget.get("lean_upstream", 0.0)
-    for kind in ("scale", "offset"):
-        width = budget.get(f"{kind}_high", 0.0) - budget.get(f"{kind}_low", 0.0) + 2 * upstream
-        se = math.hypot(budget.get(f"lean_{kind}_se", 0.0), getattr(signature, f"{kind}_se"))
-        engine, explained = budget.get(f"lean_{kind}", 0.0), getattr(signature, kind)
-        allowed = width + 3 * se
-        if abs(engine) > allowed and (
-            engine * explained < 0 or abs(engine) > abs(explained) + allowed
-        ):
-            return False
-    return True
-
-
-def _within(result: Any, signature: tuple[float, float]) -> bool:
-    """The result's max abs and relative L2 errors equal the signature's within its budget."""
-    budget, metrics = result.budget, result.metrics
-    same_max = abs(metrics.max_abs - signature[0]) <= budget.get("max_abs", 0.0)
-    return bool(same_max and abs(metrics.rel_l2 - signature[1]) <= budget.get("rel_l2", 0.0))
+            run_decode(golden, model, request, REFERENCE_CACHE, dtypes.torch_dtype(dtype),
+                       device, signature.add)  # fmt: skip
+    return signature

@@ -5,7 +5,7 @@ any replay, how small a systematic error its budgets can see there.
 Every comparison computes its own power (``CompareResult.detectable``, ``compare.power``):
 the smallest relative scale and additive bias (in units of the truth's RMS) that its rules
 would have failed. Here each point output calibrated in a dtype and mode is compared as a
-replay compares it, by the one judge (``compare_point`` within ``control_for``'s control),
+replay compares it, by the one judge (``compare.judge.Judge``),
 against a stand-in candidate: the golden truth rounded to the dtype, the most honest
 candidate there is (the figures hold the candidate's own noise out, and rounding is the
 least of it). The set's figure is the largest over the point's requests and calls (the
@@ -15,7 +15,7 @@ replays: ``isolated`` (each call, probes included, as layer replay judges it) an
 which no request makes). Boolean and integer outputs have no power (their rules are exact,
 not about a size), and neither has an output the set holds no calibration of.
 
-The pooled lean rule (``replay.leans``) and decode and logits verdicts are not figured here:
+The pooled lean rule (``compare.pooled``) and decode and logits verdicts are not figured here:
 they judge many outputs together or outputs that are not a capture point's call.
 """
 
@@ -27,9 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign import dtypes
-from numalign.compare.calibration import control_for
-from numalign.compare.model_verdict import Uncalibrated, compare_point, label
-from numalign.compare.tolerances import thresholds_of
+from numalign.compare.judge import Judge
+from numalign.compare.model_verdict import Uncalibrated
 from numalign.golden.manifest import PROBE_REQUEST, PowerJson
 from numalign.replay.layer import kept_positions, request_mask
 from numalign.replay.model import hidden_and_depth
@@ -81,7 +80,7 @@ def _point_power(
     calls, for the outputs ``dtype`` calibrates (the expected tensor taken as
     ``replay_layer`` takes it: the positions the request's mask keeps)."""
     torch_dtype = dtypes.torch_dtype(dtype)
-    thresholds = thresholds_of(policy)
+    judges = {m: Judge(golden, dtype, m, hidden, depth, policy, leans=False) for m in MODES}
     worst: dict[str, dict[str, dict[str, float]]] = {}
     for request, calls in point.calls.items():
         mask = request_mask(golden, request)
@@ -94,24 +93,21 @@ def _point_power(
                     continue
                 expected = kept_positions(golden.tensor(key), mask)
                 for mode in modes:
-                    control = control_for(golden, dtype, point.name, path, mode, hidden, depth,
-                                          thresholds)  # fmt: skip
-                    found = _detectable(expected, torch_dtype, label(point.name, path),
-                                        control, policy)  # fmt: skip
+                    found = _detectable(judges[mode], point.name, path, expected, torch_dtype)
                     if found is not None:
                         _keep_worst(worst.setdefault(path, {}), mode, found)
     return worst
 
 
 def _detectable(
-    expected: Any, torch_dtype: Any, name: str, control: Any, policy: Any
+    judge: Judge, point: str, path: str, expected: Any, torch_dtype: Any
 ) -> Detectable | None:
     """The power of one comparison of the truth rounded to ``torch_dtype`` against the
     truth; None where the judge has none (not floating) or refuses it (uncalibrated)."""
     if not expected.is_floating_point():
         return None
     try:
-        result = compare_point(expected.to(torch_dtype), expected, name, control, policy)
+        result = judge.compare(point, path, expected.to(torch_dtype), expected)
     except Uncalibrated:
         return None
     return result.detectable

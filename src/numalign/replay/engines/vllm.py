@@ -28,19 +28,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign import dtypes
-from numalign.compare.calibration import control_for
 from numalign.compare.decode_verdict import DecodeVerdict
+from numalign.compare.judge import Observation
+from numalign.compare.locate import locate
 from numalign.compare.model_verdict import (
     Divergence,
     ModelVerdict,
     PointResult,
-    compare_point,
-    first_divergence,
-    judge_logits,
     label,
 )
 from numalign.compare.routing import ROUTING
-from numalign.compare.tolerances import thresholds_of
 from numalign.golden.manifest import OUTPUT_POINT
 from numalign.golden.requests import unservable
 from numalign.replay.decode import decode_unavailable, require_decode_calibration
@@ -54,14 +51,14 @@ from numalign.replay.engines.vllm_points import (
     reference_output,
     residual_output,
 )
-from numalign.replay.layer import kept_positions, request_mask
-from numalign.replay.leans import PointLeans
-from numalign.replay.model import hidden_and_depth, open_fresh
+from numalign.replay.layer import AloneUnsupported, kept_positions, request_mask
+from numalign.replay.model import hidden_and_depth, judge_of, open_fresh
 from numalign.runtime.variant import Variant
 
 if TYPE_CHECKING:
     import torch
 
+    from numalign.compare.judge import Judge
     from numalign.golden.store import GoldenSet, Point
     from numalign.settings import Settings
 
@@ -153,9 +150,11 @@ class VllmEngine:
         golden = open_fresh(path)
         running = self._engine(golden, dtype)
         served = self._serve(golden, dtype)
-        verdict = ModelVerdict(points=[])
         unmapped = _unmapped(running.mapping)
-        hidden, depth = hidden_and_depth_of(running)
+        # the engine's model replay pools no leans (as before the one judge; see docs/vllm.md)
+        judge = judge_of(golden, dtype, "accumulated", hidden_and_depth_of(running), policy,
+                         leans=False)  # fmt: skip
+        verdict = ModelVerdict(points=judge.points, logits=judge.logits)
         torch_dtype = dtypes.torch_dtype(dtype)
         for request in golden.requests:
             rows = _rows(golden, request.name)
@@ -166,8 +165,7 @@ class VllmEngine:
             for pm in running.mapping:
                 if pm.module is None:
                     continue
-                point = golden.point(pm.point)
-                calls = point.calls.get(request.name)
+                calls = golden.point(pm.point).calls.get(request.name)
                 if not calls:  # the point does not run for this request
                     continue
                 for path, key in calls[0].outputs.items():
@@ -184,39 +182,16 @@ class VllmEngine:
                             f"{tuple(expected.shape)}"
                         )
                         continue
-                    control = control_for(
-                        golden,
-                        dtype,
-                        pm.point,
-                        path,
-                        "accumulated",
-                        hidden,
-                        depth,
-                        thresholds_of(policy),
-                    )
-                    result = compare_point(actual.to(torch_dtype), expected, label(pm.point, path),
-                                           control, policy)  # fmt: skip
-                    verdict.points.append(PointResult(
-                        pm.point, point.order, request.name, path, result,
+                    judge.observe(Observation(
+                        pm.point, path, request.name, actual.to(torch_dtype), expected,
                         finished=served.order.get(pm.module, 0),
                     ))  # fmt: skip
-            verdict.points += _residuals(served, golden, request.name, rows, running.mapping,
-                                         dtype, hidden, depth, policy)  # fmt: skip
+            _residuals(judge, served, golden, request.name, rows, running.mapping, torch_dtype)
             finals = golden.final_outputs(request.name)
             if "logits" in finals:
                 expected = kept_positions(golden.tensor(finals["logits"]), mask)
                 actual = _prompt_rows(served, rows, OUTPUT_POINT).to(torch_dtype)
-                control = control_for(
-                    golden,
-                    dtype,
-                    OUTPUT_POINT,
-                    "logits",
-                    "output",
-                    hidden,
-                    depth,
-                    thresholds_of(policy),
-                )
-                verdict.logits.append(judge_logits(request.name, actual, expected, control, policy))
+                judge.judge_logits(request.name, actual, expected)
         verdict.divergence = self._locate(golden, dtype, verdict.points, policy)
         verdict.unmapped = unmapped
         return Replayed(golden, verdict, self._context(golden, running))
@@ -231,12 +206,12 @@ class VllmEngine:
             return Replayed(golden, None, skipped=reason)
         running = self._engine(golden, dtype)
         served = self._serve(golden, dtype)
-        verdict = DecodeVerdict(cache)
         unmapped = _unmapped(running.mapping)
-        hidden, depth = hidden_and_depth_of(running)
+        judge = judge_of(golden, dtype, "decode", hidden_and_depth_of(running), policy,
+                         leans=False)  # fmt: skip
+        verdict = DecodeVerdict(cache, points=judge.points, logits=judge.logits)
         torch_dtype = dtypes.torch_dtype(dtype)
         modules = {pm.point: pm.module for pm in running.mapping if pm.module is not None}
-        order = {p.name: p.order for p in golden.points}
         for request in golden.decode_requests:
             rows = _rows(golden, request)
             decode = golden.decode(request)
@@ -252,38 +227,13 @@ class VllmEngine:
                         if path != "0":
                             continue
                         actual = _step_rows(served, rows, modules[point], number)
-                        control = control_for(
-                            golden,
-                            dtype,
-                            point,
-                            path,
-                            "decode",
-                            hidden,
-                            depth,
-                            thresholds_of(policy),
-                        )
-                        expected = golden.tensor(key)
-                        result = compare_point(actual.to(torch_dtype), expected,
-                                               label(point, path), control, policy)  # fmt: skip
-                        verdict.points.append(PointResult(
-                            point, order.get(point, len(order)), request, path, result, "decode",
-                            finished=served.order.get(modules[point], 0), step=number,
+                        judge.observe(Observation(
+                            point, path, request, actual.to(torch_dtype), golden.tensor(key),
+                            step=number, finished=served.order.get(modules[point], 0),
                         ))  # fmt: skip
                 logits = _step_rows(served, rows, OUTPUT_POINT, number)[:, 0]
-                control = control_for(
-                    golden,
-                    dtype,
-                    OUTPUT_POINT,
-                    "logits",
-                    "decode",
-                    hidden,
-                    depth,
-                    thresholds_of(policy),
-                )
-                judged = judge_logits(request, logits.to(torch_dtype), golden.tensor(step.logits),
-                                      control, policy)  # fmt: skip
-                judged.step = number
-                verdict.logits.append(judged)
+                judge.judge_logits(request, logits.to(torch_dtype), golden.tensor(step.logits),
+                                   step=number)  # fmt: skip
         verdict.unmapped = unmapped
         context = self._context(golden, running, cache)
         return Replayed(golden, verdict, context)
@@ -299,9 +249,10 @@ class VllmEngine:
             return Replayed(golden, [], context, skipped=COMPILED)
         if pm.module is None:
             return Replayed(golden, [], context, skipped=f"unmapped: {pm.reason}")
-        results = _isolated(running, golden, golden.point(point), pm.module, dtype, policy)
-        if isinstance(results, str):
-            return Replayed(golden, [], context, skipped=results)
+        try:
+            results = _isolated(running, golden, golden.point(point), pm.module, dtype, policy)
+        except AloneUnsupported as exc:
+            return Replayed(golden, [], context, skipped=str(exc))
         return Replayed(golden, results, context)
 
     def close(self) -> None:
@@ -442,17 +393,30 @@ class VllmEngine:
     def _locate(
         self, golden: GoldenSet, dtype: str, results: list[PointResult], policy: Any
     ) -> Divergence | None:
-        """The first divergence, located by replaying its point's vLLM module alone."""
-        failing = first_divergence(results)
-        if failing is None:
-            return None
-        running = self._engine(golden, dtype)
-        module = next(m.module for m in running.mapping if m.point == failing.point)
-        alone = _isolated(running, golden, golden.point(failing.point), module or "", dtype, policy)
-        if isinstance(alone, str):
-            return Divergence(failing.point, "unlocated", failing.request, failing.result, alone)
-        kind = "local" if any(not r.result.passed for r in alone) else "accumulated"
-        return Divergence(failing.point, kind, failing.request, failing.result)
+        """The first divergence, located by the judge with the points' vLLM modules replayed
+        alone."""
+        return locate(results, _AloneOnVllm(self._engine(golden, dtype), golden, dtype, policy))
+
+
+@dataclass
+class _AloneOnVllm:
+    """vLLM's modules replayed alone on the golden inputs, for the judge to locate a
+    divergence (``compare.locate.Alone``); the model's own inputs are not taken."""
+
+    running: _Running
+    golden: GoldenSet
+    dtype: str
+    policy: Any
+
+    def replay_alone(self, point: str) -> list[PointResult]:
+        module = next((m.module for m in self.running.mapping if m.point == point), None)
+        if point not in {p.name for p in self.golden.points}:
+            raise AloneUnsupported(f"the set has no point {point}")
+        return _isolated(self.running, self.golden, self.golden.point(point), module or "",
+                         self.dtype, self.policy)  # fmt: skip
+
+    def inputs_at_fault(self, failing: PointResult) -> None:
+        return None
 
 
 #: Why no point inside the model is read under --compile.
@@ -681,28 +645,26 @@ def _hooked(running: _Running, served: _Served) -> Iterator[None]:
 
 def _isolated(
     running: _Running, golden: GoldenSet, point: Point, module_name: str, dtype: str, policy: Any
-) -> list[PointResult] | str:
+) -> list[PointResult]:
     """Every recorded call of ``point`` run alone through vLLM's ``module_name`` on the golden
     inputs (their kept positions, flattened as vLLM's tokens), against the isolated
-    calibration; a string saying why the module cannot run alone."""
+    calibration; AloneUnsupported saying why where the module cannot run alone."""
     import torch
     from vllm.forward_context import set_forward_context
 
     if not module_name:
-        return f"{point.name} has no vLLM module"
+        raise AloneUnsupported(f"{point.name} has no vLLM module")
     model = running.model
     # the head alone is the engine's logits computation on the head's input
     module = _LogitsOf(model) if module_name == LM_HEAD else model.get_submodule(module_name)
     attention = [n for n, m in module.named_modules() if type(m).__name__ == "Attention"]
     if attention:
-        return (
+        raise AloneUnsupported(
             f"vLLM's {module_name} runs attention, which needs the engine's forward context "
             "(attention metadata and KV cache): replayed in the full model only"
         )
-    hidden, depth = hidden_and_depth_of(running)
+    judge = judge_of(golden, dtype, "isolated", hidden_and_depth_of(running), policy)
     torch_dtype = dtypes.torch_dtype(dtype)
-    results = []
-    leans = PointLeans(golden, dtype, hidden, thresholds_of(policy))
     for request, calls in point.calls.items():
         if "pixel_values" in golden.request(request).inputs:
             continue
@@ -714,7 +676,7 @@ def _isolated(
                 else call.kwargs.get("hidden_states")
             )
             if not isinstance(key, str):
-                return (
+                raise AloneUnsupported(
                     f"the golden call of {point.name} has no hidden-states input to feed "
                     f"vLLM's {module_name}"
                 )
@@ -730,27 +692,20 @@ def _isolated(
                 ):
                     out = reference_output(module, module(x))
             except Exception as exc:  # the module needs more than its input: say what
-                return (
+                raise AloneUnsupported(
                     f"vLLM's {module_name} does not run alone on its input "
                     f"({type(exc).__name__}: {exc})"
-                )
+                ) from None
             expected = _tokens(golden.tensor(call.outputs["0"]), mask)
-            control = control_for(
-                golden, dtype, point.name, "0", "isolated", hidden, depth, thresholds_of(policy)
-            )
-            result = compare_point(out.detach().float().to(torch_dtype), expected, point.name,
-                                   control, policy)  # fmt: skip
-            results.append(PointResult(point.name, point.order, request, "0", result, "isolated"))
-            leans.add(point.name, "0", out.detach().float().to(torch_dtype), expected, point.order,
-                      len(results))  # fmt: skip
+            actual = out.detach().float().to(torch_dtype)
+            judge.observe(Observation(point.name, "0", request, actual, expected, finished=0))
             stream = _fused_residual(module, x, running)
             if stream is not None:  # the fused add of the stream and zeros gives the stream
-                result = compare_point(stream.to(torch_dtype), x, label(point.name, RESIDUAL),
-                                       control, policy)  # fmt: skip
-                results.append(
-                    PointResult(point.name, point.order, request, RESIDUAL, result, "isolated")
-                )
-    return results + leans.results()
+                judge.observe(Observation(
+                    point.name, RESIDUAL, request, stream.to(torch_dtype), x, finished=0,
+                    control_of=(point.name, "0"),
+                ))  # fmt: skip
+    return judge.points + judge.pooled()
 
 
 def _fused_residual(module: Any, x: Any, running: _Running) -> Any:
@@ -772,42 +727,35 @@ def _fused_residual(module: Any, x: Any, running: _Running) -> Any:
 
 
 def _residuals(
+    judge: Judge,
     served: _Served,
     golden: GoldenSet,
     request: str,
     rows: list[tuple[str, int]],
     mapping: list[PointMap],
-    dtype: str,
-    hidden: int,
-    depth: int,
-    policy: Any,
-) -> list[PointResult]:
+    torch_dtype: Any,
+) -> None:
     """Each fused add + norm's residual stream against the reference norm's input (the
     stream entering it), within the accumulated budget of the block that holds the norm (the
-    stream's error at that depth); norms outside a captured block are not judged so."""
+    stream's error at that depth), handed to ``judge``; norms outside a captured block are
+    not judged so."""
     points = {p.name for p in golden.points}
-    out = []
     for pm in mapping:
         parent = pm.point.rpartition(".")[0]
         name = f"{pm.module}.{RESIDUAL}"
         if pm.module is None or parent not in points or (rows[0][0], name) not in served.chunks:
             continue
-        point = golden.point(pm.point)
-        if not point.calls.get(request):
+        calls = golden.point(pm.point).calls.get(request)
+        if not calls:
             continue
-        call = point.calls[request][0]
-        key = call.args[0] if call.args and call.args[0] is not None else None
+        key = calls[0].args[0] if calls[0].args and calls[0].args[0] is not None else None
         if not isinstance(key, str):
             continue
         expected = kept_positions(golden.tensor(key), request_mask(golden, request))
-        actual = _prompt_rows(served, rows, name).to(dtypes.torch_dtype(dtype))
-        control = control_for(
-            golden, dtype, parent, "0", "accumulated", hidden, depth, thresholds_of(policy)
-        )
-        result = compare_point(actual, expected, label(pm.point, RESIDUAL), control, policy)
-        out.append(PointResult(pm.point, point.order, request, RESIDUAL, result,
-                               finished=served.order.get(name, 0)))  # fmt: skip
-    return out
+        actual = _prompt_rows(served, rows, name).to(torch_dtype)
+        judge.observe(Observation(pm.point, RESIDUAL, request, actual, expected,
+                                  finished=served.order.get(name, 0),
+                                  control_of=(parent, "0")))  # fmt: skip
 
 
 class _LogitsOf:

@@ -1,4 +1,4 @@
-"""The lean rule of the model suites: a capture point's outputs pooled over every request and
+"""The pooled lean rule of the model suites: a capture point's outputs pooled over every request and
 call (and decode step), and their leans (``compare.lean``) judged against the range the set's
 isolated calibration reached in the same dtype. A pooled lean resolves a systematic error far
 below one rounding per element (a norm 0.3% too large in bfloat16), which the
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from numalign.compare import CompareResult, Metrics
-from numalign.compare.calibration import LEAN_STATISTICS, ControlStats
+from numalign.compare.calibration import LEAN_STATISTICS, Calibrated, ControlStats
 from numalign.compare.lean import Lean, LeanSums, judge_lean, lean_uses
 from numalign.compare.metrics import signed_percent
 from numalign.compare.model_verdict import PointResult, label
@@ -31,8 +31,6 @@ from numalign.compare.tolerances import Thresholds
 
 if TYPE_CHECKING:
     import torch
-
-    from numalign.golden.store import GoldenSet
 
 #: The request name of a pooled result: every request of the replay.
 POOLED = "all requests"
@@ -46,7 +44,7 @@ class PointLeans:
     ``mode``: the replay's, ``isolated``, ``accumulated`` or ``decode``, whose calibrated
     relative L2 error widens the range inside the model)."""
 
-    golden: GoldenSet
+    golden: Calibrated
     dtype: str
     reduction: int = 1
     thresholds: Thresholds | None = None

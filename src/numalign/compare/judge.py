@@ -1,0 +1,163 @@
+"""The one judge of the model suites: what an engine observed in, verdicts out.
+
+An engine (transformers, the paged server, vLLM, a compiled model, tensor-parallel ranks)
+runs the model and hands on an :class:`Observation` for each output of each call of a
+capture point it computed, in each request and decode step: the tensor and the golden one it
+stands beside. A :class:`Judge` holds what a verdict rests on (the set's calibration, the
+replay's dtype and mode, the reduction length behind each point, the policy) and turns each
+observation into a ``PointResult``, the logits into a ``LogitsResult``, and pools each
+point's outputs into its lean (``compare.pooled``). Engines decide nothing: which control a
+point gets, which rule an output kind goes to, what a failing KV cache state's cause is, all
+live here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from numalign.compare.calibration import CACHE_POINT, OUTPUT_POINT, control_for
+from numalign.compare.cause import in_cache
+from numalign.compare.exact import LeftOut, judge_left_out
+from numalign.compare.model_verdict import (
+    LogitsResult,
+    PointResult,
+    compare_point,
+    judge_logits,
+    label,
+)
+from numalign.compare.pooled import PointLeans
+from numalign.compare.tolerances import thresholds_of
+
+if TYPE_CHECKING:
+    import torch
+
+    from numalign.compare.calibration import Calibrated, Control
+    from numalign.compare.result import CompareResult
+
+#: The modes a point is judged in: alone on the golden inputs, inside the whole model, the
+#: model's own outputs, and at a decode step.
+MODES = ("isolated", "accumulated", "output", "decode")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One output of one call of a capture point as an engine computed it (``actual``, whole:
+    a tensor-parallel rank's shard gathered, the positions a request's mask keeps) beside the
+    golden one (``expected``, the same positions). ``finished``: when the call completed in
+    the engine's forward (children before their parents; the judge's own count where None);
+    ``step``: the decode step (0: the prefill's cache); ``left_out``: faults in the rows the
+    comparison leaves out (padding), which fail the point that produced them; ``control_of``:
+    the point output whose control judges this one where it has none of its own (a fused
+    add + norm's residual stream: the stream's error where it enters the norm)."""
+
+    point: str
+    path: str
+    request: str
+    actual: torch.Tensor
+    expected: torch.Tensor
+    call: int = 0
+    step: int | None = None
+    finished: int | None = None
+    left_out: LeftOut | None = None
+    control_of: tuple[str, str] | None = None
+
+
+@dataclass
+class Judge:
+    """Judges a replay's observations in one ``mode`` (``MODES``) and dtype against
+    ``golden``'s calibration: ``hidden`` and ``depth`` give the reduction length behind each
+    control (``control_for``), ``order`` each point's order in the set (a point it lacks
+    sorts last). ``points``, ``logits`` and ``outputs`` (an encoder's final hidden states)
+    collect the verdicts in the order observed;
+    ``pooled`` judges the pooled leans once every observation is in (``leans``: False where
+    the replay pools none)."""
+
+    golden: Calibrated
+    dtype: str
+    mode: str
+    hidden: int
+    depth: int
+    policy: Any = None
+    order: dict[str, int] = field(default_factory=dict)
+    leans: bool = True
+    points: list[PointResult] = field(default_factory=list)
+    logits: list[LogitsResult] = field(default_factory=list)
+    outputs: list[PointResult] = field(default_factory=list)
+    _leans: PointLeans = field(init=False)
+    _controls: dict[tuple[str, str, str], Control] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"no judge mode {self.mode!r}: one of {', '.join(MODES)}")
+        self._leans = PointLeans(self.golden, self.dtype, self.hidden,
+                                 thresholds_of(self.policy), mode=self.mode)  # fmt: skip
+
+    def control(self, point: str, path: str, mode: str | None = None) -> Control:
+        """The control of ``point``'s output ``path`` in the judge's dtype and ``mode`` (the
+        judge's own by default), computed once."""
+        key = (point, path, mode or self.mode)
+        if key not in self._controls:
+            self._controls[key] = control_for(
+                self.golden, self.dtype, point, path, key[2], self.hidden, self.depth,
+                thresholds_of(self.policy),
+            )  # fmt: skip
+        return self._controls[key]
+
+    def compare(self, point: str, path: str, actual: torch.Tensor, expected: torch.Tensor,
+                mode: str | None = None, name: str | None = None) -> CompareResult:  # fmt: skip
+        """One output against its control, recorded nowhere (a decision's side question:
+        whether a point fails alone, the budget of a later position); ``name``: the result's,
+        the point's label by default."""
+        control = self.control(point, path, mode)
+        return compare_point(actual, expected, name or label(point, path), control, self.policy)
+
+    def observe(self, seen: Observation) -> PointResult | LogitsResult:
+        """``seen`` judged and kept: the model's logits by the logits rule (``logits``),
+        every other output by its kind's rule within its control (``points``), pooled into
+        its point's lean where the judge pools them."""
+        if seen.point == OUTPUT_POINT and seen.path == "logits":
+            return self.judge_logits(seen.request, seen.actual, seen.expected, step=seen.step)
+        point, path = seen.control_of or (seen.point, seen.path)
+        result = self.compare(point, path, seen.actual, seen.expected,
+                              name=label(seen.point, seen.path))  # fmt: skip
+        result = judge_left_out(result, seen.left_out)
+        if seen.point == CACHE_POINT and seen.step is not None:
+            # an error at some cached positions after a decode step is the cache's
+            result = replace(result, cause=in_cache(result.cause, seen.path, seen.step))
+        finished = len(self.points) if seen.finished is None else seen.finished
+        order = self.order.get(seen.point, len(self.order))
+        judged = PointResult(seen.point, order, seen.request, seen.path, result, self.mode,
+                             finished=finished, step=seen.step, call=seen.call)  # fmt: skip
+        self.points.append(judged)
+        if self.leans and seen.point not in (CACHE_POINT, OUTPUT_POINT):
+            # the lean ranks where the point's first result does, in the first divergence
+            self._leans.add(seen.point, seen.path, seen.actual, seen.expected, order,
+                            judged.finished)  # fmt: skip
+        return judged
+
+    def judge_logits(self, request: str, actual: torch.Tensor, expected: torch.Tensor,
+                     step: int | None = None) -> LogitsResult:  # fmt: skip
+        """One request's logits (at decode ``step``, or the prompt's in mode ``output``)
+        against the golden ones, kept in ``logits``."""
+        mode = "decode" if step is not None else "output"
+        judged = judge_logits(request, actual, expected, self.control(OUTPUT_POINT, "logits", mode),
+                              self.policy)  # fmt: skip
+        judged.step = step
+        self.logits.append(judged)
+        return judged
+
+    def judge_output(self, request: str, output: str, actual: torch.Tensor,
+                     expected: torch.Tensor) -> PointResult:  # fmt: skip
+        """One of the model's own outputs other than logits (an encoder's hidden states)
+        against its control in mode ``output``, kept in ``outputs``; it ranks after every
+        point."""
+        result = self.compare(OUTPUT_POINT, output, actual, expected, "output", output)
+        judged = PointResult(output, len(self.order), request, "0", result, "output")
+        self.outputs.append(judged)
+        return judged
+
+    def pooled(self) -> list[PointResult]:
+        """Each point output's pooled lean, every observation in (none where the judge pools
+        none)."""
+        return self._leans.results() if self.leans else []

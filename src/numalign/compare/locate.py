@@ -1,0 +1,112 @@
+"""Where a whole-model replay's first divergence lives: the rule, for every engine.
+
+The judge asks the engine to replay points alone on the golden inputs (``Alone``) and decides
+from the answers: ``local`` when the first failing point fails alone too; ``input`` when it
+fails alone fed one of the model's own inputs no capture point covers (a mask, position
+embeddings); ``accumulated`` when the error reaches it from upstream, naming the latest point
+before it that fails alone where one does; ``unlocated`` when the point cannot run alone;
+``output`` when every point passes and only the logits fail, after the last capture point.
+An engine that cannot take a model's own inputs (vLLM) answers ``inputs_at_fault`` with None.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from numalign.compare.calibration import OUTPUT_POINT
+from numalign.compare.model_verdict import Divergence, LogitsResult, PointResult, first_divergence
+from numalign.compare.pooled import POOLED
+from numalign.errors import Unsupported
+
+#: How many points before an accumulated divergence are replayed alone to find the one that
+#: errs itself: a block's worth (norms, attention, MLP) and the block before it.
+UPSTREAM_POINTS = 8
+
+
+class Alone(Protocol):
+    """What an engine offers the judge to locate a divergence."""
+
+    def replay_alone(self, point: str) -> list[PointResult]:
+        """Every recorded call of ``point`` replayed alone on the golden inputs, judged in
+        mode ``isolated``; ``numalign.errors.Unsupported`` saying why where it cannot run
+        alone (or the set has no such point)."""
+        ...
+
+    def inputs_at_fault(self, failing: PointResult) -> tuple[tuple[str, str], ...] | None:
+        """The model's own keyword inputs of ``failing``'s call that make it fail alone, each
+        with how it differs from the golden one; None where the engine cannot take them."""
+        ...
+
+
+def fails_alone(engine: Alone, point: str) -> bool:
+    """Whether ``point`` fails replayed alone, its pooled lean included (False where it
+    cannot run alone)."""
+    try:
+        alone = engine.replay_alone(point)
+    except Unsupported:
+        return False
+    return any(not r.result.passed for r in alone)
+
+
+def locate(results: list[PointResult], engine: Alone) -> Divergence | None:
+    """The first divergence of a whole-model replay's ``results``, located (None: every
+    point passed)."""
+    failing = first_divergence(results)
+    if failing is None:
+        return None
+    try:
+        alone = engine.replay_alone(failing.point)
+    except Unsupported as exc:  # the whole model's verdict stands; only not located
+        return Divergence(failing.point, "unlocated", failing.request, failing.result, str(exc))
+    if any(not r.result.passed for r in alone):
+        return Divergence(failing.point, "local", failing.request, failing.result)
+    if failing.request != POOLED:  # a pooled lean has no one call to feed again
+        inputs = engine.inputs_at_fault(failing)
+        if inputs:
+            return Divergence(failing.point, "input", failing.request, failing.result,
+                              inputs=inputs)  # fmt: skip
+    named = failing_upstream(results, failing.finished, engine)
+    return Divergence(failing.point, "accumulated", failing.request, failing.result,
+                      named=named)  # fmt: skip
+
+
+def failing_upstream(results: list[PointResult], finished: int, engine: Alone) -> str | None:
+    """The latest of the ``UPSTREAM_POINTS`` points that finished before the ``finished``-th
+    result (in the order the forward called them) that fails alone on the golden inputs, its
+    pooled lean included: the module whose error, within its own budget in the whole model,
+    the failing point (or the logits) carries on."""
+    first: dict[str, int] = {}
+    for r in results:
+        if r.finished < finished:
+            first[r.point] = min(first.get(r.point, r.finished), r.finished)
+    before = sorted(first.items(), key=lambda item: item[1])
+    for point, _ in reversed(before[-UPSTREAM_POINTS:]):
+        if point != OUTPUT_POINT and fails_alone(engine, point):
+            return point
+    return None
+
+
+def locate_logits(
+    results: list[PointResult],
+    logits: list[LogitsResult],
+    engine: Alone,
+    transform: str | None,
+    after_last: str,
+) -> Divergence | None:
+    """Where failing logits diverge when every point passed (None where no logits fail with
+    values): at the model's logit transform ``transform`` (its point's name, where the set
+    captured it) when it fails alone; else ``accumulated`` from a point that fails alone (its
+    error, within its budget in the whole model, carried on to the logits); else ``output``,
+    after the last capture point (``after_last``: what the model does there)."""
+    failing = [lg for lg in logits if not lg.passed and lg.values is not None]
+    if not failing:
+        return None
+    first = failing[0]
+    assert first.values is not None
+    if transform is not None and fails_alone(engine, transform):
+        return Divergence(transform, "local", first.request, first.values)
+    named = failing_upstream(results, len(results), engine)
+    if named:
+        return Divergence(OUTPUT_POINT, "accumulated", first.request, first.values, named=named)
+    return Divergence(OUTPUT_POINT, "output", first.request, first.values,
+                      why_unlocated=after_last)  # fmt: skip
