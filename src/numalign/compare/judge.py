@@ -14,7 +14,7 @@ live here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from numalign.compare.calibration import CACHE_POINT, OUTPUT_POINT, control_for
 from numalign.compare.cause import in_cache
@@ -30,6 +30,8 @@ from numalign.compare.pooled import PointLeans
 from numalign.compare.tolerances import thresholds_of
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from numalign.compare.calibration import Calibrated, Control
@@ -63,6 +65,22 @@ class Observation:
     control_of: tuple[str, str] | None = None
 
 
+class _Ordered(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def order(self) -> int: ...
+
+
+class CalibratedSet(Protocol):
+    """A golden set as the judge reads it: its calibration and its points in order."""
+
+    @property
+    def points(self) -> Sequence[_Ordered]: ...
+    def calibrated(self, dtype: str, point: str, path: str, mode: str) -> Any: ...
+    def calibrated_paths(self, dtype: str, point: str) -> list[str]: ...
+
+
 @dataclass
 class Judge:
     """Judges a replay's observations in one ``mode`` (``MODES``) and dtype against
@@ -92,6 +110,24 @@ class Judge:
             raise ValueError(f"no judge mode {self.mode!r}: one of {', '.join(MODES)}")
         self._leans = PointLeans(self.golden, self.dtype, self.hidden,
                                  thresholds_of(self.policy), mode=self.mode)  # fmt: skip
+
+    @classmethod
+    def of_set(
+        cls,
+        golden: CalibratedSet,
+        dtype: str,
+        mode: str,
+        hidden_depth: tuple[int, int],
+        policy: Any = None,
+        *,
+        leans: bool = True,
+    ) -> Judge:
+        """The judge of a replay of ``golden`` in ``dtype`` and ``mode``, its points in the
+        set's order (``hidden_depth``: the reduction length behind each control, as
+        ``replay.model.hidden_and_depth`` gives it; ``leans``: whether it pools each point's
+        outputs into a lean)."""
+        order = {p.name: p.order for p in golden.points}
+        return cls(golden, dtype, mode, *hidden_depth, policy, order=order, leans=leans)
 
     def control(self, point: str, path: str, mode: str | None = None) -> Control:
         """The control of ``point``'s output ``path`` in the judge's dtype and ``mode`` (the

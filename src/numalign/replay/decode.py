@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from numalign import dtypes
 from numalign.compare.decode_verdict import DecodeVerdict
-from numalign.compare.judge import Observation
+from numalign.compare.judge import Judge, Observation
 from numalign.golden.decode import cache_family, step_outputs
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.golden.reference import (
@@ -32,7 +32,7 @@ from numalign.golden.reference import (
 )
 from numalign.golden.requests import unservable
 from numalign.replay.layer import CallOrder
-from numalign.replay.model import hidden_and_depth, judge_of
+from numalign.replay.model import hidden_and_depth
 from numalign.replay.observe import observe_calls
 from numalign.replay.shards import whole
 
@@ -186,7 +186,7 @@ def replay_decode(
     from numalign.replay.paged import replay_paged_requests
 
     verdict = DecodeVerdict(implementation)
-    judge = judge_of(golden, dtype, "decode", hidden_and_depth(model), policy)
+    judge = Judge.of_set(golden, dtype, "decode", hidden_and_depth(model), policy)
     torch_dtype = dtypes.torch_dtype(dtype)
 
     def on_pair(request: str, step: int, point: str, path: str, actual: Any,

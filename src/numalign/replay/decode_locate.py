@@ -23,18 +23,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from numalign import dtypes
+from numalign.compare.judge import Judge
 from numalign.compare.model_verdict import DecodeLocation
 from numalign.golden.decode import step_outputs
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.replay.decode import run_decode
 from numalign.replay.inputs import detached
-from numalign.replay.model import hidden_and_depth, judge_of
+from numalign.replay.model import hidden_and_depth
 from numalign.replay.shards import whole
 
 if TYPE_CHECKING:
     import torch
 
-    from numalign.compare.judge import Judge
     from numalign.compare.model_verdict import PointResult
     from numalign.golden.store import GoldenSet
 
@@ -70,7 +70,7 @@ def locate_decode(
     mine = next((c for c in calls if c.point == first.point and c.index == first.call), None)
     if mine is None:
         return DecodeLocation("unlocated", None, f"{first.point} was not called at the step")
-    judge = judge_of(golden, dtype, "isolated", hidden_and_depth(model), policy)
+    judge = Judge.of_set(golden, dtype, "isolated", hidden_and_depth(model), policy)
     own = _own_error(judge, model, mine, first.path)
     if isinstance(own, str):
         return DecodeLocation("unlocated", None, own)

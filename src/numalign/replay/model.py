@@ -237,7 +237,7 @@ def replay_layer(
     within the isolated calibration's budget."""
 
     module = model.get_submodule(point.name)
-    judge = judge_of(golden, dtype, "isolated", hidden_and_depth(model), policy)
+    judge = Judge.of_set(golden, dtype, "isolated", hidden_and_depth(model), policy)
     for request, calls in point.calls.items():
         mask = request_mask(golden, request)
         for index, call in enumerate(calls):
@@ -258,22 +258,6 @@ def replay_layer(
     return judge.points + judge.pooled()
 
 
-def judge_of(
-    golden: GoldenSet,
-    dtype: str,
-    mode: str,
-    hidden_depth: tuple[int, int],
-    policy: Any = None,
-    *,
-    leans: bool = True,
-) -> Judge:
-    """The judge of a replay of ``golden`` in ``dtype`` and ``mode``, its points in the
-    set's order (``hidden_depth``: ``hidden_and_depth`` of the model replayed; ``leans``:
-    whether it pools each point's outputs into a lean)."""
-    order = {p.name: p.order for p in golden.points}
-    return Judge(golden, dtype, mode, *hidden_depth, policy, order=order, leans=leans)
-
-
 def replay_model(
     golden: GoldenSet, model: Any, dtype: str, device: torch.device, policy: Any = None
 ) -> ModelVerdict:
@@ -284,7 +268,7 @@ def replay_model(
 
     torch_dtype = dtypes.torch_dtype(dtype)
     hidden, depth = hidden_and_depth(model)
-    judge = judge_of(golden, dtype, "accumulated", (hidden, depth), policy)
+    judge = Judge.of_set(golden, dtype, "accumulated", (hidden, depth), policy)
     verdict = ModelVerdict(points=judge.points, logits=judge.logits, outputs=judge.outputs)
     # faults in the rows a request's mask leaves out, judged with the point's own result
     pending: dict[tuple[str, str, str, int], LeftOut] = {}
@@ -361,7 +345,7 @@ class _AloneOnTransformers:
                             self.device, self.policy)  # fmt: skip
 
     def inputs_at_fault(self, failing: PointResult) -> tuple[tuple[str, str], ...] | None:
-        judge = judge_of(self.golden, self.dtype, "isolated", hidden_and_depth(self.model),
+        judge = Judge.of_set(self.golden, self.dtype, "isolated", hidden_and_depth(self.model),
                          self.policy)  # fmt: skip
 
         def judged(path: str, actual: Any, expected: Any) -> CompareResult:

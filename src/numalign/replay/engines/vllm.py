@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from numalign import dtypes
 from numalign.compare.decode_verdict import DecodeVerdict
-from numalign.compare.judge import Observation
+from numalign.compare.judge import Judge, Observation
 from numalign.compare.locate import locate
 from numalign.compare.model_verdict import (
     Divergence,
@@ -52,13 +52,12 @@ from numalign.replay.engines.vllm_points import (
     residual_output,
 )
 from numalign.replay.layer import AloneUnsupported, kept_positions, request_mask
-from numalign.replay.model import hidden_and_depth, judge_of, open_fresh
+from numalign.replay.model import hidden_and_depth, open_fresh
 from numalign.runtime.variant import Variant
 
 if TYPE_CHECKING:
     import torch
 
-    from numalign.compare.judge import Judge
     from numalign.golden.store import GoldenSet, Point
     from numalign.settings import Settings
 
@@ -152,7 +151,7 @@ class VllmEngine:
         served = self._serve(golden, dtype)
         unmapped = _unmapped(running.mapping)
         # the engine's model replay pools no leans (as before the one judge; see docs/vllm.md)
-        judge = judge_of(golden, dtype, "accumulated", hidden_and_depth_of(running), policy,
+        judge = Judge.of_set(golden, dtype, "accumulated", hidden_and_depth_of(running), policy,
                          leans=False)  # fmt: skip
         verdict = ModelVerdict(points=judge.points, logits=judge.logits)
         torch_dtype = dtypes.torch_dtype(dtype)
@@ -207,7 +206,7 @@ class VllmEngine:
         running = self._engine(golden, dtype)
         served = self._serve(golden, dtype)
         unmapped = _unmapped(running.mapping)
-        judge = judge_of(golden, dtype, "decode", hidden_and_depth_of(running), policy,
+        judge = Judge.of_set(golden, dtype, "decode", hidden_and_depth_of(running), policy,
                          leans=False)  # fmt: skip
         verdict = DecodeVerdict(cache, points=judge.points, logits=judge.logits)
         torch_dtype = dtypes.torch_dtype(dtype)
@@ -663,7 +662,7 @@ def _isolated(
             f"vLLM's {module_name} runs attention, which needs the engine's forward context "
             "(attention metadata and KV cache): replayed in the full model only"
         )
-    judge = judge_of(golden, dtype, "isolated", hidden_and_depth_of(running), policy)
+    judge = Judge.of_set(golden, dtype, "isolated", hidden_and_depth_of(running), policy)
     torch_dtype = dtypes.torch_dtype(dtype)
     for request, calls in point.calls.items():
         if "pixel_values" in golden.request(request).inputs:
