@@ -285,7 +285,7 @@ def load_streamed(
     )
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     sources = _sources(model, files, load_config, tied)
-    units = _units(model, tied)
+    units = units_of(model, tied)
     streamer = Streamer(model, target, dt, files, sources, units, tied, load_config)
     _load_buffers(streamer)
     _hook(streamer)
@@ -341,7 +341,7 @@ def _sources(
     return {name: tuple(keys) for name, keys in found.items()}
 
 
-def _units(model: Any, tied: dict[str, str]) -> dict[str, tuple[str, ...]]:
+def units_of(model: Any, tied: dict[str, str]) -> dict[str, tuple[str, ...]]:
     """Unit name -> the parameters it needs (a tied one as its owner): each child of a
     ``ModuleList`` that holds parameters, and each other module with parameters of its
     own outside those, its whole subtree included."""

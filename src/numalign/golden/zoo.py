@@ -144,35 +144,50 @@ def rescale(model: Any, gemma_norms: bool | None) -> None:
     import torch
 
     embedding = model.get_input_embeddings().weight
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(ROUTER_BIAS_STD * torch.randn_like(buffer))
+    rescale_buffers(model)
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and module.weight is embedding:
             continue  # an LM head tied to the embedding keeps the embedding's scale
-        if isinstance(module, torch.nn.Linear):
-            fan_in = module.in_features
-            gain = LM_HEAD_GAIN if name.endswith("lm_head") else 1.0
-            torch.nn.init.normal_(module.weight, std=gain / fan_in**0.5)
-            if module.bias is not None:
-                torch.nn.init.normal_(module.bias, std=0.02)
-        elif isinstance(module, torch.nn.Embedding):
-            torch.nn.init.normal_(module.weight, std=EMBED_STD)
+        rescale_module(name, module, gemma_norms)
+
+
+def rescale_buffers(module: Any) -> None:
+    """The buffers :func:`rescale` draws (a router's score-correction bias), of ``module``
+    and everything in it."""
+    import torch
+
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(ROUTER_BIAS_STD * torch.randn_like(buffer))
+
+
+def rescale_module(name: str, module: Any, gemma_norms: bool | None) -> None:
+    """:func:`rescale` for one module's own parameters (not its children's), ``name`` its
+    name in the model: what a checkpoint written one layer at a time (``golden.synthetic``)
+    applies module by module."""
+    import torch
+
+    if isinstance(module, torch.nn.Linear):
+        fan_in = module.in_features
+        gain = LM_HEAD_GAIN if name.endswith("lm_head") else 1.0
+        torch.nn.init.normal_(module.weight, std=gain / fan_in**0.5)
+        if module.bias is not None:
+            torch.nn.init.normal_(module.bias, std=0.02)
+    elif isinstance(module, torch.nn.Embedding):
+        torch.nn.init.normal_(module.weight, std=EMBED_STD)
+        with torch.no_grad():
+            module.weight[:, ::OUTLIER_STRIDE] *= OUTLIER_SCALE
+    elif "norm" in type(module).__name__.lower() and getattr(module, "weight", None) is not None:
+        weight = module.weight
+        if weight.dim() == 1:
             with torch.no_grad():
-                module.weight[:, ::OUTLIER_STRIDE] *= OUTLIER_SCALE
-        elif (
-            "norm" in type(module).__name__.lower() and getattr(module, "weight", None) is not None
-        ):
-            weight = module.weight
-            if weight.dim() == 1:
-                with torch.no_grad():
-                    # Gemma multiplies by (1 + weight): its weights sit around 0, others' at 1.
-                    if gemma_norms is None:
-                        base = float(weight.float().mean().round())
-                    else:
-                        base = 0.0 if gemma_norms else 1.0
-                    weight.copy_(base + 0.1 * torch.randn_like(weight))
+                # Gemma multiplies by (1 + weight): its weights sit around 0, others' at 1.
+                if gemma_norms is None:
+                    base = float(weight.float().mean().round())
+                else:
+                    base = 0.0 if gemma_norms else 1.0
+                weight.copy_(base + 0.1 * torch.randn_like(weight))
 
 
 def _deepen(model: Any, growth: float, massive: tuple[int, ...]) -> None:
