@@ -162,6 +162,9 @@ def test_the_automatic_choice_streams_where_memory_is_short_and_says_so(
     line = next(ln for ln in err.splitlines() if "streaming its weights" in ln)
     assert line.startswith(f"numalign capture: the float32 reference needs {weights / 1e9:.1f} GB")
     assert "(--stream;" in line and "--no-stream" in line
+    # the checkpoint was hashed beside the streamed reads, and it says how fast
+    assert any(ln.startswith("numalign capture: ") and "of checkpoint hashed in" in ln
+               for ln in err.splitlines())  # fmt: skip
     assert [s for _, s in loaded] == [True]
     assert loaded[0][0].numalign_streamer.resident() == []
 

@@ -22,13 +22,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.errors import BrokenData
 from numalign.golden.decode import DEFAULT_DECODE_STEPS, record_decode
-from numalign.golden.fingerprint import fingerprint_and_files
+from numalign.golden.fingerprint import BackgroundFingerprint
 from numalign.golden.folders import clear_temporary, remove_abandoned, temporary_folder
 from numalign.golden.loading import load_reference, stream_choice
 from numalign.golden.long_bound import check_long_request
@@ -310,7 +310,7 @@ def capture(
     # eager attention by default: the reference implementation, whose explicit 4D masks every
     # other attention implementation accepts when a point is replayed alone
     attn_implementation = attn_implementation or "eager"
-    model_hash, model = _checked_reference(
+    hashing, streamed, model = _checked_reference(
         model_dir, long, max(continuation, decode_steps), reference_dtype,
         attn_implementation, trust_remote_code, placement, stream,
     )  # fmt: skip
@@ -325,17 +325,22 @@ def capture(
     tmp = temporary_folder(out)
     bar = Progress(progress_mode(progress), len(requests) + finish_steps, out.name)
     try:
-        manifest = _manifest(model, model_dir, out, reference_dtype, model_hash)
+        manifest = _manifest(model, model_dir, out, reference_dtype)
         _record_all(model, requests, point_names, manifest, ShardWriter(tmp, max_shard_bytes),
                     bar, continuation=continuation,
                     decode_steps=decode_steps if decoder else 0, probes=probes,
                     activations=not points)  # fmt: skip
+        digest, files = hashing.result()
+        manifest.model = replace(manifest.model, fingerprint=digest, files=files)
+        if streamed:
+            print(f"numalign capture: {hashing.throughput()}", file=sys.stderr, flush=True)
         write_manifest(tmp, manifest)
         del model
         if finish is not None:
             finish(GoldenSet.open(tmp), bar.step)
         _place(tmp, out, model_dir, force=force)
     except BaseException:
+        hashing.cancel()
         bar.close()
         clear_temporary(tmp)
         raise
@@ -352,23 +357,29 @@ def _checked_reference(
     trust_remote_code: bool,
     placement: Placement | None,
     stream: bool | None,
-) -> tuple[tuple[str, dict[str, str]], Any]:
-    """The model folder's fingerprint and its files' (``fingerprint_and_files``), and the
-    reference loaded whole, placed or streamed (``resolve_stream``), seeded. The checks that
-    need no model come first: a folder without config.json, or a sharded checkpoint missing
-    a shard its index names, is an error naming the file before anything loads; so is a
-    --long too long (``long_bound``)."""
+) -> tuple[BackgroundFingerprint, bool, Any]:
+    """The model folder's fingerprint and its files' being hashed on a thread of their own
+    (``BackgroundFingerprint``: the hashing reads beside the capture's reads), whether the
+    reference streams (``resolve_stream``), and the reference loaded whole, placed or
+    streamed, seeded. The checks that need no model come first: a folder without
+    config.json, or a sharded checkpoint missing a shard its index names, is an error naming
+    the file before anything loads; so is a --long too long (``long_bound``)."""
     import torch
 
-    model_hash = fingerprint_and_files(model_dir)
-    check_long_request(model_dir, long, generated, reference_dtype, attn_implementation,
-                       trust_remote_code, in_memory=placement is None)  # fmt: skip
-    streamed = resolve_stream(model_dir, reference_dtype, stream, placement)
-    torch.manual_seed(0)
-    model = load_reference(model_dir, reference_dtype, attn_implementation=attn_implementation,
-                           trust_remote_code=trust_remote_code, placement=placement,
-                           stream=streamed)  # fmt: skip
-    return model_hash, model
+    hashing = BackgroundFingerprint(model_dir)
+    try:
+        check_long_request(model_dir, long, generated, reference_dtype, attn_implementation,
+                           trust_remote_code, in_memory=placement is None)  # fmt: skip
+        streamed = resolve_stream(model_dir, reference_dtype, stream, placement)
+        torch.manual_seed(0)
+        model = load_reference(model_dir, reference_dtype,
+                               attn_implementation=attn_implementation,
+                               trust_remote_code=trust_remote_code, placement=placement,
+                               stream=streamed)  # fmt: skip
+    except BaseException:
+        hashing.cancel()
+        raise
+    return hashing, streamed, model
 
 
 def resolve_stream(
@@ -498,23 +509,20 @@ def _manifest(
     model_dir: Path,
     out: Path,
     reference_dtype: str,
-    model_hash: tuple[str, dict[str, str]],
 ) -> Manifest:
-    """The manifest of a capture before its requests run: the model (``model_hash``: its
-    fingerprint and each file's sha256) and the reference."""
+    """The manifest of a capture before its requests run: the model (its fingerprint and
+    files' sha256 filled in once the background hash is done) and the reference."""
     import torch
     import transformers
 
     config = model.config
-    digest, files = model_hash
     return Manifest(
         model=ModelInfo(
             path=os.path.relpath(model_dir, out.resolve()),
             name=model_dir.name,
             architecture=type(model).__name__,
             model_type=getattr(config, "model_type", None),
-            fingerprint=digest,
-            files=files,
+            fingerprint="",
         ),
         reference=ReferenceInfo(
             device="cpu",

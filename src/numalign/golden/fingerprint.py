@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -62,10 +63,31 @@ def fingerprint(model_dir: str | Path) -> str:
     return digest
 
 
-def fingerprint_and_files(model_dir: str | Path) -> tuple[str, dict[str, str]]:
+def fingerprint_and_files(
+    model_dir: str | Path, cancelled: threading.Event | None = None
+) -> tuple[str, dict[str, str]]:
     """The fingerprint and each file's own sha256 (by file name), in one read of the files.
     A sharded checkpoint's index must name only shards that are there (FileNotFoundError
-    naming the missing one otherwise)."""
+    naming the missing one otherwise). ``cancelled``: set, the read stops (``Cancelled``)."""
+    digest = hashlib.sha256()
+    each: dict[str, str] = {}
+    for path in checked_model_files(model_dir):
+        digest.update(path.name.encode() + b"\0")
+        own = hashlib.sha256()
+        with path.open("rb") as fh:
+            while block := fh.read(1 << 20):
+                if cancelled is not None and cancelled.is_set():
+                    raise Cancelled(f"hashing {path} was cancelled")
+                digest.update(block)
+                own.update(block)
+        each[path.name] = own.hexdigest()
+    return "sha256:" + digest.hexdigest(), each
+
+
+def checked_model_files(model_dir: str | Path) -> list[Path]:
+    """The files a fingerprint covers (``model_files``), after the checks that need no read:
+    config.json there (FileNotFoundError), no shard an index names missing
+    (FileNotFoundError naming it)."""
     folder = Path(model_dir)
     files = model_files(folder)
     if not any(p.name == "config.json" for p in files):
@@ -79,17 +101,64 @@ def fingerprint_and_files(model_dir: str | Path) -> tuple[str, dict[str, str]]:
             f"{folder / missing[0]}: a shard the checkpoint's index names is missing "
             f"({len(missing)} missing: {', '.join(missing)}); restore it or save the model again"
         )
-    digest = hashlib.sha256()
-    each: dict[str, str] = {}
-    for path in files:
-        digest.update(path.name.encode() + b"\0")
-        own = hashlib.sha256()
-        with path.open("rb") as fh:
-            while block := fh.read(1 << 20):
-                digest.update(block)
-                own.update(block)
-        each[path.name] = own.hexdigest()
-    return "sha256:" + digest.hexdigest(), each
+    return files
+
+
+class Cancelled(Exception):
+    """A background fingerprint stopped because its caller gave up (the capture failed)."""
+
+
+class BackgroundFingerprint:
+    """``fingerprint_and_files`` of a model folder, computed on a thread of its own while the
+    caller goes on (a capture loads and runs the model meanwhile): each file read once, and
+    the hashing, which releases the interpreter's lock, runs beside the capture's reads
+    instead of before them; on a checkpoint of hundreds of GB that is minutes. The checks
+    that need no read (``checked_model_files``) raise here, at once."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.bytes = sum(p.stat().st_size for p in checked_model_files(model_dir))
+        self._cancelled = threading.Event()
+        self._result: tuple[str, dict[str, str]] | None = None
+        self._error: BaseException | None = None
+        self.seconds = 0.0  # the hashing's own time, once done
+        self.waited = 0.0  # how long ``result`` waited for it
+        self._start = time.perf_counter()
+        self._thread = threading.Thread(
+            target=self._run, args=(Path(model_dir),), name="numalign-fingerprint", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, model_dir: Path) -> None:
+        try:
+            self._result = fingerprint_and_files(model_dir, self._cancelled)
+        except BaseException as exc:  # handed to the caller by result()
+            self._error = exc
+        finally:
+            self.seconds = time.perf_counter() - self._start
+
+    def result(self) -> tuple[str, dict[str, str]]:
+        """The fingerprint and each file's sha256, waiting for the thread; what it raised
+        (a file removed meanwhile) is raised here."""
+        start = time.perf_counter()
+        self._thread.join()
+        self.waited = time.perf_counter() - start
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def cancel(self) -> None:
+        """Stops the read (the caller failed and will not ask for the result)."""
+        self._cancelled.set()
+        self._thread.join()
+
+    def throughput(self) -> str:
+        """What the hashing read, how fast, and how long the caller waited for it."""
+        rate = self.bytes / self.seconds / 1e9 if self.seconds else float("inf")
+        return (
+            f"{self.bytes / 1e9:.1f} GB of checkpoint hashed in {self.seconds:.0f} s "
+            f"({rate:.2f} GB/s) beside the capture, which waited {self.waited:.1f} s for it"
+        )
 
 
 def missing_shards(folder: Path) -> list[str]:
