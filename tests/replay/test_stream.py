@@ -8,6 +8,7 @@ is a usage error."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -146,11 +147,51 @@ def test_a_layer_replay_reads_only_the_tensors_of_its_unit(
     (model,) = engine.cache.models.values()
     streamer = model.numalign_streamer
     tensors = {k for k in streamer.files if k.startswith(unit)}
-    assert set(streamer.reads) == tensors
-    # each recorded call of the point reads its unit once, and only once
+    experts = {k for k in tensors if ".experts." in k}
+    assert set(streamer.reads) <= tensors
+    # each recorded call of the point reads its unit once, and only once; an MoE block's
+    # experts only where the call routes to them (test_an_moe_layer_reads_only_...)
     calls = sum(len(c) for c in open_fresh(SETS / name).point(point).calls.values())
-    assert streamer.reads == dict.fromkeys(tensors, calls)
+    assert {k: streamer.reads[k] for k in tensors - experts} == dict.fromkeys(
+        tensors - experts, calls
+    )
+    assert all(streamer.reads[k] <= calls for k in experts)
     assert streamer.resident() == []
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3"])
+def test_an_moe_layer_reads_only_the_experts_routed_to(name: str) -> None:
+    folder = MODELS / name
+    reference = load_model(folder, "float32", attn_implementation=None, trust_remote_code=False)
+    model = load_streamed(folder, "float32", CPU)
+    streamer = model.numalign_streamer
+    token = torch.tensor([[7]])
+    with torch.no_grad():
+        expected = reference(input_ids=token).logits
+        actual = model(input_ids=token).logits
+    assert torch.equal(actual, expected)
+    # one token routes to top-k experts of each MoE layer: only theirs are read, each once
+    top_k = reference.config.num_experts_per_tok
+    read: dict[str, set[str]] = {}
+    for key, count in streamer.reads.items():
+        # by layer: the checkpoint may name the block otherwise (Mixtral's block_sparse_moe)
+        match = re.search(r"layers\.(\d+)\..*\.experts\.(\d+)\.", key)
+        if match:
+            assert count == 1, key
+            read.setdefault(match.group(1), set()).add(match.group(2))
+    moe_layers = {n for n, m in reference.named_modules() if hasattr(m, "num_experts")
+                  and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)}  # fmt: skip
+    assert set(read) == {re.search(r"layers\.(\d+)\.", n).group(1) for n in moe_layers}
+    assert all(len(experts) == top_k for experts in read.values())
+    assert streamer.resident() == [] and streamer.loaded_bytes == 0
+    # the largest layer whole, every expert in it, is more than the stream ever held
+    layers = [m for n, m in reference.named_modules() if re.fullmatch(r".*layers\.\d+", n)]
+    largest = max(sum(p.nbytes for p in layer.parameters()) for layer in layers)
+    assert 0 < streamer.peak_bytes < largest
+    for layer in moe_layers:  # back to every expert, on meta, for the next call
+        module = model.get_submodule(layer)
+        assert module.num_experts == reference.get_submodule(layer).num_experts
+        assert module.gate_up_proj.shape == reference.get_submodule(layer).gate_up_proj.shape
 
 
 def test_a_checkpoint_missing_a_tensor_is_an_error_naming_it(tmp_path: Path) -> None:

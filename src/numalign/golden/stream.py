@@ -48,6 +48,7 @@ from numalign.golden.reference import (
     implementations,
     model_class,
 )
+from numalign.golden.stream_experts import find_routed, stream_by_expert
 
 if TYPE_CHECKING:
     import torch
@@ -176,10 +177,17 @@ class Streamer:
         return [n for n, p in self.model.named_parameters() if p.device.type != "meta"]
 
     def _load(self, names: list[str]) -> None:
-        from safetensors import safe_open
-        from transformers.core_model_loading import convert_and_load_state_dict_in_model
-
         keys = sorted({key for name in names for key in self.sources[name]})
+        self.convert(self.read(keys))
+        self._retie(names)
+        params = dict(self.model.named_parameters())
+        self.hold(sum(params[n].numel() * params[n].element_size() for n in names))
+
+    def read(self, keys: list[str]) -> dict[str, Any]:
+        """The checkpoint tensors ``keys``, each file opened once; StreamError naming a
+        tensor its shard lacks."""
+        from safetensors import safe_open
+
         by_file: dict[Path, list[str]] = defaultdict(list)
         for key in keys:
             by_file[self.files[key]].append(key)
@@ -195,8 +203,14 @@ class Streamer:
                         )
                     state[key] = f.get_tensor(key)
                     self.reads[key] += 1
+        return state
+
+    def convert(self, state: dict[str, Any]) -> None:
+        """Checkpoint tensors into the model's parameters, by transformers' own conversion
+        (renamings, converters, the dtype plan); StreamError where they do not fit."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+
         info, _ = convert_and_load_state_dict_in_model(self.model, state, self.load_config)
-        del state
         wrong = sorted(str(m[0]) for m in info.mismatched_keys)
         errors = dict(info.conversion_errors)
         if wrong or errors:
@@ -205,9 +219,10 @@ class Streamer:
                 f"parameters ({', '.join(wrong) or errors}); the folder's config.json and "
                 "weights belong to different models"
             )
-        self._retie(names)
-        params = dict(self.model.named_parameters())
-        self.loaded_bytes += sum(params[n].numel() * params[n].element_size() for n in names)
+
+    def hold(self, nbytes: int) -> None:
+        """``nbytes`` more parameter bytes on the device (fewer where negative)."""
+        self.loaded_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.loaded_bytes)
 
     def _unload(self, names: list[str]) -> None:
@@ -217,7 +232,7 @@ class Streamer:
             module_name, _, attr = name.rpartition(".")
             module = self.model.get_submodule(module_name)
             param = module._parameters[attr]
-            self.loaded_bytes -= param.numel() * param.element_size()
+            self.hold(-param.numel() * param.element_size())
             module._parameters[attr] = torch.nn.Parameter(
                 torch.empty_like(param, device="meta"), requires_grad=False
             )
@@ -285,10 +300,17 @@ def load_streamed(
     )
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     sources = _sources(model, files, load_config, tied)
-    units = units_of(model, tied)
+    routed = find_routed(model, sources)
+    by_expert = {p for experts in routed.values() for p in experts.params}
+    units = {
+        unit: tuple(p for p in params if p not in by_expert)
+        for unit, params in units_of(model, tied).items()
+    }
     streamer = Streamer(model, target, dt, files, sources, units, tied, load_config)
     _load_buffers(streamer)
     _hook(streamer)
+    for experts in routed.values():
+        stream_by_expert(streamer, experts)
     model.numalign_streamer = streamer
     _report_device(model, target)
     attach_points(model)
