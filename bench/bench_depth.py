@@ -2,10 +2,11 @@
 shape at several depths (``golden.synthetic``: random weights of the zoo's magnitudes,
 written one layer per shard, never whole in memory), each captured with ``numalign capture
 --stream`` and replayed by the model suites with ``--stream`` (layers, model, decode), each
-step in a process of its own whose peak resident memory the kernel reports
-(``os.wait4``'s ``ru_maxrss``). Printed per depth: the checkpoint's size against this
-machine's memory, each step's peak memory and wall time, capture time per layer, the
-suites' outcome; then the deepest against the shallowest, side by side.
+step in a process of its own that reports its own peak resident memory (VmHWM). Printed
+per depth: the checkpoint's size against this machine's memory, a plain sequential read of
+its shards from disk against the capture's hashing of them beside its own reads, each
+step's peak memory and wall time, capture time per layer, the suites' outcome; then the
+deepest against the shallowest, side by side.
 
 Expected: peak memory independent of depth (one layer's weights plus the activations, the
 interpreter and its libraries), capture and replay time per layer the same at every depth,
@@ -46,19 +47,57 @@ class Step:
     returncode: int
 
 
-def run(command: list[str], log: Path) -> Step:
-    """``command`` in a process of its own (one thread), its output to ``log``; its peak
-    resident memory from the kernel's accounting of that process alone."""
+#: Runs ``MODULE.main(argv)`` (numalign's command line, pytest) and prints its own peak
+#: resident memory (VmHWM, KiB) as it exits: not the kernel's ru_maxrss of the child, which
+#: counts the resident memory of the parent it was forked from.
+PEAK_OF_MAIN = """
+import importlib, sys
+main = importlib.import_module(sys.argv[1]).main
+try:
+    code = main(sys.argv[2:])
+finally:
+    with open("/proc/self/status") as status:
+        peak = next(line.split()[1] for line in status if line.startswith("VmHWM:"))
+    print(f"peak-kib {peak}", flush=True)
+sys.exit(code)
+"""
+
+
+def run(module: str, args: list[str], log: Path) -> Step:
+    """``module``'s main on ``args`` in a process of its own (one thread), its output to
+    ``log``: its peak resident memory and wall time."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     start = time.perf_counter()
     with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(process.pid, 0)  # reaps it: Popen.wait would lose it
-        process.returncode = os.waitstatus_to_exitcode(status)
+        done = subprocess.run([sys.executable, "-c", PEAK_OF_MAIN, module, *args], stdout=out,
+                              stderr=subprocess.STDOUT, env=env, check=False)  # fmt: skip
     seconds = time.perf_counter() - start
-    tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
-    # ru_maxrss is in KiB on Linux
-    return Step(usage.ru_maxrss * 1024, seconds, tail[0], process.returncode)
+    text = log.read_text(errors="replace")
+    peaks = re.findall(r"^peak-kib (\d+)$", text, re.MULTILINE)
+    lines = [ln for ln in text.strip().splitlines() if not ln.startswith("peak-kib ")]
+    return Step(int(peaks[-1]) * 1024 if peaks else 0, seconds, (lines or [""])[-1],
+                done.returncode)  # fmt: skip
+
+
+def drop_caches() -> bool:
+    """Empties the kernel's page cache (root only), so that the next read comes from the
+    disk; whether it could."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
+def plain_read(files: list[Path]) -> float:
+    """Bytes a second of one sequential read of ``files``, nothing done with them."""
+    size, start = 0, time.perf_counter()
+    for file in files:
+        with file.open("rb", buffering=0) as fh:
+            while block := fh.read(8 << 20):
+                size += len(block)
+    return size / (time.perf_counter() - start)
 
 
 def memory_total() -> int:
@@ -99,8 +138,17 @@ def main() -> None:
         written = time.perf_counter() - start
         size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
         print(f"\n{name}: {size / 1e9:.1f} GB written in {written:.0f}s", flush=True)
+        cold = drop_caches()
+        rate = plain_read(sorted(model_dir.glob("*.safetensors")))
+        print(
+            f"  a plain sequential read of its shards: {rate / 1e9:.2f} GB/s "
+            f"({'from disk' if cold else 'page cache not emptied: not root'})",
+            flush=True,
+        )
+        drop_caches()
         capture = run(
-            [sys.executable, "-m", "numalign.cli", "capture", str(model_dir),
+            "numalign.cli",
+            ["capture", str(model_dir),
              "--out", str(sets / name), "--force", "--stream", "--calibrate", args.dtype,
              "--calibrate-with", "none", "--continuation", "2", "--decode-steps", "2",
              "--long", "0", "--far", "0", "--no-probes"],
@@ -108,13 +156,17 @@ def main() -> None:
         )  # fmt: skip
         print(f"  capture: {capture.peak_bytes / GIB:.2f} GiB peak, {capture.seconds:.0f}s "
               f"({capture.seconds / depth:.1f}s a layer): {capture.tail}", flush=True)  # fmt: skip
+        log = (work / f"{name}.capture.log").read_text(errors="replace")
+        hashed = re.search(r"numalign capture: (.* hashed in .*)", log)
+        print(f"  {hashed.group(1) if hashed else 'no hashing line'}", flush=True)
         if capture.returncode:
             sys.exit(f"capture failed: see {work / f'{name}.capture.log'}")
         replays = {}
         for suite in args.suites.split(","):
             suite_file = ROOT / "suites" / "models" / f"test_{suite}.py"
             step = run(
-                [sys.executable, "-m", "pytest", str(suite_file), "-q", "-p", "no:cacheprovider",
+                "pytest",
+                [str(suite_file), "-q", "-p", "no:cacheprovider",
                  "-p", "no:xdist", "--golden", str(sets), "--golden-only", "--stream",
                  "--dtype", args.dtype, "--report-dir", str(work / "reports")],
                 work / f"{name}.{suite}.log",
