@@ -243,3 +243,46 @@ def test_memory_the_machine_lacks_is_an_error_saying_what_to_lower(
     assert "fewer xdist workers" in str(raised.value) and not raised.value.crashed
     monkeypatch.undo()
     assert engine.model(MISTRAL, "float32", torch.device("cpu"), None).verdict.passed
+
+
+@pytest.mark.skipif(
+    not torch.cpu._is_amx_tile_supported(), reason="the CPU has no AMX: nothing to ask for"
+)
+def test_vllm_runs_with_onednn_and_aten_capped_below_amx(tmp_path: Path) -> None:
+    """vLLM's attention picks its AMX kernel from the hardware; with oneDNN capped below AMX
+    or ATen capped to AVX2 nobody asked Linux for the AMX state and the process died of an
+    illegal instruction. The engine asks for it: the replay runs and passes (in a process of
+    its own: the caps are read once)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from numalign.replay.engines.vllm import VllmEngine\n"
+        "from numalign.settings import Settings\n"
+        "engine = VllmEngine(Settings(engine='vllm'))\n"
+        f"verdict = engine.model({str(MISTRAL)!r}, 'bfloat16', torch.device('cpu'), None).verdict\n"
+        "engine.close()\n"
+        "print('passed' if verdict.passed else 'failed')\n"
+    )
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16", ATEN_CPU_CAPABILITY="avx2")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, check=False, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "passed", done.stdout[-2000:]
+
+
+def test_bfloat16_with_onednn_capped_below_its_gemms_is_unsupported_not_an_abort(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from numalign.replay.engines.errors import EngineUnsupported
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    engine = VllmEngine(Settings(engine="vllm"))
+    try:
+        with pytest.raises(EngineUnsupported, match="ONEDNN_MAX_CPU_ISA=AVX2 caps oneDNN below"):
+            engine.model(MISTRAL, "bfloat16", torch.device("cpu"), None)
+        assert engine._running is None  # refused before vLLM started anything
+    finally:
+        engine.close()

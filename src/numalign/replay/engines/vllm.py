@@ -82,6 +82,12 @@ UNSUPPORTED = ("Unsupported CPU attention", "not supported", "There is no module
 #: vLLM's message for a KV-cache share larger than the machine holds.
 MEMORY = ("less than requested memory", "No available memory for the cache blocks",
           "Insufficient memory")  # fmt: skip
+#: oneDNN's instruction sets in its order, as ``ONEDNN_MAX_CPU_ISA`` names them, and the
+#: lowest that builds the bfloat16 GEMMs vLLM's CPU build asks it for.
+ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+               "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX10_1_512", "AVX10_1_512_AMX",
+               "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2")  # fmt: skip
+ONEDNN_BF16_ISA = "AVX512_CORE_BF16"
 #: The row id and forced tokens travel in each request's sampling parameters.
 ROW_KEY, FORCED_KEY = "numalign_row", "numalign_forced"
 
@@ -274,6 +280,10 @@ class VllmEngine:
 
     def _start(self, golden: GoldenSet, dtype: str) -> _Running:
         os.environ.update(ENGINE_ENV)
+        capped = _onednn_capped_below(dtype)
+        if capped is not None:
+            raise EngineUnsupported(f"vLLM does not serve {golden.name} in {dtype} here: {capped}")
+        _allow_amx()
         length = max(_row_lengths(golden), default=16) + _decode_steps(golden) + 2
         llm = None
         try:
@@ -439,6 +449,36 @@ def _shutdown(llm: Any) -> None:
         return
     with contextlib.suppress(Exception):  # a broken engine: nothing of it to keep
         llm.llm_engine.engine_core.shutdown()
+
+
+def _onednn_capped_below(dtype: str) -> str | None:
+    """Why oneDNN, capped by ``ONEDNN_MAX_CPU_ISA``, cannot run vLLM's CPU GEMMs in
+    ``dtype`` (None where it can): vLLM chooses its bfloat16 oneDNN kernels from the
+    hardware, and below AVX512_CORE_BF16 oneDNN refuses to build them and the process aborts
+    (vLLM 0.32.0; float32 and float16 run under any cap)."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if dtype != "bfloat16" or cap not in ONEDNN_ISAS:
+        return None
+    if ONEDNN_ISAS.index(cap) >= ONEDNN_ISAS.index(ONEDNN_BF16_ISA):
+        return None
+    return (
+        f"ONEDNN_MAX_CPU_ISA={cap} caps oneDNN below {ONEDNN_BF16_ISA}, which vLLM's CPU "
+        "bfloat16 GEMMs need (they choose their kernels from the hardware, and the process "
+        "aborts when oneDNN refuses them); replay bfloat16 through vLLM without the cap, "
+        f"or with {ONEDNN_BF16_ISA} or above"
+    )
+
+
+def _allow_amx() -> None:
+    """Asks Linux for the AMX tile state where the CPU has AMX. vLLM's CPU attention chooses
+    its AMX kernel from the hardware alone and relies on oneDNN having asked for it; with
+    oneDNN capped below AMX (``ONEDNN_MAX_CPU_ISA=AVX2``, as the honest matrix and the
+    calibration members run) nobody asks, and the first attention kills the process with an
+    illegal instruction (vLLM 0.32.0). Its own kernels do not follow the cap either way."""
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        torch._C._cpu._init_amx()
 
 
 def _worker(worker: Any) -> Any:
