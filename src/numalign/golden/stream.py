@@ -209,8 +209,17 @@ class Streamer:
         """Checkpoint tensors into the model's parameters, by transformers' own conversion
         (renamings, converters, the dtype plan); StreamError where they do not fit."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.utils import logging as hf_logging
 
-        info, _ = convert_and_load_state_dict_in_model(self.model, state, self.load_config)
+        # transformers draws a progress bar per load: one a unit a forward here, thousands
+        # in a capture of a deep model
+        shown = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            info, _ = convert_and_load_state_dict_in_model(self.model, state, self.load_config)
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
         wrong = sorted(str(m[0]) for m in info.mismatched_keys)
         errors = dict(info.conversion_errors)
         if wrong or errors:
