@@ -214,12 +214,12 @@ class Streamer:
         # transformers draws a progress bar per load: one a unit a forward here, thousands
         # in a capture of a deep model
         shown = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
         try:
             info, _ = convert_and_load_state_dict_in_model(self.model, state, self.load_config)
         finally:
             if shown:
-                hf_logging.enable_progress_bar()
+                hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
         wrong = sorted(str(m[0]) for m in info.mismatched_keys)
         errors = dict(info.conversion_errors)
         if wrong or errors:
@@ -227,6 +227,16 @@ class Streamer:
                 f"{self.model.name_or_path}: the checkpoint's tensors do not fit the model's "
                 f"parameters ({', '.join(wrong) or errors}); the folder's config.json and "
                 "weights belong to different models"
+            )
+
+    def check_loaded(self, names: list[str], what: str) -> None:
+        """StreamError where a parameter ``names`` lists is still on meta after a load: the
+        checkpoint's tensors ``what`` did not convert into it."""
+        meta = [n for n in names if self.model.get_parameter(n).device.type == "meta"]
+        if meta:
+            raise StreamError(
+                f"{self.model.name_or_path}: {what} did not convert into {', '.join(meta)}; "
+                "the folder's config.json and weights belong to different models"
             )
 
     def hold(self, nbytes: int) -> None:

@@ -24,13 +24,21 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from numalign.golden.stream import Streamer
+from typing import Any, Protocol
 
 #: The expert's number in a checkpoint key (``...mlp.experts.7.gate_proj.weight``).
 EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
+
+
+class Streamer(Protocol):
+    """What this module asks of ``golden.stream.Streamer`` (it sits below it)."""
+
+    model: Any
+
+    def read(self, keys: list[str]) -> dict[str, Any]: ...
+    def convert(self, state: dict[str, Any]) -> None: ...
+    def hold(self, nbytes: int) -> None: ...
+    def check_loaded(self, names: list[str], what: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -107,8 +115,6 @@ def _load(streamer: Streamer, experts: RoutedExperts, module: Any, hit: list[int
     their order, converted by transformers' own converters; ``num_experts`` their count."""
     import torch
 
-    from numalign.golden.stream import StreamError
-
     renamed = {}
     for new, old in enumerate(hit):
         for param in experts.params:
@@ -124,14 +130,8 @@ def _load(streamer: Streamer, experts: RoutedExperts, module: Any, hit: list[int
         )
     module.num_experts = len(hit)
     streamer.convert(state)
-    held = sum(module._parameters[p.rpartition(".")[2]].nbytes for p in experts.params)
-    if any(module._parameters[p.rpartition(".")[2]].device.type == "meta" for p in experts.params):
-        raise StreamError(
-            f"{experts.name}: the checkpoint's experts {hit} did not convert into the "
-            "module's parameters; the folder's config.json and weights belong to different "
-            "models"
-        )
-    streamer.hold(held)
+    streamer.check_loaded(list(experts.params), f"the experts {hit} of {experts.name}")
+    streamer.hold(sum(module._parameters[p.rpartition(".")[2]].nbytes for p in experts.params))
 
 
 def _unload(streamer: Streamer, experts: RoutedExperts, module: Any) -> None:
