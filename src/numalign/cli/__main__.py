@@ -1,0 +1,7 @@
+"""python -m numalign.cli: the numalign command line."""
+
+import sys
+
+from numalign.cli import main
+
+sys.exit(main())

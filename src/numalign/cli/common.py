@@ -1,0 +1,75 @@
+"""What every command shares: the help formatter, subparsers, checks of a model folder
+and of dtypes, the suites' options as a command's."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def check_dtypes(text: str | None, option: str, command: str) -> None:
+    """A comma list of dtypes, checked before any work (``--calibrate bf16`` ran a capture,
+    then raised AttributeError)."""
+    from numalign.settings import parse_dtypes
+
+    if text:
+        try:
+            parse_dtypes(text)
+        except ValueError as exc:
+            raise SystemExit(f"numalign {command}: {option} {text!r}: {exc}") from None
+
+
+def check_model(model_dir: str, command: str) -> None:
+    from numalign.golden.reference import ModelFolderError, check_model_dir
+
+    try:
+        check_model_dir(model_dir)
+    except ModelFolderError as exc:
+        raise SystemExit(f"numalign {command}: {exc}") from None
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that names every option's default: argparse's "(default: X)" where the help
+    text does not already say it in words (None and False defaults: the help says what
+    happens without the option)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, [], argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def subparser(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name, formatter_class=Formatter, allow_abbrev=False, **kwargs
+    )
+    return parser
+
+
+def suite_option(parser: argparse.ArgumentParser, flag: str, **overrides: Any) -> None:
+    """A pytest option of the suites (``options.OPTIONS``, the one table) as a command's
+    that hands it to them: its help, metavar, nargs and const from the table; ``overrides``
+    where the command reads it otherwise (a type, choices, its own default). Not given and
+    without a default of the command's, the suites take the table's default, which the help
+    names."""
+    from numalign.options import OPTIONS
+
+    option = next(o for o in OPTIONS if o.flag == flag)
+    kwargs: dict[str, Any] = {"help": option.help, "default": None}
+    for key in ("metavar", "nargs", "const"):
+        if getattr(option, key) is not None:
+            kwargs[key] = getattr(option, key)
+    parser.add_argument(flag, **(kwargs | overrides))
+
+
+def check_run_options(args: argparse.Namespace, command: str, **values: object) -> None:
+    """The options ``run`` and ``nightly`` hand to the suites, validated before any work as
+    the plugin validates them (``Settings.from_options``)."""
+    from numalign.settings import Settings
+
+    options = {"device": args.device, "dtype": args.dtype, "tier": args.tier, **values}
+    try:
+        Settings.from_options(options)
+    except ValueError as exc:
+        raise SystemExit(f"numalign {command}: {exc}") from None
