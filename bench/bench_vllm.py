@@ -29,7 +29,7 @@ from timing import best_of
 def plain(engine: Any, golden: Any, decode: bool) -> None:
     """The golden rows served as a user would: same prompts and token counts, no hooks,
     nothing forced."""
-    from numalign.replay.engines.vllm import row_requests
+    from numalign.replay.engines.vllm_serving import row_requests
 
     prompts, params = row_requests(golden, decode, observed=False)
     engine._running.llm.generate(prompts, params, use_tqdm=False)
@@ -38,9 +38,9 @@ def plain(engine: Any, golden: Any, decode: bool) -> None:
 def replay(engine: Any, golden: Any, decode: bool) -> None:
     """The replay's serving: every row, hooks on every mapped point, decode rows forced
     (with ``decode`` False the decode requests' steps are dropped: the prefill alone)."""
-    from numalign.replay.engines.vllm import _serve_rows
+    from numalign.replay.engines.vllm_serving import serve_rows
 
-    _serve_rows(engine._running, golden, decode=decode)
+    serve_rows(engine._running, golden, decode=decode)
 
 
 def main() -> int:

@@ -171,7 +171,7 @@ def test_kv_cache_write_one_slot_late(engine: VllmEngine, monkeypatch: pytest.Mo
 def test_an_engine_that_outlives_its_timeout_is_crashed_and_stopped(
     engine: VllmEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from numalign.replay.engines import vllm as module
+    from numalign.replay.engines import vllm_serving as module
     from numalign.replay.engines.errors import EngineError
 
     _running_model(engine, "float32")

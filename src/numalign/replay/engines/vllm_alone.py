@@ -1,0 +1,195 @@
+"""vLLM's modules run alone on the golden inputs: the layer replay of a point through vLLM
+(``isolated``), the residual stream of vLLM's fused add + norm judged as the reference's
+(``judge_residuals``), and the points replayed alone for the judge to locate a divergence
+(``AloneOnVllm``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from numalign import dtypes
+from numalign.compare.judge import Judge, Observation
+from numalign.compare.model_verdict import (
+    PointResult,
+)
+from numalign.replay.engines.vllm_points import (
+    LM_HEAD,
+    RESIDUAL,
+    PointMap,
+    reference_output,
+    residual_output,
+)
+from numalign.replay.engines.vllm_serving import (
+    Running,
+    Served,
+    hidden_and_depth_of,
+    prompt_rows,
+    quiet,
+)
+from numalign.replay.layer import AloneUnsupported, kept_positions, request_mask
+
+if TYPE_CHECKING:
+    from numalign.golden.store import GoldenSet, Point
+
+
+@dataclass
+class AloneOnVllm:
+    """vLLM's modules replayed alone on the golden inputs, for the judge to locate a
+    divergence (``compare.locate.Alone``); the model's own inputs are not taken."""
+
+    running: Running
+    golden: GoldenSet
+    dtype: str
+    policy: Any
+
+    def replay_alone(self, point: str) -> list[PointResult]:
+        module = next((m.module for m in self.running.mapping if m.point == point), None)
+        if point not in {p.name for p in self.golden.points}:
+            raise AloneUnsupported(f"the set has no point {point}")
+        return isolated(self.running, self.golden, self.golden.point(point), module or "",
+                         self.dtype, self.policy)  # fmt: skip
+
+    def inputs_at_fault(self, failing: PointResult) -> None:
+        return None
+
+
+def isolated(
+    running: Running, golden: GoldenSet, point: Point, module_name: str, dtype: str, policy: Any
+) -> list[PointResult]:
+    """Every recorded call of ``point`` run alone through vLLM's ``module_name`` on the golden
+    inputs (their kept positions, flattened as vLLM's tokens), against the isolated
+    calibration; AloneUnsupported saying why where the module cannot run alone."""
+    import torch
+    from vllm.forward_context import set_forward_context
+
+    if not module_name:
+        raise AloneUnsupported(f"{point.name} has no vLLM module")
+    model = running.model
+    # the head alone is the engine's logits computation on the head's input
+    module = _LogitsOf(model) if module_name == LM_HEAD else model.get_submodule(module_name)
+    attention = [n for n, m in module.named_modules() if type(m).__name__ == "Attention"]
+    if attention:
+        raise AloneUnsupported(
+            f"vLLM's {module_name} runs attention, which needs the engine's forward context "
+            "(attention metadata and KV cache): replayed in the full model only"
+        )
+    judge = Judge.of_set(golden, dtype, "isolated", hidden_and_depth_of(running), policy)
+    torch_dtype = dtypes.torch_dtype(dtype)
+    for request, calls in point.calls.items():
+        if "pixel_values" in golden.request(request).inputs:
+            continue
+        mask = request_mask(golden, request)
+        for call in calls:
+            key = (
+                call.args[0]
+                if call.args and call.args[0] is not None
+                else call.kwargs.get("hidden_states")
+            )
+            if not isinstance(key, str):
+                raise AloneUnsupported(
+                    f"the golden call of {point.name} has no hidden-states input to feed "
+                    f"vLLM's {module_name}"
+                )
+            x = _tokens(golden.tensor(key), mask)
+            x = x.to(torch_dtype) if x.is_floating_point() else x
+            try:  # an empty forward context: MoE layers read theirs (no attention runs)
+                with (
+                    torch.no_grad(),
+                    quiet(),
+                    set_forward_context(
+                        None, running.llm.llm_engine.vllm_config, num_tokens=int(x.shape[0])
+                    ),
+                ):
+                    out = reference_output(module, module(x))
+            except Exception as exc:  # the module needs more than its input: say what
+                raise AloneUnsupported(
+                    f"vLLM's {module_name} does not run alone on its input "
+                    f"({type(exc).__name__}: {exc})"
+                ) from None
+            expected = _tokens(golden.tensor(call.outputs["0"]), mask)
+            actual = out.detach().float().to(torch_dtype)
+            judge.observe(Observation(point.name, "0", request, actual, expected, finished=0))
+            stream = _fused_residual(module, x, running)
+            if stream is not None:  # the fused add of the stream and zeros gives the stream
+                judge.observe(Observation(
+                    point.name, RESIDUAL, request, stream.to(torch_dtype), x, finished=0,
+                    control_of=(point.name, "0"),
+                ))  # fmt: skip
+    return judge.points + judge.pooled()
+
+
+def _fused_residual(module: Any, x: Any, running: Running) -> Any:
+    """A fused add + norm run alone on (the stream, zeros): the residual stream it returns,
+    which must be the stream itself; None for modules that are not fused norms."""
+    import torch
+    from vllm.forward_context import set_forward_context
+
+    if "norm" not in type(module).__name__.lower() or not x.is_floating_point():
+        return None
+    config = running.llm.llm_engine.vllm_config
+    try:
+        with torch.no_grad(), quiet(), set_forward_context(None, config):
+            out = module(x.clone(), torch.zeros_like(x))
+    except TypeError:  # a norm that takes no residual
+        return None
+    residual = residual_output(module, out)
+    return None if residual is None else residual.detach().float()
+
+
+def judge_residuals(
+    judge: Judge,
+    served: Served,
+    golden: GoldenSet,
+    request: str,
+    rows: list[tuple[str, int]],
+    mapping: list[PointMap],
+    torch_dtype: Any,
+) -> None:
+    """Each fused add + norm's residual stream against the reference norm's input (the
+    stream entering it), within the accumulated budget of the block that holds the norm (the
+    stream's error at that depth), handed to ``judge``; norms outside a captured block are
+    not judged so."""
+    points = {p.name for p in golden.points}
+    for pm in mapping:
+        parent = pm.point.rpartition(".")[0]
+        name = f"{pm.module}.{RESIDUAL}"
+        if pm.module is None or parent not in points or (rows[0][0], name) not in served.chunks:
+            continue
+        calls = golden.point(pm.point).calls.get(request)
+        if not calls:
+            continue
+        key = calls[0].args[0] if calls[0].args and calls[0].args[0] is not None else None
+        if not isinstance(key, str):
+            continue
+        expected = kept_positions(golden.tensor(key), request_mask(golden, request))
+        actual = prompt_rows(served, rows, name).to(torch_dtype)
+        judge.observe(Observation(pm.point, RESIDUAL, request, actual, expected,
+                                  finished=served.order.get(name, 0),
+                                  control_of=(parent, "0")))  # fmt: skip
+
+
+class _LogitsOf:
+    """vLLM's logits computation as a module-like callable (its ``lm_head`` is never called:
+    the logits processor applies the head's weight)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def named_modules(self) -> Iterator[tuple[str, Any]]:
+        return iter(())
+
+    def __call__(self, hidden: Any) -> Any:
+        return self.model.compute_logits(hidden)
+
+
+def _tokens(tensor: Any, mask: Any) -> Any:
+    """A golden input as vLLM's flattened tokens: the kept positions of [batch, seq, ...]
+    (token ids [batch, seq] too), rows one after another; without a mask (a probe's
+    [1, rows, hidden]) every row."""
+    if mask is None:
+        return tensor.flatten(0, -2) if tensor.dim() > 2 else tensor
+    if tensor.dim() == 2 and tuple(tensor.shape) == tuple(mask.shape):
+        return tensor[mask.bool()]
+    return kept_positions(tensor, mask)

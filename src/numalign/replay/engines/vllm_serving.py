@@ -1,0 +1,308 @@
+"""Serving a golden set through vLLM for the replay: every row of every golden request as
+its real tokens, decode rows teacher-forced with the golden tokens (a logits processor), and
+hooks that read each row's positions of every mapped module's output and the logits out of
+vLLM's flattened batches (``Served``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from numalign.golden.manifest import OUTPUT_POINT
+from numalign.golden.requests import unservable
+from numalign.replay.engines.errors import EngineError
+from numalign.replay.engines.vllm_points import (
+    LM_HEAD,
+    RESIDUAL,
+    PointMap,
+    reference_output,
+    residual_output,
+)
+from numalign.replay.layer import request_mask
+from numalign.replay.model import hidden_and_depth
+
+if TYPE_CHECKING:
+    import torch
+
+    from numalign.golden.store import GoldenSet
+
+
+#: How long serving a set may take before the replay gives up (a hung engine must not hang
+#: the session): the zoo's sets take about a second.
+SERVE_TIMEOUT_S = 300.0
+
+
+#: The row id and forced tokens travel in each request's sampling parameters.
+ROW_KEY, FORCED_KEY = "numalign_row", "numalign_forced"
+
+
+@dataclass
+class Running:
+    """One started engine: the set and dtype it serves, the LLM, its model and runner."""
+
+    key: tuple[str, str]
+    llm: Any
+    model: Any
+    runner: Any
+    mapping: list[PointMap]
+    variant: str
+
+
+@dataclass
+class Served:
+    """What the engine computed per row: each mapped point's output and the logits, by
+    position (prompt positions, then one per decode step), and the order in which the
+    points' hooks first fired (children before their parents, as the reference's)."""
+
+    chunks: dict[tuple[str, str], dict[int, Any]] = field(default_factory=dict)
+    order: dict[str, int] = field(default_factory=dict)
+    layout: list[tuple[str, int, int, int]] = field(default_factory=list)
+
+    def add(self, row: str, point: str, first: int, tensor: Any) -> None:
+        slots = self.chunks.setdefault((row, point), {})
+        for i in range(tensor.shape[0]):  # a recomputed position keeps the latest
+            slots[first + i] = tensor[i]
+        self.order.setdefault(point, len(self.order))
+
+    def positions(self, row: str, point: str, start: int, stop: int) -> Any:
+        """The row's output of ``point`` at positions [start, stop): [stop - start, ...]."""
+        import torch
+
+        slots = self.chunks.get((row, point), {})
+        missing = [p for p in range(start, stop) if p not in slots]
+        if missing:
+            raise EngineError(
+                f"vLLM never computed {point} at positions {missing[:5]} of row {row} "
+                "(preempted, or served from a prefix cache)"
+            )
+        return torch.stack([slots[p] for p in range(start, stop)])
+
+
+def hidden_and_depth_of(running: Running) -> tuple[int, int]:
+    hidden, depth = hidden_and_depth(running.model)
+    return hidden, depth
+
+
+def engine_rows(golden: GoldenSet, request: str) -> list[tuple[str, int]] | None:
+    """The engine rows of a golden request: (row id, prompt length) per batch row; None for
+    an image request (vLLM is served token ids only here)."""
+    inputs = golden.request(request).inputs
+    if unservable(inputs):
+        return None
+    mask = request_mask(golden, request)
+    ids = golden.tensor(inputs["input_ids"])
+    lengths = mask.sum(-1).tolist() if mask is not None else [ids.shape[1]] * ids.shape[0]
+    return [(f"{request}#{b}", int(n)) for b, n in enumerate(lengths)]
+
+
+def row_lengths(golden: GoldenSet) -> list[int]:
+    return [n for r in golden.requests for _, n in (engine_rows(golden, r.name) or [])]
+
+
+def decode_step_count(golden: GoldenSet) -> int:
+    steps = [len(d.steps) for r in golden.decode_requests if (d := golden.decode(r))]
+    return max(steps, default=0)
+
+
+def prompt_rows(served: Served, rows: list[tuple[str, int]], point: str) -> Any:
+    """The rows' outputs at their prompt positions, concatenated ([kept positions, ...], as
+    ``kept_positions`` lays out the reference's)."""
+    import torch
+
+    return torch.cat([served.positions(row, point, 0, n) for row, n in rows])
+
+
+def step_rows(served: Served, rows: list[tuple[str, int]], point: str, step: int) -> Any:
+    """The rows' outputs for decode step ``step`` ([batch, 1, ...], as a golden step)."""
+    import torch
+
+    # step 1 feeds the first generated token, at the position after the prompt
+    return torch.stack([served.positions(row, point, n + step - 1, n + step) for row, n in rows])
+
+
+def serve_rows(running: Running, golden: GoldenSet, decode: bool = True) -> Served:
+    """Serves every row of every golden request (decode requests' rows teacher-forced with
+    their golden tokens; with ``decode`` False, the prompts alone) and collects each mapped
+    point's output and the logits per row and position."""
+    import torch
+
+    prompts, params = row_requests(golden, decode)
+    served = Served()
+    with quiet(), _hooked(running, served), torch.no_grad():
+        finished = _run(running.llm.llm_engine, prompts, params, golden.name)
+    if finished != len(prompts):
+        raise EngineError(f"vLLM finished {finished} of {len(prompts)} requests of {golden.name}")
+    return served
+
+
+def row_requests(
+    golden: GoldenSet, decode: bool = True, observed: bool = True
+) -> tuple[list[Any], list[Any]]:
+    """vLLM's prompts and sampling parameters for every row of every golden request: its real
+    tokens, one token more than the row's decode steps (none with ``decode`` False), greedy.
+    ``observed``: each request names its row and the golden tokens to force (the replay);
+    otherwise the same requests as a user would send them (the benchmark's plain serving)."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    forced: dict[str, list[int]] = {}
+    for name in golden.decode_requests if decode else ():
+        recorded = golden.decode(name)
+        if recorded is None or not recorded.steps:
+            continue
+        tokens = torch.cat([golden.tensor(s.token) for s in recorded.steps], dim=1)
+        for b in range(tokens.shape[0]):
+            forced[f"{name}#{b}"] = tokens[b].tolist()
+    prompts, params = [], []
+    for request in golden.requests:
+        rows = engine_rows(golden, request.name)
+        if rows is None:
+            continue
+        ids = golden.tensor(request.inputs["input_ids"])
+        mask = request_mask(golden, request.name)
+        for b, (row, _) in enumerate(rows):
+            tokens = ids[b][mask[b].bool()] if mask is not None else ids[b]
+            prompts.append(TokensPrompt(prompt_token_ids=tokens.tolist()))
+            steps = forced.get(row, [])
+            extra = {ROW_KEY: row, FORCED_KEY: steps} if observed else None
+            params.append(SamplingParams(
+                max_tokens=len(steps) + 1, temperature=0.0, detokenize=False, extra_args=extra,
+                ignore_eos=True,
+            ))  # fmt: skip
+    return prompts, params
+
+
+def _run(engine: Any, prompts: list[Any], params: list[Any], name: str) -> int:
+    """Serves the requests step by step, giving up (the engine hung or is far too slow)
+    after SERVE_TIMEOUT_S; the number of requests finished."""
+    for i, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"numalign-{i}", prompt, param)
+    deadline = time.monotonic() + SERVE_TIMEOUT_S
+    finished = 0
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            raise EngineError(
+                f"vLLM served {finished} of {len(prompts)} requests of {name} in "
+                f"{SERVE_TIMEOUT_S:.0f} s; it hung or is far too slow",
+                crashed=True,
+            )
+        finished += sum(1 for out in engine.step() if out.finished)
+    return finished
+
+
+@contextmanager
+def _hooked(running: Running, served: Served) -> Iterator[None]:
+    """Hooks that read each row's positions out of the flattened batch: the batch's layout
+    (which request's tokens, at which positions) from the runner at each forward, each mapped
+    module's reference output, and the logits from the engine's own logits computation."""
+    runner, model = running.runner, running.model
+    scheduled: dict[str, int] = {}
+    execute = runner.execute_model
+
+    def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        scheduled.clear()
+        scheduled.update(scheduler_output.num_scheduled_tokens)
+        return execute(scheduler_output, *args, **kwargs)
+
+    def before(module: Any, args: Any, kwargs: Any) -> None:
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        served.layout, start = [], 0
+        for rid in runner.input_batch.req_ids:
+            count = scheduled.get(rid, 0)
+            row = runner.requests[rid].sampling_params.extra_args[ROW_KEY]
+            served.layout.append((row, start, count, int(positions[start]) if count else 0))
+            start += count
+
+    def keep(point: str, tensor: Any) -> None:
+        for row, start, count, first in served.layout:
+            if count:
+                served.add(row, point, first, tensor[start : start + count].detach().float().cpu())
+
+    def after(module: Any, args: Any, output: Any) -> None:
+        import torch
+
+        if isinstance(output, torch.Tensor):  # the final hidden states: the engine's logits
+            logits = model.compute_logits(output[: sum(c for *_, c, _ in served.layout)])
+            keep(OUTPUT_POINT, logits)
+
+    handles = [model.register_forward_pre_hook(before, with_kwargs=True)]
+    for pm in running.mapping:
+        if pm.module is None or pm.module == LM_HEAD:
+            continue
+        sub = model.get_submodule(pm.module)
+
+        def on_output(m: Any, a: Any, out: Any, name: str = pm.module) -> None:
+            tensor = reference_output(m, out)
+            if tensor is not None:
+                keep(name, tensor)
+            residual = residual_output(m, out)
+            if residual is not None:
+                keep(f"{name}.{RESIDUAL}", residual)
+
+        handles.append(sub.register_forward_hook(on_output))
+    handles.append(model.register_forward_hook(after))
+    runner.execute_model = execute_model
+    try:
+        yield
+    finally:
+        runner.execute_model = execute
+        for handle in handles:
+            handle.remove()
+        served.order.setdefault(LM_HEAD, served.order.get(OUTPUT_POINT, len(served.order)))
+        served.chunks.update({
+            (row, LM_HEAD): slots for (row, point), slots in list(served.chunks.items())
+            if point == OUTPUT_POINT
+        })  # fmt: skip
+
+
+def forcing_processor() -> Any:
+    """A vLLM logits processor class that leaves the sampler only the row's golden token at
+    each decode step (teacher forcing); rows without forced tokens are left alone."""
+    import torch
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+    class ForceGoldenTokens(AdapterLogitsProcessor):  # type: ignore[misc]
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def new_req_logits_processor(self, params: Any) -> Any:
+            tokens = (params.extra_args or {}).get(FORCED_KEY)
+            if not tokens:
+                return None
+
+            def force(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+                step = len(output_ids)
+                if step >= len(tokens):
+                    return logits
+                forced = torch.full_like(logits, float("-inf"))
+                forced[tokens[step]] = 0.0
+                return forced
+
+            return force
+
+    return ForceGoldenTokens
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """vLLM's loggers at warnings while it runs (it logs every step of its start-up), and
+    the deprecation warnings its imports and start-up raise (vLLM's and torch's own, which a
+    session's ``-W error`` would turn into failures of numalign's tests) ignored."""
+    import logging
+    import warnings
+
+    log = logging.getLogger("vllm")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        log.setLevel(level)
