@@ -414,6 +414,10 @@ def _onednn_capped_below(dtype: str) -> str | None:
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     if dtype != "bfloat16" or cap not in ONEDNN_ISAS:
         return None
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cpu":  # the cap is the CPU build's concern only
+        return None
     if ONEDNN_ISAS.index(cap) >= ONEDNN_ISAS.index(ONEDNN_BF16_ISA):
         return None
     return (
