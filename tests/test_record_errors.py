@@ -131,6 +131,8 @@ def _numalign_exceptions() -> list[type[BaseException]]:
     for info in pkgutil.walk_packages(numalign.__path__, "numalign."):
         if info.name.startswith(("numalign.replay.engines.vllm", "numalign.plugin")):
             continue  # vLLM itself is not installed here; the plugin registers hooks
+        if info.name.endswith(".__main__"):
+            continue  # running the command line is what importing a __main__ does
         module = importlib.import_module(info.name)
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if cls.__module__ == info.name and issubclass(cls, BaseException):

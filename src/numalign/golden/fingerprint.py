@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+from numalign.errors import Crashed
+
 #: A file modified less than this many seconds ago is hashed on every call, never trusted
 #: from its stat: filesystem timestamps are coarse (a few milliseconds on Linux, 2 s on FAT),
 #: so a write within the same tick as the hash would leave size and times unchanged (git's
@@ -104,8 +106,9 @@ def checked_model_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-class Cancelled(Exception):
-    """A background fingerprint stopped because its caller gave up (the capture failed)."""
+class Cancelled(Crashed):
+    """A background fingerprint stopped because its caller gave up: the capture it ran
+    beside failed (that failure is what the user sees; this one never leaves numalign)."""
 
 
 class BackgroundFingerprint:
