@@ -7,7 +7,7 @@
 #      5.16 to 5.24, the newest constraints.txt pins): the zoo's sets, captured on 5.24, replayed
 #      on the older;
 #   3. the project's tests whose subject depends on the transformers version (capture, the
-#      vLLM engine and its planted bugs, the paths a model cannot take, swaps, inventory). The
+#      vLLM engine and its planted bugs, its serving arrangements, the paths a model cannot take, swaps, inventory). The
 #      sweep's shrink is not among them: it and its override table are written for the newest
 #      transformers, whose types the day-0 sweep covers (5.19 lacks some of them, and names
 #      other keys). The rest of the tests run in the main environment: they exercise
@@ -48,5 +48,6 @@ rm -rf "$reports"
     --report-dir "$reports/suites-transformers"
 "$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider --report-dir "$reports/tests" \
     tests/golden tests/test_inventory.py tests/replay/test_vllm_engine.py \
+    tests/replay/test_vllm_serving.py \
     tests/replay/test_vllm_points.py tests/replay/test_paths_a_model_cannot_take.py \
     tests/replay/test_swaps_fit_any_model.py

@@ -224,6 +224,26 @@ def test_transformers_variants_conflict_with_a_serving_engine() -> None:
     assert conflict is not None and "--swap, --tp" in conflict
 
 
+def test_serving_arrangements_are_known_names_for_a_serving_engine(
+    pytester: pytest.Pytester,
+) -> None:
+    from numalign.replay.engines.serving import ARRANGEMENTS, parse_serving
+    from numalign.settings import Settings, engine_conflicts
+
+    pytester.makepyfile(USES_DTYPE)
+    unknown = pytester.runpytest("--serving", "alone,prefix-cache")
+    assert unknown.ret == pytest.ExitCode.USAGE_ERROR
+    unknown.stderr.fnmatch_lines(["*unknown arrangement prefix-cache; known: all, batched*"])
+    # the default: one arrangement, the ids of before
+    assert Settings.from_options({}).serving == ("batched",)
+    assert parse_serving("all") == tuple(ARRANGEMENTS)
+    assert parse_serving(" Alone, alone,crowded") == ("alone", "crowded")
+    everything = Settings(engine="vllm", serving=tuple(ARRANGEMENTS))
+    assert engine_conflicts(everything) is None
+    conflict = engine_conflicts(Settings(serving=("alone",)))  # transformers
+    assert conflict is not None and "replay with --engine vllm" in conflict
+
+
 def test_attention_and_experts_implementations_are_the_ones_transformers_offers(
     pytester: pytest.Pytester,
 ) -> None:

@@ -68,6 +68,19 @@ def test_every_kind_round_trips(dtype: str) -> None:
     assert parse_replay_group(group) == ("golden/sets/tiny-x", dtype)  # fmt: skip
 
 
+def test_a_serving_arrangement_is_the_last_part_and_the_default_is_not_written() -> None:
+    assert testids.format_model("tiny-x", "float32", "batched") == "tiny-x-float32"
+    text = testids.format_model("tiny-x", "float32", "prefix-cached")
+    assert text == "tiny-x-float32-prefix-cached"
+    model = parse(f"{MODEL}::test_model[{text}]")
+    assert (model.model, model.dtype, model.cache, model.serving) == (
+        "tiny-x", "float32", None, "prefix-cached"
+    )  # fmt: skip
+    text = testids.format_decode("tiny-x", "bfloat16", "paged", "chunked-8")
+    decode = parse(f"{DECODE}::test_decode[{text}]")
+    assert (decode.cache, decode.serving) == ("paged", "chunked-8")
+
+
 def test_an_unreadable_set_and_a_plain_test_say_what_they_can() -> None:
     unreadable = f"{LAYERS}::test_layer[{testids.format_unreadable_layer('tiny-x')}]"
     assert unreadable.endswith("[tiny-x/(unreadable)]")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from numalign.replay.engines.serving import ARRANGEMENTS, DEFAULT_SERVING
 from numalign.settings import (
     ATTN_IMPLEMENTATIONS,
     CACHE_IMPLEMENTATIONS,
@@ -172,6 +173,14 @@ OPTIONS: tuple[Option, ...] = (
         "share of the device's memory (on CPU: of RAM) vLLM reserves for its KV cache "
         f"(gpu_memory_utilization; default {DEFAULT_VLLM_MEMORY})",
         default=str(DEFAULT_VLLM_MEMORY),
+    ),
+    Option(
+        "--serving",
+        "numalign_serving",
+        "how the serving engine serves the golden requests, one model and decode test each: "
+        f"all, or a comma list of {', '.join(ARRANGEMENTS)} (default {DEFAULT_SERVING}; "
+        "--engine vllm; see docs/vllm.md)",
+        default=DEFAULT_SERVING,
     ),
     Option(
         "--experts-implementation",

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from numalign.dtypes import RUN_DTYPES
+from numalign.replay.engines.serving import DEFAULT_SERVING, parse_serving
 from numalign.runtime.devices import validate_device
 
 #: transformers' attention implementations a model replay can ask for.
@@ -85,6 +86,9 @@ class Settings:
     engine: str = "transformers"
     #: vLLM's memory share for its KV cache (--vllm-memory), in (0, 1).
     vllm_memory: float = DEFAULT_VLLM_MEMORY
+    #: How a serving engine serves the golden requests (--serving): arrangements of
+    #: ``numalign.replay.engines.serving``, one model and decode test each.
+    serving: tuple[str, ...] = (DEFAULT_SERVING,)
     #: The model suites stream each model's weights from its checkpoint, one unit (a
     #: decoder layer, the embedding, the head) on the device at a time (--stream).
     stream: bool = False
@@ -196,6 +200,7 @@ _FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "tp_timeout": ("tp_timeout", lambda v: parse_seconds(_text(v), "--tp-timeout")),
     "engine": ("engine", lambda v: parse_engine(_text(v))),
     "vllm_memory": ("vllm_memory", lambda v: parse_share(_text(v), "--vllm-memory")),
+    "serving": ("serving", lambda v: parse_serving(_text(v))),
     "truth_cache_size": (
         "truth_cache_max_bytes",
         lambda v: parse_size(_text(v), "--truth-cache-size"),
@@ -275,6 +280,12 @@ def engine_conflicts(settings: Settings) -> str | None:
     build serves tensor parallel only through its multiprocess executor, which numalign's
     in-process hooks cannot reach."""
     if settings.engine == "transformers":
+        if settings.serving != (DEFAULT_SERVING,):
+            return (
+                f"--serving {','.join(settings.serving)}: serving arrangements are a serving "
+                "engine's (prefix cache, chunked prefill, preemption); replay with --engine "
+                "vllm, or drop --serving"
+            )
         return None
     given = [name for name, value in [
         ("--swap", settings.swaps), ("--attn-implementation", settings.attn_implementation),

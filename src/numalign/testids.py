@@ -8,8 +8,10 @@ The ids (pytest's node id is ``PATH::FUNCTION[PARAMS]``):
 - operators: ``suites/operators/test_operators.py::test_OP[CANDIDATE-DTYPE-CASE]``
 - layers: ``suites/models/test_layers.py::test_layer[SET/POINT-DTYPE]``, and
   ``test_layer[SET/(unreadable)]`` for a set whose manifest cannot be read
-- models: ``suites/models/test_model.py::test_model[SET-DTYPE]``
-- decode: ``suites/models/test_decode.py::test_decode[SET-DTYPE-CACHE]``
+- models: ``suites/models/test_model.py::test_model[SET-DTYPE]``, and
+  ``test_model[SET-DTYPE-SERVING]`` served in an arrangement other than the default
+- decode: ``suites/models/test_decode.py::test_decode[SET-DTYPE-CACHE]``, and
+  ``test_decode[SET-DTYPE-CACHE-SERVING]`` likewise (a cache name holds no hyphen)
 - replay groups (the ``replay_group`` mark of a model-suite test): ``SET_PATH-DTYPE``
 
 Parameters are split at their first dtype name (``numalign.dtypes.NAMES``): a candidate, a
@@ -47,14 +49,22 @@ def format_unreadable_layer(set_name: str) -> str:
     return f"{set_name}/{UNREADABLE}"
 
 
-def format_model(set_name: str, dtype: str) -> str:
-    """``tiny-llama-bfloat16``: a whole-model test's parameters."""
-    return f"{set_name}-{dtype}"
+def format_model(set_name: str, dtype: str, serving: str | None = None) -> str:
+    """``tiny-llama-bfloat16``: a whole-model test's parameters (``-SERVING`` appended for a
+    serving arrangement other than the default)."""
+    return f"{set_name}-{dtype}" + _serving(serving)
 
 
-def format_decode(set_name: str, dtype: str, cache: str) -> str:
-    """``tiny-llama-bfloat16-static``: a decode test's parameters."""
-    return f"{set_name}-{dtype}-{cache}"
+def format_decode(set_name: str, dtype: str, cache: str, serving: str | None = None) -> str:
+    """``tiny-llama-bfloat16-static``: a decode test's parameters (``-SERVING`` appended as
+    for a model test)."""
+    return f"{set_name}-{dtype}-{cache}" + _serving(serving)
+
+
+def _serving(serving: str | None) -> str:
+    from numalign.replay.engines.serving import DEFAULT_SERVING
+
+    return "" if serving in (None, DEFAULT_SERVING) else f"-{serving}"
 
 
 def format_replay_group(set_path: str, dtype: str) -> str:
@@ -85,10 +95,12 @@ class TestId:
     operator: str | None = None
     candidate: str | None = None
     case: str | None = None
-    #: models: the golden set's name, the capture point (layers) and the cache (decode).
+    #: models: the golden set's name, the capture point (layers), the cache (decode) and
+    #: the serving arrangement (models and decode; None: the default).
     model: str | None = None
     point: str | None = None
     cache: str | None = None
+    serving: str | None = None
 
 
 def parse(test_id: str) -> TestId:
@@ -104,8 +116,9 @@ def parse(test_id: str) -> TestId:
     before, dtype, after = "-".join(words[:at]), words[at], "-".join(words[at + 1 :])
     if suite == "models":
         model, _, point = before.partition("/")
+        cache, serving = (None, after) if function == "test_model" else after.partition("-")[::2]
         return TestId(path, function, suite, dtype, model=model, point=point or None,
-                      cache=after or None)  # fmt: skip
+                      cache=cache or None, serving=serving or None)  # fmt: skip
     return TestId(path, function, suite, dtype, operator=function.removeprefix("test_") or None,
                   candidate=before or None, case=after or None)  # fmt: skip
 
@@ -133,12 +146,14 @@ class Param(str):
 @dataclass(frozen=True)
 class ReplayCase:
     """The values of a model-suite test: the golden set's folder and the dtype; the capture
-    point of a layer test (None: a set that could not be read), the cache of a decode test."""
+    point of a layer test (None: a set that could not be read), the cache of a decode test,
+    the serving arrangement of a model or decode test (None: the engine's default)."""
 
     path: str
     dtype: str | None = None
     point: str | None = None
     cache: str | None = None
+    serving: str | None = None
 
 
 def replay_param(case: ReplayCase, text: str) -> Any:

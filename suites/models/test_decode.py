@@ -6,7 +6,8 @@ cache's contents after the prefill and after the last step are judged against th
 within the set's decode calibration; the first divergent step and point are named. Every
 comparison is a drift record (mode ``decode``, ``step`` set, ``swap`` naming the cache).
 
-Ids read ``test_decode[tiny-llama-bfloat16-static]``.
+Ids read ``test_decode[tiny-llama-bfloat16-static]``; with ``--serving``, one test per
+arrangement, ``test_decode[tiny-mistral-float32-paged-preempted]``.
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     settings = metafunc.config.stash[settings_key]
     sets = suite_sets(ROOT, settings.golden_dirs, only=settings.golden_only)
     cases = [
-        replay_param(ReplayCase(str(p), d, cache=c), testids.format_decode(p.name, d, c))
+        replay_param(
+            ReplayCase(str(p), d, cache=c, serving=s), testids.format_decode(p.name, d, c, s)
+        )
         for p in sets
         for d in settings.dtypes
         for c in decode_caches(settings)
+        for s in settings.serving
     ]
     metafunc.parametrize("decode_case", cases)
 
@@ -63,7 +67,7 @@ def test_decode(
     path, dtype, implementation = case.path, str(case.dtype), str(case.cache)
     with replay_guard():
         replayed = replay_engine.decode(
-            path, dtype, implementation, numalign_device, tolerance_policy
+            path, dtype, implementation, numalign_device, tolerance_policy, serving=case.serving
         )
     if replayed.verdict is None:
         pytest.skip(replayed.skipped or "no decode steps")

@@ -4,7 +4,8 @@ agreement with near ties, KL divergence) or an encoder's final outputs; the gree
 continuation; and the first divergence, local (the point alone fails too) or accumulated from
 upstream. Every one of them is a drift record.
 
-Ids read ``test_model[tiny-llama-bfloat16]``.
+Ids read ``test_model[tiny-llama-bfloat16]``; with ``--serving`` (a serving engine) one test
+per arrangement, ``test_model[tiny-mistral-float32-prefix-cached]``.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     settings = metafunc.config.stash[settings_key]
     sets = suite_sets(ROOT, settings.golden_dirs, only=settings.golden_only)
     cases = [
-        replay_param(ReplayCase(str(p), d), testids.format_model(p.name, d))
+        replay_param(ReplayCase(str(p), d, serving=s), testids.format_model(p.name, d, s))
         for p in sets
         for d in settings.dtypes
+        for s in settings.serving
     ]
     metafunc.parametrize("model_case", cases)
 
@@ -59,7 +61,9 @@ def test_model(
     case: ReplayCase = model_case.values
     path, dtype = case.path, str(case.dtype)
     with replay_guard():
-        replayed = replay_engine.model(path, dtype, numalign_device, tolerance_policy)
+        replayed = replay_engine.model(
+            path, dtype, numalign_device, tolerance_policy, serving=case.serving
+        )
     verdict = replayed.verdict
     for record in records(verdict, record_drift.nodeid, **replayed.context):
         record_drift.add(record)

@@ -192,6 +192,7 @@ def test_an_engine_that_fails_to_start_is_an_error_naming_the_set(
     from types import SimpleNamespace
 
     from numalign.replay.engines.errors import EngineError
+    from numalign.replay.engines.serving import ARRANGEMENTS, DEFAULT_SERVING
     from numalign.replay.model import open_fresh
 
     golden = open_fresh(MISTRAL)
@@ -205,7 +206,7 @@ def test_an_engine_that_fails_to_start_is_an_error_naming_the_set(
     )  # fmt: skip
     engine._stop()  # one engine at a time in a process
     with pytest.raises(EngineError, match="vLLM failed to start for broken-mistral"):
-        engine._start(fake, "float32")  # type: ignore[arg-type]
+        engine._start(fake, "float32", ARRANGEMENTS[DEFAULT_SERVING])  # type: ignore[arg-type]
     # the failed start left nothing behind: the next engine starts and serves
     assert engine.model(MISTRAL, "float32", torch.device("cpu"), None).verdict.passed
 
@@ -237,7 +238,9 @@ def test_memory_the_machine_lacks_is_an_error_saying_what_to_lower(
     from numalign.replay.engines.errors import EngineError
 
     engine._stop()  # one engine at a time in a process
-    monkeypatch.setattr(module, "_kv_cache_bytes", lambda golden, dtype: 1 << 50)  # a petabyte
+    monkeypatch.setattr(
+        module, "_kv_cache_bytes", lambda golden, dtype, copies=1: 1 << 50
+    )  # a petabyte
     with pytest.raises(EngineError, match="could not reserve memory for tiny-mistral") as raised:
         engine.model(MISTRAL, "float32", torch.device("cpu"), None)
     assert "fewer xdist workers" in str(raised.value) and not raised.value.crashed

@@ -48,14 +48,29 @@ class Engine(Protocol):
         """Every recorded call of ``point`` run alone on the golden inputs."""
         ...
 
-    def model(self, path: str | Path, dtype: str, device: torch.device, policy: Any) -> Replayed:
-        """The whole model on every golden request, every point and the logits judged."""
+    def model(
+        self,
+        path: str | Path,
+        dtype: str,
+        device: torch.device,
+        policy: Any,
+        serving: str | None = None,
+    ) -> Replayed:
+        """The whole model on every golden request, every point and the logits judged;
+        ``serving``: a serving engine's arrangement (``engines.serving``; None: its default)."""
         ...
 
     def decode(
-        self, path: str | Path, dtype: str, cache: str, device: torch.device, policy: Any
+        self,
+        path: str | Path,
+        dtype: str,
+        cache: str,
+        device: torch.device,
+        policy: Any,
+        serving: str | None = None,
     ) -> Replayed:
-        """Every golden decode, teacher-forced, with the KV cache ``cache``."""
+        """Every golden decode, teacher-forced, with the KV cache ``cache``, served in the
+        arrangement ``serving`` as ``model``."""
         ...
 
     def close(self) -> None:

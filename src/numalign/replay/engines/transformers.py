@@ -46,13 +46,27 @@ class TransformersEngine:
         )
         return Replayed(golden, results, self._context(golden, device, dtype, model))
 
-    def model(self, path: str | Path, dtype: str, device: torch.device, policy: Any) -> Replayed:
+    def model(
+        self,
+        path: str | Path,
+        dtype: str,
+        device: torch.device,
+        policy: Any,
+        serving: str | None = None,
+    ) -> Replayed:
+        # ``serving``: the settings refuse arrangements other than the default here
         golden, model = self.cache.load(path, self.settings, device, dtype)
         verdict = self.cache.run(replay_model, golden, model, dtype, device, policy)
         return Replayed(golden, verdict, self._context(golden, device, dtype, model))
 
     def decode(
-        self, path: str | Path, dtype: str, cache: str, device: torch.device, policy: Any
+        self,
+        path: str | Path,
+        dtype: str,
+        cache: str,
+        device: torch.device,
+        policy: Any,
+        serving: str | None = None,
     ) -> Replayed:
         golden, model, verdict = decode_replay(
             self.cache, path, self.settings, device, dtype, cache, policy

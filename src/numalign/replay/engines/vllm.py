@@ -41,6 +41,7 @@ from numalign.golden.requests import unservable
 from numalign.replay.decode import decode_unavailable, require_decode_calibration
 from numalign.replay.engines import Replayed
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
+from numalign.replay.engines.serving import ARRANGEMENTS, DEFAULT_SERVING, Arrangement
 from numalign.replay.engines.vllm_alone import AloneOnVllm, isolated, judge_residuals
 from numalign.replay.engines.vllm_points import (
     LM_HEAD,
@@ -48,6 +49,7 @@ from numalign.replay.engines.vllm_points import (
     map_points,
 )
 from numalign.replay.engines.vllm_serving import (
+    KV_BLOCK,
     Running,
     Served,
     decode_step_count,
@@ -116,7 +118,7 @@ class VllmEngine:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._running: Running | None = None
-        self._served: dict[tuple[str, str], Served] = {}
+        self._served: dict[tuple[str, str, str], Served] = {}
         #: sets vLLM does not serve, with its reason (not started again for each test)
         self._unsupported: dict[str, str] = {}
 
@@ -127,10 +129,18 @@ class VllmEngine:
 
     # -- the three replays -------------------------------------------------------------
 
-    def model(self, path: str | Path, dtype: str, device: torch.device, policy: Any) -> Replayed:
+    def model(
+        self,
+        path: str | Path,
+        dtype: str,
+        device: torch.device,
+        policy: Any,
+        serving: str | None = None,
+    ) -> Replayed:
         golden = open_fresh(path)
-        running = self._engine(golden, dtype)
-        served = self._serve(golden, dtype)
+        arrangement = ARRANGEMENTS[serving or DEFAULT_SERVING]
+        running = self._engine(golden, dtype, arrangement)
+        served = self._serve(golden, dtype, arrangement)
         unmapped = _unmapped(running.mapping)
         # the engine's model replay pools no leans (as before the one judge; see docs/vllm.md)
         judge = Judge.of_set(golden, dtype, "accumulated", hidden_and_depth_of(running), policy,
@@ -175,18 +185,25 @@ class VllmEngine:
                 judge.judge_logits(request.name, actual, expected)
         verdict.divergence = self._locate(golden, dtype, verdict.points, policy)
         verdict.unmapped = unmapped
-        return Replayed(golden, verdict, self._context(golden, running))
+        return Replayed(golden, verdict, self._context(golden, running, arrangement))
 
     def decode(
-        self, path: str | Path, dtype: str, cache: str, device: torch.device, policy: Any
+        self,
+        path: str | Path,
+        dtype: str,
+        cache: str,
+        device: torch.device,
+        policy: Any,
+        serving: str | None = None,
     ) -> Replayed:
         golden = open_fresh(path)
         require_decode_calibration(golden, dtype)
         reason = decode_unavailable(golden, dtype)
         if reason is not None:
             return Replayed(golden, None, skipped=reason)
-        running = self._engine(golden, dtype)
-        served = self._serve(golden, dtype)
+        arrangement = ARRANGEMENTS[serving or DEFAULT_SERVING]
+        running = self._engine(golden, dtype, arrangement)
+        served = self._serve(golden, dtype, arrangement)
         unmapped = _unmapped(running.mapping)
         judge = Judge.of_set(golden, dtype, "decode", hidden_and_depth_of(running), policy,
                          leans=False)  # fmt: skip
@@ -216,7 +233,7 @@ class VllmEngine:
                 judge.judge_logits(request, logits.to(torch_dtype), golden.tensor(step.logits),
                                    step=number)  # fmt: skip
         verdict.unmapped = unmapped
-        context = self._context(golden, running, cache)
+        context = self._context(golden, running, arrangement, cache)
         return Replayed(golden, verdict, context)
 
     def layer(
@@ -225,7 +242,7 @@ class VllmEngine:
         golden = open_fresh(path)
         running = self._engine(golden, dtype)
         pm = next(m for m in running.mapping if m.point == point)
-        context = self._context(golden, running)
+        context = self._context(golden, running, ARRANGEMENTS[DEFAULT_SERVING])
         if self.settings.compile_backend is not None:
             return Replayed(golden, [], context, skipped=COMPILED)
         if pm.module is None:
@@ -241,20 +258,27 @@ class VllmEngine:
 
     # -- the engine ------------------------------------------------------------------
 
-    def _engine(self, golden: GoldenSet, dtype: str) -> Running:
-        """The engine serving ``golden`` in ``dtype``, started if it is not the running one
-        (one engine per worker at a time: each holds its share of the memory)."""
-        key = (str(golden.path), dtype)
+    def _engine(
+        self, golden: GoldenSet, dtype: str, arrangement: Arrangement | None = None
+    ) -> Running:
+        """The engine serving ``golden`` in ``dtype`` configured for ``arrangement`` (None:
+        the running one for the set and dtype, else the default's), started if it is not the
+        running one (one engine per worker at a time: each holds its share of the memory)."""
+        running = self._running
+        if arrangement is None:
+            same = running is not None and running.key[:2] == (str(golden.path), dtype)
+            arrangement = running.arrangement if same and running else ARRANGEMENTS[DEFAULT_SERVING]
+        key = (str(golden.path), dtype, _configuration(arrangement))
         reason = self._unsupported.get(str(golden.path))
         if reason is not None:
             raise EngineUnsupported(reason)
-        if self._running is not None and self._running.key == key:
-            return self._running
+        if running is not None and running.key == key:
+            return running
         self._stop()
-        self._running = self._start(golden, dtype)
+        self._running = self._start(golden, dtype, arrangement)
         return self._running
 
-    def _start(self, golden: GoldenSet, dtype: str) -> Running:
+    def _start(self, golden: GoldenSet, dtype: str, arrangement: Arrangement) -> Running:
         os.environ.update(ENGINE_ENV)
         capped = _onednn_capped_below(dtype)
         if capped is not None:
@@ -270,11 +294,9 @@ class VllmEngine:
                 llm = LLM(
                     model=str(golden.model_dir), skip_tokenizer_init=True, dtype=dtype,
                     gpu_memory_utilization=self.settings.vllm_memory, max_model_len=length,
-                    kv_cache_memory_bytes=_kv_cache_bytes(golden, dtype),
-                    max_num_batched_tokens=MAX_BATCH_TOKENS, max_num_seqs=MAX_ROWS,
-                    enable_prefix_caching=False,
                     enforce_eager=self.settings.compile_backend is None,
                     logits_processors=[forcing_processor()], seed=0,
+                    **_serving_options(golden, dtype, arrangement, length),
                 )  # fmt: skip
                 # one short request first: what vLLM cannot serve (an attention configuration
                 # its kernels lack) fails here, before any test judges anything
@@ -301,8 +323,8 @@ class VllmEngine:
                              config, routers)  # fmt: skip
         if self.settings.compile_backend is not None:
             mapping = [_compiled(pm) for pm in mapping]
-        return Running((str(golden.path), dtype), llm, model, runner, mapping,
-                        _variant(llm, model))  # fmt: skip
+        key = (str(golden.path), dtype, _configuration(arrangement))
+        return Running(key, llm, model, runner, mapping, _variant(llm, model), arrangement)
 
     def _stop(self) -> None:
         running, self._running = self._running, None
@@ -345,27 +367,35 @@ class VllmEngine:
         return EngineError(f"vLLM failed to {when} for {golden.name}: {text}")
 
     def _context(
-        self, golden: GoldenSet, running: Running, cache: str | None = None
+        self,
+        golden: GoldenSet,
+        running: Running,
+        arrangement: Arrangement,
+        cache: str | None = None,
     ) -> dict[str, Any]:
         from vllm.platforms import current_platform
 
         device = str(current_platform.device_type or "cpu")
+        engine_variant = running.variant
+        if arrangement.name != DEFAULT_SERVING:  # the default's records keep their variant
+            engine_variant += f",vllm-serving={arrangement.name}"
         variant = Variant.from_settings(
             self.settings, device=device, dtype=running.key[1], cache=cache
-        ).with_changes(engine_variant=running.variant)
+        ).with_changes(engine_variant=engine_variant)
         return {"suite": "models", "candidate": "vllm", "device": device,
                 "golden_fingerprint": golden.model.fingerprint, "model": golden.name,
                 **variant.record_fields()}  # fmt: skip
 
     # -- serving -----------------------------------------------------------------------
 
-    def _serve(self, golden: GoldenSet, dtype: str) -> Served:
-        """Every row of the set served once (cached for the running engine)."""
-        key = (str(golden.path), dtype)
+    def _serve(self, golden: GoldenSet, dtype: str, arrangement: Arrangement) -> Served:
+        """Every row of the set served in ``arrangement`` (cached for the running engine);
+        EngineUnsupported where the serving did not exercise what the arrangement is for."""
+        key = (str(golden.path), dtype, arrangement.name)
         if key not in self._served:
-            running = self._engine(golden, dtype)
+            running = self._engine(golden, dtype, arrangement)
             try:
-                self._served[key] = serve_rows(running, golden)
+                self._served[key] = serve_rows(running, golden, arrangement)
             except EngineError:
                 self._stop()
                 raise
@@ -373,7 +403,11 @@ class VllmEngine:
                 failure = self._failure(golden, exc, "serve")
                 self._stop()
                 raise failure from None
-        return self._served[key]
+        served = self._served[key]
+        missing = served.exercised.unexercised(arrangement, golden.name, row_lengths(golden))
+        if missing is not None:
+            raise EngineUnsupported(missing)
+        return served
 
     def _locate(
         self, golden: GoldenSet, dtype: str, results: list[PointResult], policy: Any
@@ -445,10 +479,49 @@ def _worker(worker: Any) -> Any:
     return worker
 
 
-def _kv_cache_bytes(golden: GoldenSet, dtype: str) -> int:
+def _configuration(arrangement: Arrangement) -> tuple[Any, ...]:
+    """What of ``arrangement`` the engine is started with (arrangements that agree on it share
+    one running engine)."""
+    return (arrangement.batch_tokens or MAX_BATCH_TOKENS, arrangement.rows or MAX_ROWS,
+            arrangement.prefix_cached, arrangement.spare_blocks)  # fmt: skip
+
+
+def _serving_options(
+    golden: GoldenSet, dtype: str, arrangement: Arrangement, length: int
+) -> dict[str, Any]:
+    """vLLM's engine options for ``arrangement``: the token budget and rows a step, the
+    prefix cache, the KV block size (``KV_BLOCK`` on the CPU; a GPU keeps its backend's),
+    and the KV cache: sized to the replay, or for the preempted arrangement a number of
+    blocks only slightly above what the longest row (``length`` tokens) needs."""
+    from vllm.platforms import current_platform
+
+    rows = arrangement.rows or MAX_ROWS
+    copies = -(-rows // max(1, len(row_lengths(golden)))) if arrangement.crowded else 1
+    options: dict[str, Any] = {
+        # vLLM warns of a budget past what its rows can schedule: no more than that
+        "max_num_batched_tokens": min(arrangement.batch_tokens or MAX_BATCH_TOKENS, rows * length),
+        "max_num_seqs": rows,
+        "enable_prefix_caching": arrangement.prefix_cached,
+        "kv_cache_memory_bytes": _kv_cache_bytes(golden, dtype, copies),
+    }
+    if current_platform.device_type == "cpu":
+        options["block_size"] = KV_BLOCK
+    if arrangement.spare_blocks is not None:
+        block = options.get("block_size", KV_BLOCK)
+        # and one block more: vLLM's block pool holds one back (its null block)
+        blocks = -(-length // block) + arrangement.spare_blocks + 1
+        options["num_gpu_blocks_override"] = blocks
+        # admitted on their first chunk alone (not their whole prompt), rows then compete
+        # for blocks as their prefill goes on, and the scheduler preempts
+        options["scheduler_reserve_full_isl"] = False
+    return options
+
+
+def _kv_cache_bytes(golden: GoldenSet, dtype: str, copies: int = 1) -> int:
     """The KV cache the set's rows need (keys and values of every layer for every position
-    served, each row rounded up to whole pages of 16 tokens), KV_MARGIN times over, at least
-    KV_FLOOR_BYTES."""
+    served, each row rounded up to whole blocks of ``KV_BLOCK`` tokens, and one block more),
+    ``copies`` times (a crowded serving runs copies of the rows beside them) and KV_MARGIN
+    times over, at least KV_FLOOR_BYTES."""
     import json
 
     config = json.loads((golden.model_dir / "config.json").read_text(encoding="utf-8"))
@@ -458,9 +531,9 @@ def _kv_cache_bytes(golden: GoldenSet, dtype: str) -> int:
     head_dim = int(config.get("head_dim") or int(config.get("hidden_size") or 64) // heads)
     layers = int(config.get("num_hidden_layers") or 1)
     steps = decode_step_count(golden) + 1
-    tokens = sum(-(-(n + steps) // 16) * 16 + 16 for n in row_lengths(golden))
+    tokens = sum(-(-(n + steps) // KV_BLOCK) * KV_BLOCK + KV_BLOCK for n in row_lengths(golden))
     per_token = 2 * layers * kv_heads * head_dim * int(dtypes.torch_dtype(dtype).itemsize)
-    return max(KV_FLOOR_BYTES, KV_MARGIN * tokens * per_token)
+    return max(KV_FLOOR_BYTES, KV_MARGIN * copies * tokens * per_token)
 
 
 def _unmapped(mapping: list[PointMap]) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """Serving a golden set through vLLM for the replay: every row of every golden request as
 its real tokens, decode rows teacher-forced with the golden tokens (a logits processor), and
 hooks that read each row's positions of every mapped module's output and the logits out of
-vLLM's flattened batches (``Served``)."""
+vLLM's flattened batches (``Served``), in one of the serving arrangements
+(``engines.serving``), with what the scheduler was seen doing (``Exercised``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from numalign.golden.manifest import OUTPUT_POINT
 from numalign.golden.requests import unservable
 from numalign.replay.engines.errors import EngineError
+from numalign.replay.engines.serving import CROWD_ROWS, Arrangement
 from numalign.replay.engines.vllm_points import (
     LM_HEAD,
     RESIDUAL,
@@ -41,14 +43,75 @@ ROW_KEY, FORCED_KEY = "numalign_row", "numalign_forced"
 
 @dataclass
 class Running:
-    """One started engine: the set and dtype it serves, the LLM, its model and runner."""
+    """One started engine: the set, dtype and engine configuration it serves (``key``), the
+    LLM, its model and runner, the points' modules, the engine as records name it, and the
+    serving arrangement it was started for."""
 
-    key: tuple[str, str]
+    key: tuple[str, str, tuple[Any, ...]]
     llm: Any
     model: Any
     runner: Any
     mapping: list[PointMap]
     variant: str
+    arrangement: Arrangement
+
+
+@dataclass
+class Exercised:
+    """What vLLM's scheduler was seen doing while it served a set: its steps, the most rows
+    one step ran, the prompts it prefilled over more than one step, the prompt tokens it
+    took from the prefix cache, and the rows it preempted (counted as they resume)."""
+
+    steps: int = 0
+    most_rows: int = 0
+    chunked_prompts: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+
+    def saw(self, scheduler_output: Any) -> None:
+        scheduled = scheduler_output.num_scheduled_tokens
+        self.steps += 1
+        self.most_rows = max(self.most_rows, len(scheduled))
+        for new in scheduler_output.scheduled_new_reqs:
+            self.prefix_hit_tokens += int(new.num_computed_tokens)
+            left = len(new.prompt_token_ids or ()) - int(new.num_computed_tokens)
+            if scheduled.get(new.req_id, 0) < left:
+                self.chunked_prompts += 1
+        # a preempted row comes back (its blocks recomputed) as a resumed request
+        self.preemptions += len(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+
+    def unexercised(self, arrangement: Arrangement, set_name: str, rows: list[int]) -> str | None:
+        """Why the serving did not exercise what ``arrangement`` is for (None: it did)."""
+        need = arrangement.exercises
+        if need is None:
+            return None
+        if need == "crowd":
+            seen, wanted = self.most_rows, arrangement.rows or CROWD_ROWS
+            if seen >= wanted:
+                return None
+            return f"vLLM ran at most {seen} rows in one step, not the {wanted} asked for"
+        if getattr(self, need) > 0:
+            return None
+        longest = max(rows, default=0)
+        what = {
+            "chunked_prompts": "prefilled no prompt in chunks",
+            "prefix_hit_tokens": "served no prompt token from its prefix cache",
+            "preemptions": "preempted no row",
+        }[need]
+        return (
+            f"vLLM {what} while serving {set_name} {arrangement.name} (its rows have at most "
+            f"{longest} tokens; the prefix cache and preemption work in whole KV blocks, "
+            f"{KV_BLOCK} tokens here, and a sliding window frees the blocks it leaves behind, "
+            "so a windowed model's rows rarely compete for blocks): capture the set with "
+            f"longer requests (numalign capture --long {2 * KV_BLOCK + KV_BLOCK // 4}: rows "
+            "past two blocks), then replay again"
+        )
+
+
+#: The KV cache's block (page) size numalign asks vLLM for on the CPU: the smallest its CPU
+#: attention takes (it raises 16 to 32), so that a long request spans several blocks (vLLM's
+#: CPU default is 128, which no zoo request fills).
+KV_BLOCK = 32
 
 
 @dataclass
@@ -60,6 +123,7 @@ class Served:
     chunks: dict[tuple[str, str], dict[int, Any]] = field(default_factory=dict)
     order: dict[str, int] = field(default_factory=dict)
     layout: list[tuple[str, int, int, int]] = field(default_factory=list)
+    exercised: Exercised = field(default_factory=Exercised)
 
     def add(self, row: str, point: str, first: int, tensor: Any) -> None:
         slots = self.chunks.setdefault((row, point), {})
@@ -123,28 +187,65 @@ def step_rows(served: Served, rows: list[tuple[str, int]], point: str, step: int
     return torch.stack([served.positions(row, point, n + step - 1, n + step) for row, n in rows])
 
 
-def serve_rows(running: Running, golden: GoldenSet, decode: bool = True) -> Served:
-    """Serves every row of every golden request (decode requests' rows teacher-forced with
-    their golden tokens; with ``decode`` False, the prompts alone) and collects each mapped
-    point's output and the logits per row and position."""
+def serve_rows(
+    running: Running, golden: GoldenSet, arrangement: Arrangement, decode: bool = True
+) -> Served:
+    """Serves every row of every golden request in ``arrangement`` (decode requests' rows
+    teacher-forced with their golden tokens; with ``decode`` False, the prompts alone) and
+    collects each mapped point's output and the logits per row and position."""
     import torch
 
-    prompts, params = row_requests(golden, decode)
+    prompts, params = row_requests(golden, decode, prefill_scored=arrangement.prefill_scored)
+    if arrangement.crowded:
+        prompts, params = _crowd(prompts, params, arrangement.rows or CROWD_ROWS)
+    requests = list(zip(prompts, params, strict=True))
+    rounds = [[r] for r in requests] if arrangement.alone else [requests]
+    if arrangement.prefix_cached:  # every row computed whole and cached, then served again
+        cold = [(p, _copy(q, skip_reading_prefix_cache=True)) for p, q in requests]
+        rounds = [cold, requests]
     served = Served()
     with quiet(), _hooked(running, served), torch.no_grad():
-        finished = _run(running.llm.llm_engine, prompts, params, golden.name)
-    if finished != len(prompts):
-        raise EngineError(f"vLLM finished {finished} of {len(prompts)} requests of {golden.name}")
+        for number, served_round in enumerate(rounds):
+            chosen = [p for p, _ in served_round], [q for _, q in served_round]
+            finished = _run(running.llm.llm_engine, *chosen, golden.name, f"r{number}-")
+            if finished != len(served_round):
+                raise EngineError(
+                    f"vLLM finished {finished} of {len(served_round)} requests of {golden.name}"
+                )
     return served
 
 
+def _copy(params: Any, **changes: Any) -> Any:
+    """A copy of a request's sampling parameters with ``changes``."""
+    import copy
+
+    copied = copy.deepcopy(params)
+    for name, value in changes.items():
+        setattr(copied, name, value)
+    return copied
+
+
+def _crowd(prompts: list[Any], params: list[Any], rows: int) -> tuple[list[Any], list[Any]]:
+    """The golden rows followed by copies of themselves, ``rows`` in all: the copies run the
+    same tokens beside them (recorded under their own row names, never judged)."""
+    prompts, params = list(prompts), list(params)
+    for k in range(len(prompts), rows):
+        param = _copy(params[k % len(params)])
+        param.extra_args[ROW_KEY] = f"{param.extra_args[ROW_KEY]} (copy {k})"
+        prompts.append(prompts[k % len(prompts)])
+        params.append(param)
+    return prompts, params
+
+
 def row_requests(
-    golden: GoldenSet, decode: bool = True, observed: bool = True
+    golden: GoldenSet, decode: bool = True, observed: bool = True, prefill_scored: bool = False
 ) -> tuple[list[Any], list[Any]]:
     """vLLM's prompts and sampling parameters for every row of every golden request: its real
     tokens, one token more than the row's decode steps (none with ``decode`` False), greedy.
     ``observed``: each request names its row and the golden tokens to force (the replay);
-    otherwise the same requests as a user would send them (the benchmark's plain serving)."""
+    otherwise the same requests as a user would send them (the benchmark's plain serving).
+    ``prefill_scored``: the golden decode tokens appended to the prompt instead, one token
+    generated (each decode step's position computed by the prefill)."""
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -166,8 +267,10 @@ def row_requests(
         mask = request_mask(golden, request.name)
         for b, (row, _) in enumerate(rows):
             tokens = ids[b][mask[b].bool()] if mask is not None else ids[b]
-            prompts.append(TokensPrompt(prompt_token_ids=tokens.tolist()))
             steps = forced.get(row, [])
+            if prefill_scored:
+                tokens, steps = torch.cat([tokens, torch.tensor(steps, dtype=tokens.dtype)]), []
+            prompts.append(TokensPrompt(prompt_token_ids=tokens.tolist()))
             extra = {ROW_KEY: row, FORCED_KEY: steps} if observed else None
             params.append(SamplingParams(
                 max_tokens=len(steps) + 1, temperature=0.0, detokenize=False, extra_args=extra,
@@ -176,11 +279,12 @@ def row_requests(
     return prompts, params
 
 
-def _run(engine: Any, prompts: list[Any], params: list[Any], name: str) -> int:
+def _run(engine: Any, prompts: list[Any], params: list[Any], name: str, round_: str = "") -> int:
     """Serves the requests step by step, giving up (the engine hung or is far too slow)
-    after SERVE_TIMEOUT_S; the number of requests finished."""
+    after SERVE_TIMEOUT_S; the number of requests finished. ``round_`` keeps request ids of
+    one serving's rounds apart."""
     for i, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"numalign-{i}", prompt, param)
+        engine.add_request(f"numalign-{round_}{i}", prompt, param)
     deadline = time.monotonic() + SERVE_TIMEOUT_S
     finished = 0
     while engine.has_unfinished_requests():
@@ -206,6 +310,8 @@ def _hooked(running: Running, served: Served) -> Iterator[None]:
     def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         scheduled.clear()
         scheduled.update(scheduler_output.num_scheduled_tokens)
+        if scheduled:
+            served.exercised.saw(scheduler_output)
         return execute(scheduler_output, *args, **kwargs)
 
     def before(module: Any, args: Any, kwargs: Any) -> None:
