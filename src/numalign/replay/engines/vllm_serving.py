@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from numalign.golden.manifest import OUTPUT_POINT
-from numalign.golden.requests import unservable
+from numalign.golden.requests import SERVING_BLOCK, unservable
 from numalign.replay.engines.errors import EngineError
 from numalign.replay.engines.serving import CROWD_ROWS, Arrangement
 from numalign.replay.engines.vllm_points import (
@@ -109,9 +109,9 @@ class Exercised:
 
 
 #: The KV cache's block (page) size numalign asks vLLM for on the CPU: the smallest its CPU
-#: attention takes (it raises 16 to 32), so that a long request spans several blocks (vLLM's
-#: CPU default is 128, which no zoo request fills).
-KV_BLOCK = 32
+#: attention takes (it raises 16 to 32), the one a set's long requests cross (vLLM's CPU
+#: default is 128, which no zoo request fills).
+KV_BLOCK = SERVING_BLOCK
 
 
 @dataclass
