@@ -6,7 +6,9 @@ import json
 import math
 import re
 from html.parser import HTMLParser
+from typing import Any
 
+from numalign import testids
 from numalign.record import DriftRecord
 from numalign.report.html import point_place, render_html
 
@@ -109,6 +111,29 @@ def test_points_per_engine_count_what_was_judged_and_what_was_not() -> None:
     assert '<td>tiny-mistral</td><td>vllm</td><td class="num">3</td><td class="num">1</td>' in row
     reason = "vLLM&#39;s LlamaForCausalLM has no module ... qkv_proj"
     assert f'title="{reason}">model.layers.0.self_attn.q_proj' in row
+
+
+def test_the_serving_matrix_shows_each_arrangement_per_model_and_dtype() -> None:
+    def served(serving: str | None, point: str, used: float, verdict: str = "passed") -> Any:
+        text = testids.format_model("tiny-mistral", "float32", serving)
+        return DriftRecord(
+            test_id=f"suites/models/test_model.py::test_model[{text}]", point=point,
+            mode="accumulated", budget_used=used, verdict=verdict, suite="models",
+            model="tiny-mistral", candidate="vllm", dtype="float32",
+        )  # fmt: skip
+
+    plain = [served(None, "model.norm", 0.2), served("alone", "model.norm", 0.2)]
+    assert "serving-matrix" not in render_html(plain[:1], HEADER)  # the default alone: none
+    records = [*plain, served("prefix-cached", "model.norm", 0.3),
+               served("prefix-cached", "model.layers.0.self_attn", 3.5, "failed")]  # fmt: skip
+    parser = _Cells("serving-matrix")
+    parser.feed(render_html(records, HEADER))
+    header, row = parser.rows
+    # the columns in the arrangements' order; a cell: the worst verdict and use of budget
+    assert [text for text, _ in header] == ["model", "dtype", "batched", "alone", "prefix-cached"]
+    assert [text for text, _ in row] == [
+        "tiny-mistral", "float32", "passed 0.2", "passed 0.2", "failed 3.5"
+    ]  # fmt: skip
 
 
 class _Cells(HTMLParser):

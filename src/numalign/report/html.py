@@ -21,6 +21,7 @@ from numalign.report.first_screen import (
     ratchet_rows,
     what,
 )
+from numalign.report.serving import serving_matrix
 from numalign.report.tables import power_by_dtype
 from numalign.report.verdict import judge_run
 
@@ -424,6 +425,7 @@ def render_html(
         curve_modes=CURVE_MODES,
         end_results=_end_results(records),
         coverage=_coverage(records),
+        serving=serving_matrix(records),
         baseline=baseline,
         ratchet=ratchet_rows(baseline),
         variants=_colored(variants),
