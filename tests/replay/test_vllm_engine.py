@@ -133,17 +133,18 @@ def test_rotary_at_the_wrong_position_for_decode_tokens(engine: VllmEngine) -> N
 
         metadata = next(iter(get_forward_context().attn_metadata.values()))
         starts = metadata.query_start_loc.tolist()
+        runner = engine._running.runner  # type: ignore[union-attr]
+        prompts = [len(runner.requests[r].prompt_token_ids) for r in runner.input_batch.req_ids]
         positions = args[0].clone()
-        for begin, end in itertools.pairwise(starts):
-            if end - begin == 1:  # a decode step's new token
+        for (begin, end), prompt in zip(itertools.pairwise(starts), prompts, strict=False):
+            if end - begin == 1 and int(positions[begin]) >= prompt:  # a decode step's token
                 positions[begin] += 1
         return (positions, *args[1:])
 
     with _hooked(rotary, shifted, pre=True):
         verdict = _model(engine, dtype)
         decode = _decode(engine, dtype)
-    # prefill chunks of several tokens keep their positions: the prompts pass (a 1-token
-    # chunk of a prompt would be shifted too, and the zoo's prompts are longer)
+    # prompt positions keep theirs (a chunk of one prompt token too): the prompts pass
     assert verdict.passed, verdict.message("tiny-mistral")
     assert decode.divergence is not None
     # the shared rotary of every layer: layer 0's attention is the first it reaches

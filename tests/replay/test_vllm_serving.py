@@ -8,8 +8,6 @@ Runs where vLLM is installed (CI's vLLM environment); elsewhere it skips with th
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,9 +26,8 @@ from numalign.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 MISTRAL = ROOT / "golden" / "sets" / "tiny-mistral"
+MIXTRAL = ROOT / "golden" / "sets" / "tiny-mixtral"
 CPU = torch.device("cpu")
-#: Long rows: past two KV blocks (the arrangements that work in whole blocks need them).
-LONG = 2 * KV_BLOCK + KV_BLOCK // 4
 
 
 @pytest.fixture(scope="module")
@@ -38,19 +35,6 @@ def engine() -> Iterator[VllmEngine]:
     engine = VllmEngine(Settings(engine="vllm"))
     yield engine
     engine.close()
-
-
-@pytest.fixture(scope="module")
-def long_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tiny-mixtral (full attention: no sliding window frees blocks) captured with rows of
-    LONG tokens, float32 calibrated (the budgets the judge uses)."""
-    out = tmp_path_factory.mktemp("sets") / "tiny-mixtral-long"
-    command = [sys.executable, "-m", "numalign.cli", "capture",
-               str(ROOT / "golden" / "models" / "tiny-mixtral"), "--out", str(out),
-               "--long", str(LONG), "--calibrate", "float32"]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return out
 
 
 def _served(engine: VllmEngine, path: Path, name: str) -> Any:
@@ -88,47 +72,59 @@ def test_the_default_arrangement_keeps_the_records_of_before(engine: VllmEngine)
 
 
 @pytest.mark.parametrize("name", ["prefix-cached", "preempted"])
-def test_an_arrangement_the_set_cannot_exercise_skips_saying_what_it_lacks(
-    engine: VllmEngine, name: str
+def test_an_arrangement_vllm_did_not_exercise_skips_saying_what_the_set_lacks(
+    engine: VllmEngine, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # the zoo's rows have at most 24 tokens: no full block of 32 to share or to compete for
-    with pytest.raises(EngineUnsupported, match=f"capture the set .*--long {LONG}"):
-        engine.model(MISTRAL, "float32", CPU, None, serving=name)
+    from numalign.replay.engines import vllm_serving
+
+    # the scheduler seen doing nothing: as with rows that fill no KV block
+    monkeypatch.setattr(vllm_serving.Exercised, "saw", lambda self, output: None)
+    engine._served.clear()
+    with pytest.raises(EngineUnsupported, match=f"capture the set .*--long {2 * KV_BLOCK + 8}"):
+        engine.model(MIXTRAL, "float32", CPU, None, serving=name)
+    engine._served.clear()
 
 
-def test_prefix_hits_and_preemption_are_served_and_judged(
-    engine: VllmEngine, long_set: Path
+@pytest.mark.parametrize("path", [MISTRAL, MIXTRAL], ids=lambda p: p.name)
+def test_the_zoo_sets_are_served_from_the_prefix_cache_and_preempted(
+    engine: VllmEngine, path: Path
 ) -> None:
-    model, decode, exercised = _served(engine, long_set, "prefix-cached")
+    model, decode, exercised = _served(engine, path, "prefix-cached")
     assert model.verdict.passed and decode.verdict.passed
-    # every row of the second round hits its full blocks: at least the two shared blocks of
-    # each LONG-token row (long-leftpad#0 and long-rightpad#0 are the same tokens)
-    assert exercised.prefix_hit_tokens >= 2 * 2 * KV_BLOCK
-    model, decode, exercised = _served(engine, long_set, "preempted")
+    # the padded requests' identical first rows (40 tokens, long-leftpad#0 and
+    # long-rightpad#0; text-*#0 have 16) share one full block of 32 tokens, hit once per
+    # row and round: at least the second round's two hits
+    assert exercised.prefix_hit_tokens >= 2 * KV_BLOCK
+    model, decode, exercised = _served(engine, path, "preempted")
     assert model.verdict.passed and decode.verdict.passed
     assert exercised.preemptions > 0
 
 
 def test_a_prefix_hit_reading_another_block_fails_in_its_arrangement_only(
-    engine: VllmEngine, long_set: Path
+    engine: VllmEngine,
 ) -> None:
-    plain, _, _ = _served(engine, long_set, "batched")
+    plain, _, _ = _served(engine, MIXTRAL, "batched")
     assert plain.verdict.passed
-    running = engine._engine(_open(long_set), "float32", ARRANGEMENTS["prefix-cached"])
+    running = engine._engine(_open(MIXTRAL), "float32", ARRANGEMENTS["prefix-cached"])
     runner = running.runner
     execute = runner.execute_model
 
+    firsts: list[tuple[list[int], int]] = []  # each request's first tokens and first block
+
     def stale_first_block(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        # a row that hits the cache reads its first block from the next block of the pool
+        # a row that hits the cache reads its first block from another request's first block
+        # (one whose tokens differ): the cache handed out a block of another request
         for new in scheduler_output.scheduled_new_reqs:
-            if new.num_computed_tokens:
-                first, *rest = new.block_ids[0]
-                new.block_ids = ([first + 1, *rest], *new.block_ids[1:])
+            head, (first, *rest) = new.prompt_token_ids[:KV_BLOCK], new.block_ids[0]
+            other = next((b for t, b in firsts if t != head), None)
+            if new.num_computed_tokens and other is not None:
+                new.block_ids = ([other, *rest], *new.block_ids[1:])
+            firsts.append((head, first))
         return execute(scheduler_output, *args, **kwargs)
 
     runner.execute_model = stale_first_block
     try:
-        planted, _, exercised = _served(engine, long_set, "prefix-cached")
+        planted, _, exercised = _served(engine, MIXTRAL, "prefix-cached")
     finally:
         runner.execute_model = execute
     assert exercised.prefix_hit_tokens > 0
@@ -138,6 +134,47 @@ def test_a_prefix_hit_reading_another_block_fails_in_its_arrangement_only(
     # vLLM's attention does not run alone, see docs/vllm.md)
     assert verdict.divergence is not None
     assert verdict.divergence.point == "model.layers.0.self_attn", verdict.message("planted")
+
+
+def test_a_preempted_row_recomputed_at_shifted_positions_fails_in_its_arrangement_only(
+    engine: VllmEngine,
+) -> None:
+    plain, _, _ = _served(engine, MIXTRAL, "batched")
+    assert plain.verdict.passed
+    running = engine._engine(_open(MIXTRAL), "float32", ARRANGEMENTS["preempted"])
+    runner, scheduled, resumed = running.runner, {}, set()
+    execute = runner.execute_model
+
+    def note_resumed(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        scheduled.clear()  # this step's tokens per row, and the rows resumed in it
+        scheduled.update(scheduler_output.num_scheduled_tokens)
+        resumed.clear()
+        resumed.update(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+        return execute(scheduler_output, *args, **kwargs)
+
+    def shifted(module: Any, args: tuple[Any, ...]) -> Any:
+        # the recompute of a resumed row rotated one position on: its keys cached wrong
+        positions, start = args[0].clone(), 0
+        for rid in runner.input_batch.req_ids:
+            count = scheduled.get(rid, 0)
+            if rid in resumed:
+                positions[start : start + count] += 1
+            start += count
+        return (positions, *args[1:])
+
+    handles = [m.register_forward_pre_hook(shifted) for n, m in running.model.named_modules()
+               if n.endswith("self_attn.rotary_emb")]  # fmt: skip
+    runner.execute_model = note_resumed
+    try:
+        planted, _, exercised = _served(engine, MIXTRAL, "preempted")
+    finally:
+        runner.execute_model = execute
+        for handle in handles:
+            handle.remove()
+    assert exercised.preemptions > 0
+    assert not planted.verdict.passed
+    assert planted.verdict.divergence is not None
+    assert planted.verdict.divergence.point == "model.layers.0.self_attn"
 
 
 def _open(path: Path) -> Any:

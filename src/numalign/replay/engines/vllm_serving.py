@@ -93,11 +93,15 @@ class Exercised:
         if getattr(self, need) > 0:
             return None
         longest = max(rows, default=0)
-        what = {
-            "chunked_prompts": "prefilled no prompt in chunks",
-            "prefix_hit_tokens": "served no prompt token from its prefix cache",
-            "preemptions": "preempted no row",
-        }[need]
+        if need == "chunked_prompts":
+            return (
+                f"vLLM prefilled no prompt in chunks while serving {set_name} "
+                f"{arrangement.name}: its rows have at most {longest} tokens, within one step's "
+                f"budget of {arrangement.batch_tokens}"
+            )
+        what = "served no prompt token from its prefix cache" if need == "prefix_hit_tokens" else (
+            "preempted no row"
+        )  # fmt: skip
         return (
             f"vLLM {what} while serving {set_name} {arrangement.name} (its rows have at most "
             f"{longest} tokens; the prefix cache and preemption work in whole KV blocks, "
