@@ -490,7 +490,7 @@ def _serving_options(
     golden: GoldenSet, dtype: str, arrangement: Arrangement, length: int
 ) -> dict[str, Any]:
     """vLLM's engine options for ``arrangement``: the token budget and rows a step, the
-    prefix cache, the KV block size (``KV_BLOCK`` on the CPU; a GPU keeps its backend's),
+    prefix cache, the KV block size (``KV_BLOCK`` on the CPU and where blocks are counted),
     and the KV cache: sized to the replay, or for the preempted arrangement a number of
     blocks only slightly above what the longest row (``length`` tokens) needs."""
     from vllm.platforms import current_platform
@@ -504,12 +504,12 @@ def _serving_options(
         "enable_prefix_caching": arrangement.prefix_cached,
         "kv_cache_memory_bytes": _kv_cache_bytes(golden, dtype, copies),
     }
-    if current_platform.device_type == "cpu":
+    # a GPU keeps its backend's block unless the arrangement counts blocks
+    if current_platform.device_type == "cpu" or arrangement.spare_blocks is not None:
         options["block_size"] = KV_BLOCK
     if arrangement.spare_blocks is not None:
-        block = options.get("block_size", KV_BLOCK)
         # and one block more: vLLM's block pool holds one back (its null block)
-        blocks = -(-length // block) + arrangement.spare_blocks + 1
+        blocks = -(-length // KV_BLOCK) + arrangement.spare_blocks + 1
         options["num_gpu_blocks_override"] = blocks
         # admitted on their first chunk alone (not their whole prompt), rows then compete
         # for blocks as their prefill goes on, and the scheduler preempts

@@ -77,8 +77,13 @@ class Exercised:
             left = len(new.prompt_token_ids or ()) - int(new.num_computed_tokens)
             if scheduled.get(new.req_id, 0) < left:
                 self.chunked_prompts += 1
-        # a preempted row comes back (its blocks recomputed) as a resumed request
-        self.preemptions += len(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+        # a preempted row comes back (its blocks recomputed) as a resumed request: vLLM
+        # 0.32 names them; earlier versions flag each cached request
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None)
+        if resumed is None:
+            resumed = [r for r in getattr(cached, "resumed_from_preemption", ()) if r]
+        self.preemptions += len(resumed)
 
     def unexercised(self, arrangement: Arrangement, set_name: str, rows: list[int]) -> str | None:
         """Why the serving did not exercise what ``arrangement`` is for (None: it did)."""
