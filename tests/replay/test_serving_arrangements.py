@@ -13,7 +13,8 @@ from numalign.replay.engines.vllm_serving import KV_BLOCK, Exercised
 
 
 def _step(scheduled: dict[str, int], new: list[tuple[str, int, int]] = (),
-          resumed: set[str] = frozenset()) -> SimpleNamespace:  # fmt: skip
+          resumed: set[str] = frozenset(),
+          drafts: dict[str, list[int]] | None = None) -> SimpleNamespace:  # fmt: skip
     """A scheduler output as vLLM's runner receives it: tokens scheduled per request, the new
     requests (id, prompt length, tokens already computed: a prefix hit) and those resumed."""
     return SimpleNamespace(
@@ -21,6 +22,7 @@ def _step(scheduled: dict[str, int], new: list[tuple[str, int, int]] = (),
         scheduled_new_reqs=[SimpleNamespace(req_id=r, prompt_token_ids=[0] * n,
                                             num_computed_tokens=c) for r, n, c in new],
         scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set(resumed)),
+        scheduled_spec_decode_tokens=drafts or {},
     )  # fmt: skip
 
 
@@ -30,11 +32,14 @@ def test_what_the_scheduler_did_is_counted() -> None:
     # prompt cut at 16 (chunked); then a step that resumes a preempted row
     seen.saw(_step({"a": 8, "b": 16}, new=[("a", 40, 32), ("b", 24, 0)]))
     seen.saw(_step({"b": 8, "c": 1}, resumed={"c"}))
-    assert (seen.steps, seen.most_rows, seen.chunked_prompts) == (2, 2, 1)
-    assert (seen.prefix_hit_tokens, seen.preemptions) == (32, 1)
+    seen.saw(_step({"a": 4}, drafts={"a": [7, 8, 9]}))  # a verification of three drafts
+    assert (seen.steps, seen.most_rows, seen.chunked_prompts) == (3, 2, 1)
+    assert (seen.prefix_hit_tokens, seen.preemptions, seen.drafted_tokens) == (32, 1, 3)
 
 
-@pytest.mark.parametrize("name", ["prefix-cached", "preempted", "chunked-8", "crowded"])
+@pytest.mark.parametrize(
+    "name", ["prefix-cached", "preempted", "chunked-8", "crowded", "speculative"]
+)
 def test_an_arrangement_not_exercised_says_what_the_set_lacks(name: str) -> None:
     arrangement = ARRANGEMENTS[name]
     idle = Exercised(steps=3, most_rows=2)
@@ -45,6 +50,8 @@ def test_an_arrangement_not_exercised_says_what_the_set_lacks(name: str) -> None
         assert "at most 2 rows in one step, not the 64" in reason
     elif name == "chunked-8":
         assert "at most 8 tokens, within one step's budget of 8" in reason
+    elif name == "speculative":
+        assert "verified no drafted token" in reason and "no decode steps" in reason
     else:
         # rows past two KV blocks: what the prefix cache and preemption need to be seen
         assert "rows have at most 24 tokens" in reason
@@ -55,5 +62,5 @@ def test_arrangements_that_promise_nothing_are_never_unexercised() -> None:
     for name in (DEFAULT_SERVING, "alone", "unchunked", "prefill-scored"):
         assert Exercised().unexercised(ARRANGEMENTS[name], "tiny-x", [24]) is None
     busy = Exercised(steps=9, most_rows=64, chunked_prompts=3, prefix_hit_tokens=64,
-                     preemptions=2)  # fmt: skip
+                     preemptions=2, drafted_tokens=12)  # fmt: skip
     assert all(busy.unexercised(a, "tiny-x", [72]) is None for a in ARRANGEMENTS.values())

@@ -47,7 +47,9 @@ def _served(engine: VllmEngine, path: Path, name: str) -> Any:
     return model, decode, exercised
 
 
-@pytest.mark.parametrize("name", ["alone", "crowded", "chunked-8", "unchunked", "prefill-scored"])
+@pytest.mark.parametrize(
+    "name", ["alone", "crowded", "chunked-8", "unchunked", "prefill-scored", "speculative"]
+)
 def test_each_arrangement_of_the_zoo_set_passes_and_names_itself(
     engine: VllmEngine, name: str
 ) -> None:
@@ -61,6 +63,8 @@ def test_each_arrangement_of_the_zoo_set_passes_and_names_itself(
         assert exercised.chunked_prompts == 8
     if name == "alone":
         assert exercised.most_rows == 1
+    if name == "speculative":  # 4 decode rows, 3 drafts each (4 steps: one verification)
+        assert exercised.drafted_tokens == 4 * 3
 
 
 def test_the_default_arrangement_keeps_the_records_of_before(engine: VllmEngine) -> None:
@@ -175,6 +179,52 @@ def test_a_preempted_row_recomputed_at_shifted_positions_fails_in_its_arrangemen
     assert not planted.verdict.passed
     assert planted.verdict.divergence is not None
     assert planted.verdict.divergence.point == "model.layers.0.self_attn"
+
+
+def test_a_speculative_verification_at_shifted_positions_fails_in_its_arrangement_only(
+    engine: VllmEngine,
+) -> None:
+    plain, plain_decode, _ = _served(engine, MIXTRAL, "batched")
+    assert plain.verdict.passed and plain_decode.verdict.passed
+    running = engine._engine(_open(MIXTRAL), "float32", ARRANGEMENTS["speculative"])
+    runner, scheduled, drafted = running.runner, {}, {}
+    execute = runner.execute_model
+
+    def note_drafts(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        scheduled.clear()  # this step's tokens per row, and the rows verifying drafts
+        scheduled.update(scheduler_output.num_scheduled_tokens)
+        drafted.clear()
+        drafted.update(scheduler_output.scheduled_spec_decode_tokens)
+        return execute(scheduler_output, *args, **kwargs)
+
+    def shifted(module: Any, args: tuple[Any, ...]) -> Any:
+        # the drafted tokens of a verification rotated one position on (the row's own
+        # token, the first, keeps its place)
+        positions, start = args[0].clone(), 0
+        for rid in runner.input_batch.req_ids:
+            count = scheduled.get(rid, 0)
+            if drafted.get(rid):
+                positions[start + 1 : start + count] += 1
+            start += count
+        return (positions, *args[1:])
+
+    handles = [m.register_forward_pre_hook(shifted) for n, m in running.model.named_modules()
+               if n.endswith("self_attn.rotary_emb")]  # fmt: skip
+    runner.execute_model = note_drafts
+    try:
+        _, planted, exercised = _served(engine, MIXTRAL, "speculative")
+    except EngineUnsupported as exc:  # the wrong logits led a row off the golden tokens
+        pytest.fail(f"the planted verification changed the greedy tokens: {exc}")
+    finally:
+        runner.execute_model = execute
+        for handle in handles:
+            handle.remove()
+    assert exercised.drafted_tokens > 0
+    verdict = planted.verdict
+    assert not verdict.passed
+    # the first decode step is the row's own token; the drafts are steps 2 on
+    assert verdict.divergence is not None
+    assert (verdict.divergence.step, verdict.divergence.point) == (2, "model.layers.0.self_attn")
 
 
 def _open(path: Path) -> Any:

@@ -36,6 +36,11 @@ class Arrangement:
     #: the golden decode tokens appended to each prompt: every decode step scored as a
     #: prefill position (the prefill kernels against the decode steps the set recorded)
     prefill_scored: bool = False
+    #: speculative decoding: a proposer that proposes the golden decode tokens, so that one
+    #: verification forward computes every decode step at once (its logits judged against
+    #: the recorded steps); the tokens are not forced (vLLM takes no logits processor with
+    #: speculative decoding): a row whose own greedy token leaves the golden ones skips
+    speculative: bool = False
     #: what the engine must be seen doing (``Exercised``'s field), else the replay skips
     exercises: str | None = None
 
@@ -74,6 +79,9 @@ ARRANGEMENTS: dict[str, Arrangement] = {a.name: a for a in (
                 "preempted and recomputed", spare_blocks=1, exercises="preemptions"),
     Arrangement("prefill-scored", "the golden decode tokens appended to the prompts: each "
                 "decode step scored as a prefill position", prefill_scored=True),
+    Arrangement("speculative", "speculative decoding with the golden decode tokens as the "
+                "drafts: every decode step verified in one forward", speculative=True,
+                exercises="drafted_tokens"),
 )}  # fmt: skip
 
 

@@ -43,6 +43,7 @@ from numalign.replay.engines import Replayed
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
 from numalign.replay.engines.serving import ARRANGEMENTS, DEFAULT_SERVING, Arrangement
 from numalign.replay.engines.vllm_alone import AloneOnVllm, isolated, judge_residuals
+from numalign.replay.engines.vllm_drafts import GOLDEN_DRAFTS
 from numalign.replay.engines.vllm_points import (
     LM_HEAD,
     PointMap,
@@ -284,7 +285,8 @@ class VllmEngine:
         if capped is not None:
             raise EngineUnsupported(f"vLLM does not serve {golden.name} in {dtype} here: {capped}")
         _allow_amx()
-        length = max(row_lengths(golden), default=16) + decode_step_count(golden) + 2
+        # the rows, their decode steps, and room for drafts past the last one
+        length = max(row_lengths(golden), default=16) + 2 * decode_step_count(golden) + 2
         llm = None
         try:
             with quiet():
@@ -294,8 +296,7 @@ class VllmEngine:
                 llm = LLM(
                     model=str(golden.model_dir), skip_tokenizer_init=True, dtype=dtype,
                     gpu_memory_utilization=self.settings.vllm_memory, max_model_len=length,
-                    enforce_eager=self.settings.compile_backend is None,
-                    logits_processors=[forcing_processor()], seed=0,
+                    enforce_eager=self.settings.compile_backend is None, seed=0,
                     **_serving_options(golden, dtype, arrangement, length),
                 )  # fmt: skip
                 # one short request first: what vLLM cannot serve (an attention configuration
@@ -396,6 +397,8 @@ class VllmEngine:
             running = self._engine(golden, dtype, arrangement)
             try:
                 self._served[key] = serve_rows(running, golden, arrangement)
+            except EngineUnsupported:  # served, and what it served cannot be judged
+                raise
             except EngineError:
                 self._stop()
                 raise
@@ -483,7 +486,8 @@ def _configuration(arrangement: Arrangement) -> tuple[Any, ...]:
     """What of ``arrangement`` the engine is started with (arrangements that agree on it share
     one running engine)."""
     return (arrangement.batch_tokens or MAX_BATCH_TOKENS, arrangement.rows or MAX_ROWS,
-            arrangement.prefix_cached, arrangement.spare_blocks)  # fmt: skip
+            arrangement.prefix_cached, arrangement.spare_blocks,
+            arrangement.speculative)  # fmt: skip
 
 
 def _serving_options(
@@ -491,8 +495,9 @@ def _serving_options(
 ) -> dict[str, Any]:
     """vLLM's engine options for ``arrangement``: the token budget and rows a step, the
     prefix cache, the KV block size (``KV_BLOCK`` on the CPU and where blocks are counted),
-    and the KV cache: sized to the replay, or for the preempted arrangement a number of
-    blocks only slightly above what the longest row (``length`` tokens) needs."""
+    the KV cache: sized to the replay, or for the preempted arrangement a number of blocks
+    only slightly above what the longest row (``length`` tokens) needs; and the golden
+    tokens forced (a logits processor) or, speculative, proposed as drafts."""
     from vllm.platforms import current_platform
 
     rows = arrangement.rows or MAX_ROWS
@@ -507,6 +512,15 @@ def _serving_options(
     # a GPU keeps its backend's block unless the arrangement counts blocks
     if current_platform.device_type == "cpu" or arrangement.spare_blocks is not None:
         options["block_size"] = KV_BLOCK
+    if arrangement.speculative:
+        # the golden tokens are the drafts (``vllm_drafts``): enough of them that one
+        # verification covers every decode step after the first; the tokens are not forced,
+        # as vLLM takes no logits processor with speculative decoding
+        drafts = max(1, decode_step_count(golden) - 1)
+        options["speculative_config"] = {"method": "custom_class", "model": GOLDEN_DRAFTS,
+                                         "num_speculative_tokens": drafts}  # fmt: skip
+    else:  # every decode row teacher-forced with the golden tokens
+        options["logits_processors"] = [forcing_processor()]
     if arrangement.spare_blocks is not None:
         # and one block more: vLLM's block pool holds one back (its null block)
         blocks = -(-length // KV_BLOCK) + arrangement.spare_blocks + 1

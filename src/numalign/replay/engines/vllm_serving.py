@@ -6,6 +6,7 @@ vLLM's flattened batches (``Served``), in one of the serving arrangements
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from numalign.golden.manifest import OUTPUT_POINT
 from numalign.golden.requests import SERVING_BLOCK, unservable
-from numalign.replay.engines.errors import EngineError
+from numalign.replay.engines import vllm_drafts
+from numalign.replay.engines.errors import EngineError, EngineUnsupported
 from numalign.replay.engines.serving import CROWD_ROWS, Arrangement
 from numalign.replay.engines.vllm_points import (
     LM_HEAD,
@@ -38,7 +40,7 @@ SERVE_TIMEOUT_S = 300.0
 
 
 #: The row id and forced tokens travel in each request's sampling parameters.
-ROW_KEY, FORCED_KEY = "numalign_row", "numalign_forced"
+ROW_KEY, FORCED_KEY = "numalign_row", vllm_drafts.FORCED_KEY
 
 
 @dataclass
@@ -60,13 +62,15 @@ class Running:
 class Exercised:
     """What vLLM's scheduler was seen doing while it served a set: its steps, the most rows
     one step ran, the prompts it prefilled over more than one step, the prompt tokens it
-    took from the prefix cache, and the rows it preempted (counted as they resume)."""
+    took from the prefix cache, the rows it preempted (counted as they resume), and the
+    drafted tokens it verified."""
 
     steps: int = 0
     most_rows: int = 0
     chunked_prompts: int = 0
     prefix_hit_tokens: int = 0
     preemptions: int = 0
+    drafted_tokens: int = 0
 
     def saw(self, scheduler_output: Any) -> None:
         scheduled = scheduler_output.num_scheduled_tokens
@@ -84,6 +88,8 @@ class Exercised:
         if resumed is None:
             resumed = [r for r in getattr(cached, "resumed_from_preemption", ()) if r]
         self.preemptions += len(resumed)
+        drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        self.drafted_tokens += sum(len(d) for d in drafts.values())
 
     def unexercised(self, arrangement: Arrangement, set_name: str, rows: list[int]) -> str | None:
         """Why the serving did not exercise what ``arrangement`` is for (None: it did)."""
@@ -103,6 +109,11 @@ class Exercised:
                 f"vLLM prefilled no prompt in chunks while serving {set_name} "
                 f"{arrangement.name}: its rows have at most {longest} tokens, within one step's "
                 f"budget of {arrangement.batch_tokens}"
+            )
+        if need == "drafted_tokens":
+            return (
+                f"vLLM verified no drafted token while serving {set_name} {arrangement.name}: "
+                "the set records no decode steps to draft"
             )
         what = "served no prompt token from its prefix cache" if need == "prefix_hit_tokens" else (
             "preempted no row"
@@ -133,11 +144,16 @@ class Served:
     order: dict[str, int] = field(default_factory=dict)
     layout: list[tuple[str, int, int, int]] = field(default_factory=list)
     exercised: Exercised = field(default_factory=Exercised)
+    #: a position computed again keeps its first value (speculative decoding: the first
+    #: verification computed it on the golden drafts; a later one, after a rejected draft,
+    #: on the row's own token)
+    keep_first: bool = False
 
     def add(self, row: str, point: str, first: int, tensor: Any) -> None:
         slots = self.chunks.setdefault((row, point), {})
         for i in range(tensor.shape[0]):  # a recomputed position keeps the latest
-            slots[first + i] = tensor[i]
+            if not (self.keep_first and first + i in slots):
+                slots[first + i] = tensor[i]
         self.order.setdefault(point, len(self.order))
 
     def positions(self, row: str, point: str, start: int, stop: int) -> Any:
@@ -212,16 +228,48 @@ def serve_rows(
     if arrangement.prefix_cached:  # every row computed whole and cached, then served again
         cold = [(p, _copy(q, skip_reading_prefix_cache=True)) for p, q in requests]
         rounds = [cold, requests]
-    served = Served()
-    with quiet(), _hooked(running, served), torch.no_grad():
+    served = Served(keep_first=arrangement.speculative)
+    drafting = _golden_drafts(running) if arrangement.speculative else contextlib.nullcontext()
+    with quiet(), _hooked(running, served), drafting, torch.no_grad():
         for number, served_round in enumerate(rounds):
             chosen = [p for p, _ in served_round], [q for _, q in served_round]
-            finished = _run(running.llm.llm_engine, *chosen, golden.name, f"r{number}-")
-            if finished != len(served_round):
+            tokens = _run(running.llm.llm_engine, *chosen, golden.name, f"r{number}-")
+            if len(tokens) != len(served_round):
                 raise EngineError(
-                    f"vLLM finished {finished} of {len(served_round)} requests of {golden.name}"
+                    f"vLLM finished {len(tokens)} of {len(served_round)} requests of {golden.name}"
                 )
+            if arrangement.speculative:
+                _check_golden_path(tokens, chosen[1], golden.name)
     return served
+
+
+@contextmanager
+def _golden_drafts(running: Running) -> Iterator[None]:
+    """The engine's draft proposer (``vllm_drafts.GoldenDrafts``) handed the runner, whose
+    batch says which golden row each of its rows is, while the set is served."""
+    drafter = running.runner.drafter
+    drafter.runner = running.runner
+    try:
+        yield
+    finally:
+        drafter.runner = None
+
+
+def _check_golden_path(tokens: dict[int, list[int]], params: list[Any], name: str) -> None:
+    """Unforced rows (speculative decoding) must have generated the golden first token: it is
+    the input of the first decode step, and the first verification computes every step on it
+    and the golden drafts (EngineUnsupported naming the row where the engine's own greedy
+    token differs: the model test judges the logits that chose it)."""
+    for index, param in enumerate(params):
+        extra = param.extra_args or {}
+        golden, made = list(extra.get(FORCED_KEY) or []), tokens.get(index, [])
+        if golden and made[:1] != golden[:1]:
+            raise EngineUnsupported(
+                f"vLLM's greedy first token of {extra.get(ROW_KEY)} of {name} is "
+                f"{made[:1]}, the golden one {golden[0]}: the speculative arrangement cannot "
+                "force it (vLLM takes no logits processor with speculative decoding), and "
+                "every decode step reads it; the model test judges the logits that chose it"
+            )
 
 
 def _copy(params: Any, **changes: Any) -> Any:
@@ -288,22 +336,28 @@ def row_requests(
     return prompts, params
 
 
-def _run(engine: Any, prompts: list[Any], params: list[Any], name: str, round_: str = "") -> int:
+def _run(
+    engine: Any, prompts: list[Any], params: list[Any], name: str, round_: str = ""
+) -> dict[int, list[int]]:
     """Serves the requests step by step, giving up (the engine hung or is far too slow)
-    after SERVE_TIMEOUT_S; the number of requests finished. ``round_`` keeps request ids of
-    one serving's rounds apart."""
+    after SERVE_TIMEOUT_S; the tokens each finished request generated, by its index.
+    ``round_`` keeps request ids of one serving's rounds apart."""
+    prefix = f"numalign-{round_}"
     for i, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"numalign-{round_}{i}", prompt, param)
+        engine.add_request(f"{prefix}{i}", prompt, param)
     deadline = time.monotonic() + SERVE_TIMEOUT_S
-    finished = 0
+    finished: dict[int, list[int]] = {}
     while engine.has_unfinished_requests():
         if time.monotonic() > deadline:
             raise EngineError(
-                f"vLLM served {finished} of {len(prompts)} requests of {name} in "
+                f"vLLM served {len(finished)} of {len(prompts)} requests of {name} in "
                 f"{SERVE_TIMEOUT_S:.0f} s; it hung or is far too slow",
                 crashed=True,
             )
-        finished += sum(1 for out in engine.step() if out.finished)
+        for out in engine.step():
+            if out.finished:
+                index = int(str(out.request_id).removeprefix(prefix).split("-")[0])
+                finished[index] = list(out.outputs[0].token_ids)
     return finished
 
 
