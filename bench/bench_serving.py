@@ -48,10 +48,10 @@ def main() -> int:
     args = parser.parse_args()
 
     from numalign.replay.engines.errors import EngineUnsupported
-    from numalign.replay.engines.serving import ARRANGEMENTS, DEFAULT_SERVING
     from numalign.replay.engines.vllm import VllmEngine
     from numalign.replay.engines.vllm_serving import serve_rows
     from numalign.replay.model import open_fresh
+    from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING
     from numalign.settings import Settings
 
     engine = VllmEngine(Settings(engine="vllm"))
@@ -68,8 +68,9 @@ def main() -> int:
                 start = time.perf_counter() - started
                 served: list[Any] = []
 
-                def serve(a: Any = arrangement, r: Any = running, g: Any = golden) -> None:
-                    served[:] = [serve_rows(r, g, a)]
+                def serve(a: Any = arrangement, r: Any = running, g: Any = golden,
+                          out: list[Any] = served) -> None:  # fmt: skip
+                    out[:] = [serve_rows(r, g, a)]
 
                 took = best_of(serve, args.repeat)
                 total += took

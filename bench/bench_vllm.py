@@ -38,8 +38,8 @@ def plain(engine: Any, golden: Any, decode: bool) -> None:
 def replay(engine: Any, golden: Any, decode: bool) -> None:
     """The replay's serving: every row, hooks on every mapped point, decode rows forced
     (with ``decode`` False the decode requests' steps are dropped: the prefill alone)."""
-    from numalign.replay.engines.serving import ARRANGEMENTS, DEFAULT_SERVING
     from numalign.replay.engines.vllm_serving import serve_rows
+    from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING
 
     serve_rows(engine._running, golden, ARRANGEMENTS[DEFAULT_SERVING], decode=decode)
 

@@ -227,7 +227,7 @@ def test_transformers_variants_conflict_with_a_serving_engine() -> None:
 def test_serving_arrangements_are_known_names_for_a_serving_engine(
     pytester: pytest.Pytester,
 ) -> None:
-    from numalign.replay.engines.serving import ARRANGEMENTS, parse_serving
+    from numalign.serving import ARRANGEMENTS, parse_serving
     from numalign.settings import Settings, engine_conflicts
 
     pytester.makepyfile(USES_DTYPE)

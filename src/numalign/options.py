@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from numalign.replay.engines.serving import ARRANGEMENTS, DEFAULT_SERVING
+from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING
 from numalign.settings import (
     ATTN_IMPLEMENTATIONS,
     CACHE_IMPLEMENTATIONS,

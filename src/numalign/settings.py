@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from numalign.dtypes import RUN_DTYPES
-from numalign.replay.engines.serving import DEFAULT_SERVING, parse_serving
 from numalign.runtime.devices import validate_device
+from numalign.serving import DEFAULT_SERVING, parse_serving
 
 #: transformers' attention implementations a model replay can ask for.
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("eager", "sdpa", "flex_attention")
@@ -87,7 +87,7 @@ class Settings:
     #: vLLM's memory share for its KV cache (--vllm-memory), in (0, 1).
     vllm_memory: float = DEFAULT_VLLM_MEMORY
     #: How a serving engine serves the golden requests (--serving): arrangements of
-    #: ``numalign.replay.engines.serving``, one model and decode test each.
+    #: ``numalign.serving``, one model and decode test each.
     serving: tuple[str, ...] = (DEFAULT_SERVING,)
     #: The model suites stream each model's weights from its checkpoint, one unit (a
     #: decoder layer, the embedding, the head) on the device at a time (--stream).

@@ -62,7 +62,7 @@ def format_decode(set_name: str, dtype: str, cache: str, serving: str | None = N
 
 
 def _serving(serving: str | None) -> str:
-    from numalign.replay.engines.serving import DEFAULT_SERVING
+    from numalign.serving import DEFAULT_SERVING
 
     return "" if serving in (None, DEFAULT_SERVING) else f"-{serving}"
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from numalign.replay.engines.serving import ARRANGEMENTS, DEFAULT_SERVING
 from numalign.replay.engines.vllm_serving import KV_BLOCK, Exercised
+from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING
 
 
 def _step(scheduled: dict[str, int], new: list[tuple[str, int, int]] = (),

@@ -193,8 +193,8 @@ def test_an_engine_that_fails_to_start_is_an_error_naming_the_set(
     from types import SimpleNamespace
 
     from numalign.replay.engines.errors import EngineError
-    from numalign.replay.engines.serving import ARRANGEMENTS, DEFAULT_SERVING
     from numalign.replay.model import open_fresh
+    from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING
 
     golden = open_fresh(MISTRAL)
     broken = tmp_path / "tiny-mistral"

@@ -19,9 +19,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed here (CI runs this in 
 import torch
 
 from numalign.replay.engines.errors import EngineUnsupported
-from numalign.replay.engines.serving import ARRANGEMENTS
 from numalign.replay.engines.vllm import VllmEngine
 from numalign.replay.engines.vllm_serving import KV_BLOCK
+from numalign.serving import ARRANGEMENTS
 from numalign.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]

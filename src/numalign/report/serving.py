@@ -8,7 +8,7 @@ from typing import Any
 
 from numalign import testids
 from numalign.record import DriftRecord
-from numalign.replay.engines.serving import ARRANGEMENTS, DEFAULT_SERVING
+from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING
 
 #: A cell's verdict, worst first: what the matrix shows of an arrangement's records.
 WORST_FIRST = ("crashed", "error", "failed", "xpassed", "xfailed", "passed", "skipped")

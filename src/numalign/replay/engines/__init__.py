@@ -57,7 +57,7 @@ class Engine(Protocol):
         serving: str | None = None,
     ) -> Replayed:
         """The whole model on every golden request, every point and the logits judged;
-        ``serving``: a serving engine's arrangement (``engines.serving``; None: its default)."""
+        ``serving``: a serving engine's arrangement (``numalign.serving``; None: its default)."""
         ...
 
     def decode(

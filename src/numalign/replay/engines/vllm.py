@@ -41,7 +41,6 @@ from numalign.golden.requests import unservable
 from numalign.replay.decode import decode_unavailable, require_decode_calibration
 from numalign.replay.engines import Replayed
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
-from numalign.replay.engines.serving import ARRANGEMENTS, DEFAULT_SERVING, Arrangement
 from numalign.replay.engines.vllm_alone import AloneOnVllm, isolated, judge_residuals
 from numalign.replay.engines.vllm_drafts import GOLDEN_DRAFTS
 from numalign.replay.engines.vllm_points import (
@@ -66,6 +65,7 @@ from numalign.replay.engines.vllm_serving import (
 from numalign.replay.layer import AloneUnsupported, kept_positions, request_mask
 from numalign.replay.model import open_fresh
 from numalign.runtime.variant import Variant
+from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING, Arrangement
 
 if TYPE_CHECKING:
     import torch
