@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The vLLM stage of CI: vLLM's CPU build in an environment of its own (it pins torch 2.13.0+cpu
 # and transformers <5.20), numalign installed into it, then
-#   1. the model suites through vLLM (--engine vllm) on the zoo, float32 and bfloat16: the
-#      zoo's members vLLM's CPU attention serves pass, the others skip with vLLM's reason;
+#   1. the model suites through vLLM (--engine vllm) on the zoo, float32 and bfloat16, in every
+#      serving arrangement (--serving all): the zoo's members vLLM's CPU attention serves pass,
+#      the others skip with vLLM's reason;
 #   2. the model suites through transformers on the transformers vLLM pins (numalign supports
 #      5.16 to 5.24, the newest constraints.txt pins): the zoo's sets, captured on 5.24, replayed
 #      on the older;
@@ -43,7 +44,7 @@ fi
 
 rm -rf "$reports"
 "$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider suites/models --engine vllm \
-    --dtype float32,bfloat16 --report-dir "$reports/suites"
+    --dtype float32,bfloat16 --serving all --report-dir "$reports/suites"
 "$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider suites/models \
     --report-dir "$reports/suites-transformers"
 "$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider --report-dir "$reports/tests" \
