@@ -41,20 +41,22 @@ def collected(*args: str) -> int:
     return int(match[1])
 
 
-#: The test file that needs vLLM (skipped as a module elsewhere).
-VLLM_TESTS = "tests/replay/test_vllm_engine.py"
+#: The test files that need vLLM (skipped as modules elsewhere).
+VLLM_TESTS = ("tests/replay/test_vllm_engine.py", "tests/replay/test_vllm_serving.py")
 
 
 def _vllm_tests() -> int:
-    """The tests of VLLM_TESTS, counted from its source (collecting them needs vLLM)."""
+    """The tests of VLLM_TESTS, counted from their source (collecting them needs vLLM): a
+    parametrized test once per value of its list."""
     import ast
 
-    tree = ast.parse((ROOT / VLLM_TESTS).read_text(encoding="utf-8"))
     count = 0
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-            params = [d for d in node.decorator_list if "parametrize" in ast.unparse(d)]
-            count += sum(len(ast.literal_eval(d.args[1])) for d in params) or 1  # type: ignore[attr-defined]
+    for path in VLLM_TESTS:
+        tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                params = [d for d in node.decorator_list if "parametrize" in ast.unparse(d)]
+                count += sum(len(d.args[1].elts) for d in params) or 1  # type: ignore[attr-defined]
     return count
 
 
@@ -72,7 +74,7 @@ def figures() -> list[str]:
         # counted apart, so the block reads the same in both environments
         (
             "numalign's own tests (`pytest tests`; the vLLM engine's apart)",
-            collected("tests", f"--ignore={VLLM_TESTS}"),
+            collected("tests", *(f"--ignore={path}" for path in VLLM_TESTS)),
         ),
         ("the vLLM engine's tests (where vLLM is installed)", _vllm_tests()),
         ("operator suite, tier smoke", collected("suites/operators", "--tier", "smoke")),

@@ -8,7 +8,8 @@
 #      5.16 to 5.24, the newest constraints.txt pins): the zoo's sets, captured on 5.24, replayed
 #      on the older;
 #   3. the project's tests whose subject depends on the transformers version (capture, the
-#      vLLM engine and its planted bugs, its serving arrangements, the paths a model cannot take, swaps, inventory). The
+#      vLLM engine, its serving arrangements and their planted bugs, the paths a model
+#      cannot take, swaps, inventory). The
 #      sweep's shrink is not among them: it and its override table are written for the newest
 #      transformers, whose types the day-0 sweep covers (5.19 lacks some of them, and names
 #      other keys). The rest of the tests run in the main environment: they exercise
