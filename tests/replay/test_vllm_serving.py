@@ -8,6 +8,7 @@ Runs where vLLM is installed (CI's vLLM environment); elsewhere it skips with th
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -225,6 +226,42 @@ def test_a_speculative_verification_at_shifted_positions_fails_in_its_arrangemen
     # the first decode step is the row's own token; the drafts are steps 2 on
     assert verdict.divergence is not None
     assert (verdict.divergence.step, verdict.divergence.point) == (2, "model.layers.0.self_attn")
+
+
+def test_a_prompt_chunk_after_the_first_at_shifted_positions_fails_chunked_not_unchunked(
+    engine: VllmEngine,
+) -> None:
+    def shifted(module: Any, args: tuple[Any, ...]) -> Any:
+        # a prompt's later chunks rotated one position on: the chunk boundary moved them
+        from vllm.forward_context import get_forward_context
+
+        runner = engine._running.runner  # type: ignore[union-attr]
+        metadata = next(iter(get_forward_context().attn_metadata.values()))
+        starts = metadata.query_start_loc.tolist()
+        prompts = [len(runner.requests[r].prompt_token_ids) for r in runner.input_batch.req_ids]
+        positions = args[0].clone()
+        for (begin, end), prompt in zip(itertools.pairwise(starts), prompts, strict=False):
+            if 0 < int(positions[begin]) < prompt:  # a prompt chunk that is not the first
+                positions[begin:end] += 1
+        return (positions, *args[1:])
+
+    verdicts = {}
+    for name in ("chunked-8", "unchunked"):  # each arrangement's engine planted alike
+        running = engine._engine(_open(MIXTRAL), "float32", ARRANGEMENTS[name])
+        rotary = running.model.get_submodule("model.layers.0.self_attn.rotary_emb")
+        handle = rotary.register_forward_pre_hook(shifted)
+        try:
+            model, _, exercised = _served(engine, MIXTRAL, name)
+        finally:
+            handle.remove()
+        verdicts[name] = model.verdict
+        assert (exercised.chunked_prompts > 0) == (name == "chunked-8")
+    planted = verdicts["chunked-8"]
+    assert not planted.passed
+    assert planted.divergence is not None
+    assert planted.divergence.point == "model.layers.0.self_attn"
+    # a prompt prefilled whole has no later chunk: the plant never fires
+    assert verdicts["unchunked"].passed, verdicts["unchunked"].message("unchunked")
 
 
 def _open(path: Path) -> Any:
