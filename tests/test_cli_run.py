@@ -98,6 +98,12 @@ def test_run_checks_dtype_and_device_before_any_work(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["run", str(model), "--device", "gpu", "--sets", str(tmp_path)])
     assert "numalign run: unknown device 'gpu'" in str(exc.value.code)
+    with pytest.raises(SystemExit) as exc:
+        main(["run", str(model), "--serving", "prefix", "--sets", str(tmp_path)])
+    assert "numalign run: --serving: unknown arrangement prefix" in str(exc.value.code)
+    with pytest.raises(SystemExit) as exc:  # arrangements are a serving engine's
+        main(["run", str(model), "--serving", "alone", "--sets", str(tmp_path)])
+    assert "replay with --engine vllm" in str(exc.value.code)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -253,10 +253,12 @@ def bring_up(
     tp: int = 1,
     engine: str = "transformers",
     stream: bool = False,
+    serving: str | None = None,
 ) -> int:
     """Inventory, a capture when there is no fresh set, the suites on this model (on ``tp``
     tensor-parallel ranks when above 1; through ``engine``'s model code; with its weights
-    streamed unit by unit under ``stream``) and on the operators it uses, and the report
+    streamed unit by unit under ``stream``; a serving engine in the arrangements ``serving``
+    names) and on the operators it uses, and the report
     paths.
 
     Nothing is guessed: the model's set is ``sets/<model folder name>``, replayed alone
@@ -311,6 +313,7 @@ def bring_up(
             *(["--tp", str(tp)] if tp > 1 else []),
             *(["--engine", engine] if engine != "transformers" else []),
             *(["--stream"] if stream else []),
+            *(["--serving", serving] if serving else []),
         ],
     )
     if run_dir is not None:
