@@ -50,15 +50,17 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _zoo(args: argparse.Namespace) -> int:
-    from numalign.golden.zoo import build_zoo
+    from numalign.golden.zoo import ZOO, build_zoo
     from numalign.replay.ensemble import capture_calibrated
 
     if args.action == "sweep":
         return _sweep(args)
+    specs = {m.name: m for m in ZOO}
     for path in build_zoo(args.out or "golden/models", args.names or None):
         line = f"{path}"
         if args.sets:
-            golden = capture_calibrated(path, Path(args.sets) / path.name, progress=False)
+            golden = capture_calibrated(path, Path(args.sets) / path.name, progress=False,
+                                        long=specs[path.name].long)  # fmt: skip
             line += f" -> {golden.path} ({len(golden.points)} points)"
         print(line)
     return 0

@@ -21,9 +21,10 @@ SEEDED_LENGTHS = (16, 9)
 #: so that a long request of a tiny model crosses several pages.
 REPLAY_PAGE_SIZE = 16
 #: The KV block (page) of a serving engine's paged cache: vLLM's CPU build takes blocks of 32
-#: tokens at the least (a GPU's backends page in 16). A long request crosses one, so that a
-#: block read stale, a prefix-cache hit (the padded requests' identical rows share a full
-#: block) and rows preempted for want of blocks are served and judged.
+#: tokens at the least (a GPU's backends page in 16). The sets a serving engine replays are
+#: captured with long requests past it (``--long``; the zoo's vLLM members: ``zoo.ZooModel.
+#: long``), so that a block read stale, a prefix-cache hit (the padded requests' identical
+#: rows share a full block) and rows preempted for want of blocks are served and judged.
 SERVING_BLOCK = 32
 #: transformers' chunk length of the chunked linear attention (gated delta rule) prefill.
 LINEAR_ATTENTION_CHUNK = 64
@@ -52,10 +53,9 @@ class CaptureRequest:
 
 def length_boundaries(config: Any) -> dict[str, int]:
     """The sequence lengths where the model's computation changes regime: the sliding window,
-    the linear-attention chunk, the page size of paged replay and the KV block of a serving
-    engine (every decoder has the last two)."""
+    the linear-attention chunk, and the page size of paged replay (every decoder has one)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    found = {"page": REPLAY_PAGE_SIZE, "serving_block": SERVING_BLOCK}
+    found = {"page": REPLAY_PAGE_SIZE}
     window = getattr(text, "sliding_window", None)
     if isinstance(window, int) and window > 0:
         found["sliding_window"] = window

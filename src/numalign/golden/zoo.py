@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from numalign.golden.requests import LONG_MARGIN, SERVING_BLOCK
+
 #: Outlier channels: every 17th hidden channel of the embedding table, 20x larger.
 OUTLIER_STRIDE, OUTLIER_SCALE = 17, 20.0
 #: Embedding std and LM-head scale (std = LM_HEAD_GAIN / sqrt(hidden)).
@@ -55,11 +57,19 @@ class ZooModel:
     #: square root): logits spanning tens, where a soft-capping of them engages, as in the
     #: pretrained checkpoints that cap them (the projections above give logits of order one)
     score_gain: float = 1.0
+    #: the long requests' length in tokens (None: past the config's length boundaries,
+    #: ``requests.long_length``)
+    long: int | None = None
 
 
 #: A deep model's massive channels come from this layer's MLP, this many times larger than
 #: the other channels' contributions.
 MASSIVE_LAYER, MASSIVE_SCALE = 1, 60.0
+
+
+#: The long requests of the members a serving engine replays: past its KV block by the
+#: margin every long request has.
+SERVED_LONG = SERVING_BLOCK + LONG_MARGIN
 
 
 ZOO: tuple[ZooModel, ...] = (
@@ -115,14 +125,16 @@ ZOO: tuple[ZooModel, ...] = (
     }, "deep dense decoder with growing residuals and massive activations (Llama, 24 layers)",
         tokenizer=True, growth=1.4, massive_channels=(5, 21)),
     # Head dim 32, which vLLM's CPU attention serves (it takes 32 and 64, not the 16 of the
-    # members above): the members the serving-engine replay (--engine vllm) runs on CPU
+    # members above): the members the serving-engine replay (--engine vllm) runs on CPU, their
+    # long requests past the serving engine's KV block (the prefix cache and preemption work
+    # in whole blocks)
     ZooModel("tiny-mistral", "MistralConfig", _TEXT | {
         "num_hidden_layers": 2, "head_dim": 32, "sliding_window": 8,
-    }, "sliding-window dense GQA decoder at head dim 32 (Mistral)"),
+    }, "sliding-window dense GQA decoder at head dim 32 (Mistral)", long=SERVED_LONG),
     ZooModel("tiny-mixtral", "MixtralConfig", _TEXT | {
         "num_hidden_layers": 2, "head_dim": 32, "num_local_experts": 4,
         "num_experts_per_tok": 2,
-    }, "mixture of experts at head dim 32 (Mixtral)"),
+    }, "mixture of experts at head dim 32 (Mixtral)", long=SERVED_LONG),
     ZooModel("tiny-bert", "BertConfig", {
         "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "max_position_embeddings": 128, "hidden_act": "gelu",
