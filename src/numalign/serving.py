@@ -1,6 +1,7 @@
 """Serving arrangements: the ways a serving engine can be made to serve the same golden
 requests, each of which changes the numbers through a different path of the engine (its
-batching, chunked prefill, prefix cache, preemption, prefill against decode kernels).
+batching, chunked prefill, prefix cache, preemption, prefill against decode kernels,
+speculative verification).
 
 ``--serving`` names them (``all``, or a comma list); the model and decode suites replay each
 set once per arrangement, and every record names its arrangement in the engine variant. An
@@ -39,7 +40,7 @@ class Arrangement:
     #: speculative decoding: a proposer that proposes the golden decode tokens, so that one
     #: verification forward computes every decode step at once (its logits judged against
     #: the recorded steps); the tokens are not forced (vLLM takes no logits processor with
-    #: speculative decoding): a row whose own greedy token leaves the golden ones skips
+    #: speculative decoding): a row whose own first token differs from the golden one skips
     speculative: bool = False
     #: what the engine must be seen doing (``Exercised``'s field), else the replay skips
     exercises: str | None = None
@@ -54,7 +55,7 @@ DEFAULT_SERVING = "batched"
 #: keeps a CPU replay of the zoo within seconds.
 CROWD_ROWS = 64
 #: Tokens per step of the crowded and unchunked arrangements: past every prompt the zoo's
-#: sets hold together (64 rows of at most 72 tokens are 4608; the budget counts scheduled
+#: sets hold together (64 rows of 72 tokens would be 4608; the budget counts scheduled
 #: tokens, so a larger prompt set is prefilled over more steps, each prompt still whole).
 WHOLE_BUDGET = 8192
 #: Tokens per step of the finely chunked arrangement: every prompt of more than 8 tokens is
