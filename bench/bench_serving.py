@@ -23,28 +23,13 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
+from bench_vllm import plain, set_arguments
 from timing import best_of
-
-
-def plain(engine: Any, golden: Any) -> None:
-    """The golden rows served as a user would, prefill and decode steps, nothing observed."""
-    from numalign.replay.engines.vllm_serving import row_requests
-
-    prompts, params = row_requests(golden, observed=False)
-    engine._running.llm.generate(prompts, params, use_tqdm=False)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
-    parser.add_argument("--sets", default="golden/sets", help="folder of golden sets")
-    parser.add_argument(
-        "--names",
-        nargs="*",
-        default=["tiny-mistral", "tiny-mixtral"],
-        help="sets to measure (default: the zoo's members vLLM serves on CPU)",
-    )
-    parser.add_argument("--dtype", default="float32", help="dtype to serve in")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (best)")
+    set_arguments(parser)
     args = parser.parse_args()
 
     from numalign.replay.engines.errors import EngineUnsupported
@@ -60,7 +45,7 @@ def main() -> int:
         for name in args.names:
             golden = open_fresh(Path(args.sets) / name)
             engine._engine(golden, args.dtype, ARRANGEMENTS[DEFAULT_SERVING])
-            baseline = best_of(lambda g=golden: plain(engine, g), args.repeat)
+            baseline = best_of(lambda g=golden: plain(engine, g, True), args.repeat)
             total = 0.0
             for arrangement in ARRANGEMENTS.values():
                 started = time.perf_counter()

@@ -44,8 +44,9 @@ def replay(engine: Any, golden: Any, decode: bool) -> None:
     serve_rows(engine._running, golden, ARRANGEMENTS[DEFAULT_SERVING], decode=decode)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
+def set_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a benchmark that serves golden sets through vLLM: which sets, the
+    dtype, runs per measurement."""
     parser.add_argument("--sets", default="golden/sets", help="folder of golden sets")
     parser.add_argument(
         "--names",
@@ -55,6 +56,11 @@ def main() -> int:
     )
     parser.add_argument("--dtype", default="float32", help="dtype to serve in")
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (best)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
+    set_arguments(parser)
     args = parser.parse_args()
 
     from numalign.replay.engines.vllm import VllmEngine

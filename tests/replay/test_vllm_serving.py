@@ -9,7 +9,8 @@ Runs where vLLM is installed (CI's vLLM environment); elsewhere it skips with th
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -147,35 +148,13 @@ def test_a_preempted_row_recomputed_at_shifted_positions_fails_in_its_arrangemen
     plain, _, _ = _served(engine, MIXTRAL, "batched")
     assert plain.verdict.passed
     running = engine._engine(_open(MIXTRAL), "float32", ARRANGEMENTS["preempted"])
-    runner, scheduled, resumed = running.runner, {}, set()
-    execute = runner.execute_model
 
-    def note_resumed(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        scheduled.clear()  # this step's tokens per row, and the rows resumed in it
-        scheduled.update(scheduler_output.num_scheduled_tokens)
-        resumed.clear()
-        resumed.update(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
-        return execute(scheduler_output, *args, **kwargs)
-
-    def shifted(module: Any, args: tuple[Any, ...]) -> Any:
+    def resumed(output: Any, rid: str) -> slice | None:
         # the recompute of a resumed row rotated one position on: its keys cached wrong
-        positions, start = args[0].clone(), 0
-        for rid in runner.input_batch.req_ids:
-            count = scheduled.get(rid, 0)
-            if rid in resumed:
-                positions[start : start + count] += 1
-            start += count
-        return (positions, *args[1:])
+        return slice(None) if rid in output.scheduled_cached_reqs.resumed_req_ids else None
 
-    handles = [m.register_forward_pre_hook(shifted) for n, m in running.model.named_modules()
-               if n.endswith("self_attn.rotary_emb")]  # fmt: skip
-    runner.execute_model = note_resumed
-    try:
+    with _rotary_shifted(running, resumed):
         planted, _, exercised = _served(engine, MIXTRAL, "preempted")
-    finally:
-        runner.execute_model = execute
-        for handle in handles:
-            handle.remove()
     assert exercised.preemptions > 0
     assert not planted.verdict.passed
     assert planted.verdict.divergence is not None
@@ -188,38 +167,17 @@ def test_a_speculative_verification_at_shifted_positions_fails_in_its_arrangemen
     plain, plain_decode, _ = _served(engine, MIXTRAL, "batched")
     assert plain.verdict.passed and plain_decode.verdict.passed
     running = engine._engine(_open(MIXTRAL), "float32", ARRANGEMENTS["speculative"])
-    runner, scheduled, drafted = running.runner, {}, {}
-    execute = runner.execute_model
 
-    def note_drafts(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        scheduled.clear()  # this step's tokens per row, and the rows verifying drafts
-        scheduled.update(scheduler_output.num_scheduled_tokens)
-        drafted.clear()
-        drafted.update(scheduler_output.scheduled_spec_decode_tokens)
-        return execute(scheduler_output, *args, **kwargs)
-
-    def shifted(module: Any, args: tuple[Any, ...]) -> Any:
+    def drafted(output: Any, rid: str) -> slice | None:
         # the drafted tokens of a verification rotated one position on (the row's own
         # token, the first, keeps its place)
-        positions, start = args[0].clone(), 0
-        for rid in runner.input_batch.req_ids:
-            count = scheduled.get(rid, 0)
-            if drafted.get(rid):
-                positions[start + 1 : start + count] += 1
-            start += count
-        return (positions, *args[1:])
+        return slice(1, None) if output.scheduled_spec_decode_tokens.get(rid) else None
 
-    handles = [m.register_forward_pre_hook(shifted) for n, m in running.model.named_modules()
-               if n.endswith("self_attn.rotary_emb")]  # fmt: skip
-    runner.execute_model = note_drafts
     try:
-        _, planted, exercised = _served(engine, MIXTRAL, "speculative")
+        with _rotary_shifted(running, drafted):
+            _, planted, exercised = _served(engine, MIXTRAL, "speculative")
     except EngineUnsupported as exc:  # the wrong logits led a row off the golden tokens
         pytest.fail(f"the planted verification changed the greedy tokens: {exc}")
-    finally:
-        runner.execute_model = execute
-        for handle in handles:
-            handle.remove()
     assert exercised.drafted_tokens > 0
     verdict = planted.verdict
     assert not verdict.passed
@@ -262,6 +220,39 @@ def test_a_prompt_chunk_after_the_first_at_shifted_positions_fails_chunked_not_u
     assert planted.divergence.point == "model.layers.0.self_attn"
     # a prompt prefilled whole has no later chunk: the plant never fires
     assert verdicts["unchunked"].passed, verdicts["unchunked"].message("unchunked")
+
+
+@contextmanager
+def _rotary_shifted(running: Any, part: Callable[[Any, str], slice | None]) -> Iterator[None]:
+    """Every layer's rotary embedding planted: the part of each row's scheduled tokens that
+    ``part`` picks from the step's scheduler output (None: none of them) rotated one position
+    on."""
+    runner, step = running.runner, {}
+    execute = runner.execute_model
+
+    def note_step(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        step["output"] = scheduler_output
+        return execute(scheduler_output, *args, **kwargs)
+
+    def shifted(module: Any, args: tuple[Any, ...]) -> Any:
+        output, (positions, start) = step["output"], (args[0].clone(), 0)
+        for rid in runner.input_batch.req_ids:
+            count = output.num_scheduled_tokens.get(rid, 0)
+            chosen = part(output, rid)
+            if chosen is not None:
+                positions[start : start + count][chosen] += 1  # a view: in place
+            start += count
+        return (positions, *args[1:])
+
+    handles = [m.register_forward_pre_hook(shifted) for n, m in running.model.named_modules()
+               if n.endswith("self_attn.rotary_emb")]  # fmt: skip
+    runner.execute_model = note_step
+    try:
+        yield
+    finally:
+        runner.execute_model = execute
+        for handle in handles:
+            handle.remove()
 
 
 def _open(path: Path) -> Any:

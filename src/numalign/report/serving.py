@@ -7,11 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from numalign import testids
-from numalign.record import DriftRecord
+from numalign.record import STATUSES, DriftRecord
 from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING
 
-#: A cell's verdict, worst first: what the matrix shows of an arrangement's records.
-WORST_FIRST = ("crashed", "error", "failed", "xpassed", "xfailed", "passed", "skipped")
+#: A cell's verdict, worst first: the records' own order (``record.STATUSES``), except that
+#: a skipped record (a point the engine has no module for) never outranks a judged one.
+WORST_FIRST = (*(s for s in STATUSES if s != "skipped"), "skipped")
 
 
 def serving_matrix(records: list[DriftRecord]) -> dict[str, Any] | None:
@@ -29,7 +30,7 @@ def serving_matrix(records: list[DriftRecord]) -> dict[str, Any] | None:
         served.add(name)
         row = cells.setdefault((str(r.model), str(r.dtype)), {})
         cell = row.setdefault(name, {"verdict": "skipped", "used": None, "reason": None})
-        status = r.status if r.status in WORST_FIRST else "error"
+        status = r.status
         if WORST_FIRST.index(status) < WORST_FIRST.index(cell["verdict"]):
             cell["verdict"] = status
         if r.budget_used is not None and r.verdict != "skipped":
