@@ -263,6 +263,15 @@ OPTIONS: tuple[Option, ...] = (
         metavar="N",
     ),
     Option(
+        "--pp",
+        "numalign_pp",
+        "replay models pipeline-parallel on N ranks of torch.distributed, each holding a "
+        "contiguous range of the decoder layers, the activations passed rank to rank; started "
+        "and timed as --tp's ranks (--tp-launcher, --tp-timeout); see docs/pipeline-parallel.md",
+        default="1",
+        metavar="N",
+    ),
+    Option(
         "--tp-launcher",
         "numalign_tp_launcher",
         "the command that starts the --tp ranks, for several machines (e.g. srun ... torchrun "

@@ -82,6 +82,10 @@ class Settings:
     #: The command that starts the tensor-parallel ranks (--tp-launcher; None: torchrun
     #: --standalone on this machine); numalign appends the rank program and its arguments.
     tp_launcher: str | None = None
+    #: Pipeline ranks the model suites replay each model on (--pp), each holding a
+    #: contiguous range of its decoder layers; 1: one process. They run on the tensor-parallel
+    #: group's launcher and timeout (--tp-launcher, --tp-timeout).
+    pp: int = 1
     #: What replays the model suites' models (--engine): one of ENGINES.
     engine: str = "transformers"
     #: vLLM's memory share for its KV cache (--vllm-memory), in (0, 1).
@@ -117,7 +121,9 @@ class Settings:
         _check_golden(settings)
         if settings.baseline is not None:
             _check_baseline(settings.baseline)
-        conflict = engine_conflicts(settings) or stream_conflicts(settings)
+        conflict = (
+            engine_conflicts(settings) or stream_conflicts(settings) or pipeline_conflicts(settings)
+        )
         if conflict:
             raise ValueError(conflict)
         return settings
@@ -197,6 +203,7 @@ _FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
         lambda v: parse_cache_implementations(_text(v)),
     ),
     "tp": ("tp", lambda v: parse_tp(_text(v))),
+    "pp": ("pp", lambda v: parse_ranks(_text(v), "--pp", "pipeline")),
     "tp_timeout": ("tp_timeout", lambda v: parse_seconds(_text(v), "--tp-timeout")),
     "engine": ("engine", lambda v: parse_engine(_text(v))),
     "vllm_memory": ("vllm_memory", lambda v: parse_share(_text(v), "--vllm-memory")),
@@ -290,7 +297,7 @@ def engine_conflicts(settings: Settings) -> str | None:
     given = [name for name, value in [
         ("--swap", settings.swaps), ("--attn-implementation", settings.attn_implementation),
         ("--experts-implementation", settings.experts_implementation),
-        ("--tp", settings.tp > 1),
+        ("--tp", settings.tp > 1), ("--pp", settings.pp > 1),
     ] if value]  # fmt: skip
     if not given:
         return None
@@ -319,6 +326,27 @@ def stream_conflicts(settings: Settings) -> str | None:
         f"--stream is not supported together with {', '.join(given)}: streamed replay runs "
         "transformers' eager model one unit of weights at a time; drop --stream, or drop "
         f"{', '.join(given)}"
+    )
+
+
+def pipeline_conflicts(settings: Settings) -> str | None:
+    """Why ``--pp`` does not fit the session's other options (None when it does or is off):
+    a pipeline rank holds whole layers of transformers' eager model, loaded as a streamed one
+    (``replay.pipeline``); sharding those layers too (``--tp``), compiling them, or swapping
+    a kernel (checked on the module's weights as the model loads, before any is there) is not
+    built."""
+    if settings.pp <= 1:
+        return None
+    given = [name for name, value in [
+        ("--tp", settings.tp > 1), ("--compile", settings.compile_backend),
+        ("--swap", settings.swaps),
+    ] if value]  # fmt: skip
+    if not given:
+        return None
+    return (
+        f"--pp is not supported together with {', '.join(given)} yet: pipeline-parallel "
+        f"replay runs transformers' eager model, each rank its own layers whole; drop --pp, "
+        f"or drop {', '.join(given)}"
     )
 
 
@@ -375,9 +403,15 @@ def _offered(name: str, offered: tuple[str, ...], option: str) -> str:
 
 def parse_tp(text: str) -> int:
     """``"2"`` -> 2: a whole number of ranks, at least 1."""
+    return parse_ranks(text, "--tp", "tensor-parallel")
+
+
+def parse_ranks(text: str, option: str, kind: str) -> int:
+    """``"2"`` -> 2: a whole number of ``kind`` ranks, at least 1; ValueError naming
+    ``option``."""
     value = text.strip() or "1"
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"--tp {text!r}: give the number of tensor-parallel ranks, e.g. --tp 2")
+        raise ValueError(f"{option} {text!r}: give the number of {kind} ranks, e.g. {option} 2")
     return int(value)
 
 

@@ -26,10 +26,11 @@ class Variant:
     which runs candidates directly), the device (``cpu``, ``cuda:0``; a spec such as ``auto``
     where it is not resolved yet), the dtype, the attention and experts implementations
     asked for (None: the model's own), the kernel swaps (``--swap`` specs, in order), the
-    compile variant (None: eager), the tensor-parallel ranks (1: one process), whether the
-    weights stream from the checkpoint unit by unit (``--stream``, ``golden.stream``), the
-    decode's KV cache (None outside decode) and the engine's own account of what it ran
-    (vLLM: its version, attention backend and graph mode; None for transformers)."""
+    compile variant (None: eager), the tensor-parallel and pipeline ranks (1: one process),
+    whether the weights stream from the checkpoint unit by unit (``--stream``,
+    ``golden.stream``), the decode's KV cache (None outside decode) and the engine's own
+    account of what it ran (vLLM: its version, attention backend and graph mode; None for
+    transformers)."""
 
     engine: str | None = None
     device: str = "auto"
@@ -39,6 +40,10 @@ class Variant:
     swaps: tuple[str, ...] = ()
     compile: CompileSpec | None = None
     tp: int = 1
+    pp: int = 1
+    #: the layers each pipeline rank holds, ``0-1|2-3`` (``replay.pipeline.layout``; None:
+    #: not known yet, or one process)
+    pp_layout: str | None = None
     stream: bool = False
     cache: str | None = None
     engine_variant: str | None = None
@@ -63,6 +68,7 @@ class Variant:
             swaps=tuple(settings.swaps),
             compile=compile_spec(settings),
             tp=settings.tp,
+            pp=settings.pp,
             stream=settings.stream,
             cache=cache,
         )
@@ -88,8 +94,9 @@ class Variant:
     def label(self) -> str | None:
         """The variant as records name it in ``swap`` (None: the defaults): the engine's
         account, the swaps, ``attention=``, ``experts=``, ``compile=BACKEND[:MODE]``, ``tp=N``
-        (above 1), ``stream`` (streamed weights) and ``cache=NAME``, comma-separated in that
-        order."""
+        (above 1), ``pp=LAYOUT`` (the ranks' layers, ``pp=0-1|2-3``; ``pp=N`` before they are
+        known), ``stream`` (streamed weights) and ``cache=NAME``,
+        comma-separated in that order."""
         parts = [
             self.engine_variant,
             *self.swaps,
@@ -97,6 +104,7 @@ class Variant:
             f"experts={self.experts}" if self.experts else None,
             self.compile.label if self.compile is not None else None,
             f"tp={self.tp}" if self.tp > 1 else None,
+            f"pp={self.pp_layout or self.pp}" if self.pp > 1 else None,
             "stream" if self.stream else None,
             f"cache={self.cache}" if self.cache else None,
         ]
@@ -106,9 +114,9 @@ class Variant:
         """The drift record's variant fields (schema 3), ``swap`` holding :attr:`label`.
         Device and dtype are not among them: a record names its own (an operator's integer
         output records int64 in a bfloat16 test; vLLM names the platform's device).
-        Streaming is named in ``swap`` alone (``stream``, only when set): it changes where
-        the weights come from, not the numbers, so an unstreamed record's fields stay as
-        they were."""
+        Streaming and pipeline ranks are named in ``swap`` alone (``stream``, ``pp=...``,
+        only when set): they change where the weights are, not the kernels, so the records
+        of one process keep their fields as they were."""
         spec = self.compile
         return {
             "swap": self.label,
