@@ -34,6 +34,7 @@ from numalign.golden.requests import unservable
 from numalign.replay.layer import CallOrder
 from numalign.replay.model import hidden_and_depth
 from numalign.replay.observe import observe_calls
+from numalign.replay.pipeline import stage_of
 from numalign.replay.shards import whole
 
 if TYPE_CHECKING:
@@ -189,8 +190,12 @@ def replay_decode(
     judge = Judge.of_set(golden, dtype, "decode", hidden_and_depth(model), policy)
     torch_dtype = dtypes.torch_dtype(dtype)
 
+    stage = stage_of(model)
+
     def on_pair(request: str, step: int, point: str, path: str, actual: Any,
                 expected: Any, call: int = 0) -> None:  # fmt: skip
+        if stage is not None and not stage.observes(point, path):
+            return  # another pipeline rank's layer
         # a tensor-parallel rank's shard gathered whole
         actual = whole(actual.float().cpu().to(torch_dtype), tuple(expected.shape))
         judge.observe(Observation(point, path, request, actual, expected, call=call, step=step))
@@ -205,7 +210,16 @@ def replay_decode(
         for request in golden.decode_requests:
             run_decode(golden, model, request, implementation, torch_dtype, device, on_pair)
     # each point's lean, every step and request pooled
-    verdict.points = judge.points + judge.pooled()
+    points, pooled = judge.points, judge.pooled()
+    if stage is not None:  # every rank's stage, in the order one process judges them
+        order = {name: i for i, name in enumerate(golden.decode_requests)}
+
+        def key(r: Any) -> tuple[int, int, bool]:
+            step = r.step or 0
+            return order.get(r.request, -1), step, r.point == CACHE_POINT and step > 0
+
+        points, pooled = stage.merged(points, pooled, key)
+    verdict.points = points + pooled
     verdict.logits = judge.logits
     return verdict
 

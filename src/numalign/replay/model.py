@@ -8,7 +8,7 @@ of ``numalign.compare.model_verdict``, judged there against controls from
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -29,7 +29,7 @@ from numalign.compare.tolerances import thresholds_of
 from numalign.golden.manifest import LOGIT_TRANSFORM, OUTPUT_POINT, Continuation, GoldenSetError
 from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
 from numalign.golden.store import DEFAULT_SETS, discover_sets
-from numalign.replay.inputs import input_at_fault
+from numalign.replay.inputs import fed_inputs, input_at_fault
 from numalign.replay.layer import (
     AloneUnsupported,
     kept_positions,
@@ -38,6 +38,7 @@ from numalign.replay.layer import (
     request_mask,
 )
 from numalign.replay.observe import observe
+from numalign.replay.pipeline import StageAlone, stage_of
 from numalign.replay.shards import whole
 from numalign.runtime.compiled import compile_model, take_stats
 from numalign.runtime.variant import Variant
@@ -86,7 +87,8 @@ class ModelCache:
     replays reach either kind through ``run``."""
 
     models: dict[tuple[str, Variant], Any] = field(default_factory=dict)
-    #: This cache is a tensor-parallel rank's: models load sharded (``tp_plan="auto"``).
+    #: This cache is a rank's: models load sharded (``tp_plan="auto"``), or under ``--pp``
+    #: as the rank's pipeline stage (``replay.pipeline``).
     sharded: bool = False
     groups: dict[Settings, RankGroup] = field(default_factory=dict)
 
@@ -105,6 +107,13 @@ class ModelCache:
         from numalign.replay.swap import SwapUnmatched, apply_swaps, parse_swaps
 
         assert variant.dtype is not None, "a model loads in a dtype"
+        if variant.pp > 1:  # this rank's stage of the layers (replay.pipeline)
+            from numalign.replay.pipeline import load_stage
+
+            return load_stage(
+                golden.model_dir, variant.dtype, variant.device, stream=variant.stream,
+                attn_implementation=variant.attention, experts_implementation=variant.experts,
+            )  # fmt: skip
         if variant.stream:  # weights on the device one unit at a time (golden.stream)
             from numalign.golden.stream import load_streamed
 
@@ -143,6 +152,10 @@ class ModelCache:
         """The fields every record of a model-suite test shares (the variant's among them);
         for a compiled ``model``, what compiling cost this test (compile time and graph
         breaks, apart from run time)."""
+        if variant.pp > 1:  # the records name the ranks' layers
+            from numalign.replay.pipeline import check_pipelinable
+
+            variant = replace(variant, pp_layout=check_pipelinable(golden.model_dir, variant.pp))
         context = {
             "suite": "models", "candidate": "transformers", "device": str(device),
             "golden_fingerprint": golden.model.fingerprint, "model": golden.name,
@@ -158,7 +171,7 @@ class ModelCache:
         session's settings ask (``model_for``; under ``--tp``, held by the ranks)."""
         golden = open_fresh(path)
         check_dtype(golden, dtype)
-        if settings.tp > 1 and not self.sharded:
+        if (settings.tp > 1 or settings.pp > 1) and not self.sharded:
             return golden, self._sharded(golden, settings, dtype)
         return golden, self.model_for(golden, settings, device, dtype)
 
@@ -179,14 +192,20 @@ class ModelCache:
 
     def _sharded(self, golden: GoldenSet, settings: Settings, dtype: str) -> ShardedModel:
         """The handle on the set's model held by this worker's group of ``settings.tp``
-        ranks (started on first use; NoTensorParallelPlan or TensorParallelUsageError when the
-        model cannot be split that way)."""
+        ranks, or ``settings.pp`` pipeline ranks (started on first use; NoTensorParallelPlan,
+        PipelineUnsupported, or a usage error naming the numbers when the model cannot be
+        split that way)."""
+        from numalign.replay.pipeline import check_pipelinable
         from numalign.replay.tensor_parallel import RankGroup, ShardedModel, check_shardable
 
-        check_shardable(golden.model_dir, settings.tp)
+        if settings.tp > 1:
+            check_shardable(golden.model_dir, settings.tp)
+        if settings.pp > 1:
+            check_pipelinable(golden.model_dir, settings.pp)
         group = self.groups.get(settings)
         if group is None:
-            group = self.groups[settings] = RankGroup(settings.tp, settings, settings.tp_timeout)
+            ranks = settings.tp * settings.pp
+            group = self.groups[settings] = RankGroup(ranks, settings, settings.tp_timeout)
         return ShardedModel(group, str(golden.path), dtype)
 
     @staticmethod
@@ -212,16 +231,23 @@ class ModelCache:
 def replay_on_rank(fn: Callable[..., T], path: str, dtype: str, args: tuple[Any, ...]) -> T:
     """``fn(golden, model, *args)`` on a tensor-parallel rank (``ModelCache.run`` sends it):
     the set at ``path`` (opened once per rank while its manifest stays the same) and its
-    model loaded sharded (once per rank, by the rank's cache); a ``torch.device`` among
-    ``args`` is replaced by the rank's device."""
+    model loaded sharded (once per rank, by the rank's cache; under ``--pp``, the rank's
+    stage); a ``torch.device`` among ``args`` is replaced by the rank's device. On a pipeline
+    rank, a replay of one point (a ``Point`` among ``args``) runs on the rank holding it
+    and its result reaches every rank."""
     import torch
 
+    from numalign.golden.store import Point
     from numalign.replay.tensor_parallel import RANK, rank_device
 
     device = rank_device()
     golden = RANK.golden(path)  # the controller checked it fresh for this call
     model = RANK.cache.model_for(golden, RANK.settings, device, dtype)
     args = tuple(device if isinstance(a, torch.device) else a for a in args)
+    stage = stage_of(model)
+    point = next((a for a in args if isinstance(a, Point)), None)
+    if stage is not None and point is not None:  # a replay of one point: on its rank
+        return stage.from_owner(point.name, lambda: fn(golden, model, *args))
     return fn(golden, model, *args)
 
 
@@ -319,8 +345,14 @@ def replay_model(
                 thresholds_of(policy),
             )
             verdict.continuation.append(agreement)
-    verdict.points += judge.pooled()  # each point's lean, every request pooled
-    alone = _AloneOnTransformers(golden, model, dtype, device, policy)
+    points, pooled = judge.points, judge.pooled()  # each point's lean, every request pooled
+    alone: Any = _AloneOnTransformers(golden, model, dtype, device, policy)
+    stage = stage_of(model)
+    if stage is not None:  # every rank's stage, in the order one process judges them
+        order = {r.name: i for i, r in enumerate(golden.requests)}
+        points, pooled = stage.merged(points, pooled, lambda r: (order.get(r.request, -1),))
+        alone = StageAlone(alone, stage)
+    verdict.points = points + pooled
     verdict.divergence = locate(verdict.points, alone) or locate_logits(
         verdict.points, verdict.logits, alone, LOGIT_TRANSFORM, logit_transform(model.config)
     )
@@ -358,6 +390,13 @@ class _AloneOnTransformers:
         if faulty is None:
             return None
         return tuple((f.name, f.differs) for f in faulty if not f.name.startswith("args["))
+
+    def feed(self, failing: PointResult) -> None:
+        """The model's forward :meth:`inputs_at_fault` takes the point's inputs from, run
+        for its own sake (a pipeline rank's share of it, ``replay.pipeline.StageAlone``)."""
+        if failing.call < len(self.golden.point(failing.point).calls.get(failing.request, [])):
+            fed_inputs(self.model, self.golden, failing.request, failing.point, failing.call,
+                       self.device, dtypes.torch_dtype(self.dtype))  # fmt: skip
 
 
 def later_positions_budget(judge: Judge, torch_dtype: Any) -> Callable[[Any, Any], float]:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from numalign.compare.exact import LeftOut
 from numalign.golden.reference import hooks
 from numalign.replay.layer import CallMatcher, golden_outputs
+from numalign.replay.pipeline import Stage, stage_of
 from numalign.runtime.compiled import CompiledModel
 
 if TYPE_CHECKING:
@@ -32,7 +33,12 @@ def observe(
     """``golden_outputs`` for any model: for an eager model its hooks; for a CompiledModel
     the tensors its taps collected from inside the compiled graph, compared after the
     forward in the order the calls completed (the n-th call of a point against its n-th
-    recorded call, both restricted to the positions the request's mask keeps)."""
+    recorded call, both restricted to the positions the request's mask keeps). A pipeline
+    rank's model hands on the points of its own stage alone (``replay.pipeline``)."""
+    stage = stage_of(model)
+    if stage is not None:
+        on_output = _of_stage(stage, on_output)
+        on_left_out = _of_stage(stage, on_left_out) if on_left_out is not None else None
     if not isinstance(model, CompiledModel):
         with golden_outputs(model, golden, request, on_output, on_left_out):
             yield
@@ -43,6 +49,19 @@ def observe(
     taps, model.taps[:] = list(model.taps), []
     for point, output in taps:
         matcher(point, None, None, output)
+
+
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def _of_stage(stage: Stage, handle: F) -> F:
+    """``handle(point, path, ...)`` for the outputs ``stage`` observes, nothing for others."""
+
+    def handled(point: str, path: str, *rest: Any) -> None:
+        if stage.observes(point, path):
+            handle(point, path, *rest)
+
+    return cast(F, handled)
 
 
 @contextmanager

@@ -14,6 +14,7 @@ from numalign.replay.decode import decode_unavailable, replay_decode
 from numalign.replay.decode_locate import locate_decode
 from numalign.replay.model import ModelCache, open_fresh
 from numalign.replay.paged import PAGED_ATTENTION, PagedUnsupported, paged_divergence
+from numalign.replay.pipeline import PipelineUnsupported, decode_unsupported
 
 if TYPE_CHECKING:
     import torch
@@ -40,17 +41,19 @@ def decode_replay(
     if decode_unavailable(golden, dtype) is not None:
         return golden, None, None
     if implementation != "paged":
+        if settings.pp > 1 and (reason := decode_unsupported(golden.model_dir)) is not None:
+            raise PipelineUnsupported(reason)
         golden, model = cache.load(path, settings, device, dtype)
-    elif settings.tp > 1:
+    elif settings.tp > 1 or settings.pp > 1:
         raise PagedUnsupported(
-            "the paged serving path is not replayed tensor-parallel (--tp): its engine runs "
-            "one process here; the KV caches are"
+            "the paged serving path is not replayed over ranks (--tp, --pp): its engine runs "
+            "in one process here, holding every layer's KV cache; replay it without them"
         )
     else:
         model = _paged_model(cache, golden, settings, device, dtype)
     verdict = cache.run(replay_decode, golden, model, dtype, device, implementation, policy)
     first = verdict.first_failing if verdict is not None else None
-    if first is not None and settings.tp == 1:  # ranks hold shards: not revisited
+    if first is not None and settings.tp == settings.pp == 1:  # ranks' models: not revisited
         verdict.location = locate_decode(golden, model, first, dtype, device, implementation,
                                          policy)  # fmt: skip
     return golden, model, verdict
