@@ -1,0 +1,154 @@
+"""Pipeline-parallel replay (``--pp N``) for real: the model suites in a subprocess, as users
+run them, the ranks gloo processes under torchrun. An honest replay over two ranks judges
+every point as one process does, record for record and number for number; a boundary
+that loses precision between the ranks is caught at the first layer past it while every
+layer replayed alone passes; a split the model cannot take is refused with the numbers;
+the layers split as evenly as they divide."""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from test_tensor_parallel_suite import failed_tests, on_path, records, run_suite  # noqa: F401
+
+from numalign.replay.pipeline import (
+    PipelineUnsupported,
+    PipelineUsageError,
+    check_pipelinable,
+    layout,
+    split_layers,
+)
+from numalign.settings import Settings, pipeline_conflicts
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "golden" / "models"
+
+#: tiny-llama in float32: every layer, the whole model and decode with a dynamic cache; its
+#: two decoder layers split one per rank under --pp 2.
+TINY_LLAMA = ("--dtype", "float32", "-k", "tiny-llama and not deep")
+
+#: A boundary bug: the hidden states rank 0 sends to rank 1 are rounded to bfloat16 on the
+#: way (a transport that packs activations to half the bytes). Loaded as --device-plugin,
+#: so every rank imports it.
+LOSSY_BOUNDARY = """
+import torch
+
+from numalign.replay import pipeline
+
+send = pipeline.send_tensor
+
+
+def send_rounded(tensor, to):
+    send(tensor.to(torch.bfloat16).to(tensor.dtype), to)
+
+
+pipeline.send_tensor = send_rounded
+"""
+
+
+def by_key(recorded: list) -> dict:
+    return {(r.test_id, r.point, r.request, r.step, r.output, r.call): r for r in recorded}
+
+
+@pytest.mark.usefixtures("on_path")
+def test_an_honest_pipeline_replay_judges_as_one_process(pytester: pytest.Pytester) -> None:
+    result = run_suite(pytester, "--pp", "2", *TINY_LLAMA)
+    out = result.stdout.str()
+    # 16 capture points (the mask, the rotary embedding and the activation's probe point
+    # among them), the model, decode with the dynamic cache
+    result.assert_outcomes(passed=18)
+    piped = records(pytester)
+    # the records name the layers each rank holds
+    assert {r.swap for r in piped} == {"pp=0|1", "pp=0|1,cache=dynamic"}, out[-2000:]
+
+    shutil.rmtree(pytester.path / "reports")
+    run_suite(pytester, *TINY_LLAMA).assert_outcomes(passed=18)
+    single = records(pytester)
+    # the same records in the same order: every rank's points merged as one process judges
+    assert list(by_key(piped)) == list(by_key(single))
+    for key, one in by_key(single).items():
+        split = by_key(piped)[key]
+        assert split.verdict == one.verdict, key
+        for name, value in (one.metrics or {}).items():
+            other = split.metrics[name]
+            if isinstance(value, float):
+                # the same kernels on the same inputs: the tensors are bitwise equal; their
+                # float64 statistics may differ in the last bits (a rank sums with another
+                # thread count than one process), 1e-12 is far above that and far below
+                # any drift
+                assert math.isclose(other, value, rel_tol=1e-12, abs_tol=1e-300), (key, name)
+            else:
+                assert other == value, (key, name)
+
+
+@pytest.mark.usefixtures("on_path")
+def test_a_lossy_boundary_is_caught_past_it_while_the_layers_pass(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(lossy_boundary=LOSSY_BOUNDARY)
+    plant = ("--device-plugin", "lossy_boundary")
+    result = run_suite(pytester, "--pp", "2", *plant, *TINY_LLAMA)
+    out = result.stdout.str()
+    # each layer replayed alone crosses no boundary and passes; the whole model and decode,
+    # whose activations cross it, fail
+    assert failed_tests(result) == {
+        "test_model[tiny-llama-float32]",
+        "test_decode[tiny-llama-float32-dynamic]",
+    }, out[-3000:]
+    model = [r for r in records(pytester) if r.test_id.endswith("test_model[tiny-llama-float32]")]
+    failing = [r.point for r in model if r.verdict == "failed"]
+    # rank 0's layer judged before the boundary passes; the first point past it fails
+    assert "model.layers.0" not in failing
+    assert failing[0].startswith("model.layers.1"), failing
+    divergence = next(r.first_divergence for r in model if r.first_divergence)
+    # the first point past the boundary fails in the whole model and passes alone
+    assert divergence["point"].startswith("model.layers.1"), divergence
+    assert divergence["kind"] == "accumulated", divergence
+
+    # the same plugin on one process: nothing crosses a boundary, all pass
+    run_suite(pytester, *plant, *TINY_LLAMA).assert_outcomes(passed=18)
+
+
+@pytest.mark.usefixtures("on_path")
+def test_more_ranks_than_layers_fail_with_the_numbers(pytester: pytest.Pytester) -> None:
+    result = run_suite(
+        pytester, "--pp", "3", "--dtype", "float32", "-k", "test_model and tiny-llama and not deep"
+    )
+    out = result.stdout.str()
+    result.assert_outcomes(failed=1)
+    assert "tiny-llama: 3 pipeline ranks for 2 decoder layers" in out, out[-2000:]
+    (error,) = records(pytester)
+    assert error.verdict == "error" and error.error == "PipelineUsageError"
+
+
+def test_layers_split_contiguously_and_as_evenly_as_they_divide() -> None:
+    assert split_layers(4, 2) == [range(0, 2), range(2, 4)]
+    # the first depth % ranks ranks hold one layer more
+    assert split_layers(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert layout(24, 3) == "0-7|8-15|16-23"
+    assert layout(4, 3) == "0-1|2|3"
+    with pytest.raises(PipelineUsageError, match="choose a --pp of at most 2"):
+        split_layers(2, 3)
+
+
+def test_what_cannot_be_split_is_refused_from_the_config() -> None:
+    with pytest.raises(PipelineUnsupported, match="BertModel is not one"):
+        check_pipelinable(MODELS / "tiny-bert", 2)
+    with pytest.raises(PipelineUnsupported, match="Qwen2VLForConditionalGeneration"):
+        check_pipelinable(MODELS / "tiny-qwen2-vl", 2)
+    with pytest.raises(PipelineUsageError, match="tiny-llama: 3 pipeline ranks"):
+        check_pipelinable(MODELS / "tiny-llama", 3)
+    check_pipelinable(MODELS / "tiny-deep-llama", 24)  # one layer a rank: allowed
+
+
+def test_options_pipeline_ranks_do_not_combine_with_are_named() -> None:
+    assert pipeline_conflicts(Settings(pp=2)) is None
+    assert pipeline_conflicts(Settings(tp=2)) is None  # --pp off
+    conflict = pipeline_conflicts(Settings(pp=2, tp=2, swaps=("rms_norm=mine",)))
+    assert conflict is not None
+    assert re.search(r"--pp is not supported together with --tp, --swap", conflict)
+    assert "drop --pp, or drop --tp, --swap" in conflict
