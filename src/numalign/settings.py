@@ -280,6 +280,11 @@ def parse_engine(text: str) -> str:
     return engine
 
 
+def _given(options: list[tuple[str, Any]]) -> list[str]:
+    """The names among ``(name, value)`` pairs whose value the session set."""
+    return [name for name, value in options if value]
+
+
 def engine_conflicts(settings: Settings) -> str | None:
     """Why the session's options do not fit its engine (None when they do): the kernel swaps,
     attention and experts implementations and tensor parallel are transformers' variants;
@@ -294,11 +299,11 @@ def engine_conflicts(settings: Settings) -> str | None:
                 "vllm, or drop --serving"
             )
         return None
-    given = [name for name, value in [
+    given = _given([
         ("--swap", settings.swaps), ("--attn-implementation", settings.attn_implementation),
         ("--experts-implementation", settings.experts_implementation),
         ("--tp", settings.tp > 1), ("--pp", settings.pp > 1),
-    ] if value]  # fmt: skip
+    ])  # fmt: skip
     if not given:
         return None
     return (
@@ -315,11 +320,11 @@ def stream_conflicts(settings: Settings) -> str | None:
     the model loads, before any is on the device."""
     if not settings.stream:
         return None
-    given = [name for name, value in [
+    given = _given([
         ("--tp", settings.tp > 1), ("--compile", settings.compile_backend),
         (f"--engine {settings.engine}", settings.engine != "transformers"),
         ("--swap", settings.swaps),
-    ] if value]  # fmt: skip
+    ])  # fmt: skip
     if not given:
         return None
     return (
@@ -337,10 +342,10 @@ def pipeline_conflicts(settings: Settings) -> str | None:
     built."""
     if settings.pp <= 1:
         return None
-    given = [name for name, value in [
+    given = _given([
         ("--tp", settings.tp > 1), ("--compile", settings.compile_backend),
         ("--swap", settings.swaps),
-    ] if value]  # fmt: skip
+    ])  # fmt: skip
     if not given:
         return None
     return (
