@@ -125,9 +125,11 @@ def test_inventory_maps_the_exact_gelu_of_an_encoder_to_gelu_erf_only() -> None:
 # earlier in-process pytester run dropped torch's modules from sys.modules (order-dependent)
 @pytest.mark.filterwarnings("ignore:.*previously registered kernel:UserWarning")
 @pytest.mark.parametrize(
-    ("option", "value"), [("--tp", "2"), ("--engine", "vllm")], ids=["tp", "engine"]
+    ("option", "value"),
+    [("--tp", "2"), ("--pp", "2"), ("--engine", "vllm")],
+    ids=["tp", "pp", "engine"],
 )
-def test_run_passes_tp_and_the_engine_to_the_suites(  # type: ignore[no-untyped-def]
+def test_run_passes_the_ranks_and_the_engine_to_the_suites(  # type: ignore[no-untyped-def]
     monkeypatch, tmp_path, option, value
 ) -> None:
     from pathlib import Path
@@ -216,7 +218,7 @@ def test_run_and_nightly_take_the_suites_options_from_the_one_table() -> None:
 
     table = {o.flag: o.help for o in OPTIONS}
     commands = next(a for a in build_parser()._actions if a.choices and "run" in a.choices)
-    for name, flags in (("run", ("--device", "--dtype", "--engine", "--tp")),
+    for name, flags in (("run", ("--device", "--dtype", "--engine", "--tp", "--pp")),
                         ("nightly", ("--device", "--dtype"))):  # fmt: skip
         actions = {a.option_strings[0]: a for a in commands.choices[name]._actions
                    if a.option_strings}  # fmt: skip

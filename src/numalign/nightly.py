@@ -254,12 +254,12 @@ def bring_up(
     engine: str = "transformers",
     stream: bool = False,
     serving: str | None = None,
+    pp: int = 1,
 ) -> int:
     """Inventory, a capture when there is no fresh set, the suites on this model (on ``tp``
-    tensor-parallel ranks when above 1; through ``engine``'s model code; with its weights
-    streamed unit by unit under ``stream``; a serving engine in the arrangements ``serving``
-    names) and on the operators it uses, and the report
-    paths.
+    tensor-parallel ranks, or ``pp`` pipeline ranks, when above 1; through ``engine``'s model
+    code; with its weights streamed unit by unit under ``stream``; a serving engine in the
+    arrangements ``serving`` names) and on the operators it uses, and the report paths.
 
     Nothing is guessed: the model's set is ``sets/<model folder name>``, replayed alone
     (``--golden SET --golden-only``: a zoo set of the same name is not replayed) after its
@@ -311,6 +311,7 @@ def bring_up(
         extra=[
             "--golden-only",
             *(["--tp", str(tp)] if tp > 1 else []),
+            *(["--pp", str(pp)] if pp > 1 else []),
             *(["--engine", engine] if engine != "transformers" else []),
             *(["--stream"] if stream else []),
             *(["--serving", serving] if serving else []),

@@ -77,7 +77,8 @@ def _run(args: argparse.Namespace) -> int:
     from numalign.nightly import bring_up
 
     check_model(args.model_dir, "run")
-    check_run_options(args, "run", tp=str(args.tp), engine=args.engine, serving=args.serving)
+    check_run_options(args, "run", tp=str(args.tp), pp=str(args.pp), engine=args.engine,
+                      serving=args.serving)  # fmt: skip
     if not (Path(args.suites) / "models").is_dir():
         raise SystemExit(
             f"numalign run: --suites {args.suites}: no models/ suite in it; run from the "
@@ -86,8 +87,8 @@ def _run(args: argparse.Namespace) -> int:
 
     return bring_up(
         Path(args.model_dir), Path(args.sets), Path(args.suites), Path(args.report_dir),
-        device=args.device, dtypes=args.dtype, tier=args.tier, tp=args.tp, engine=args.engine,
-        stream=bool(args.stream), serving=args.serving,
+        device=args.device, dtypes=args.dtype, tier=args.tier, tp=args.tp, pp=args.pp,
+        engine=args.engine, stream=bool(args.stream), serving=args.serving,
     )  # fmt: skip
 
 
@@ -218,6 +219,7 @@ def add_run(commands: Any) -> None:
     suite_option(run, "--dtype")
     suite_option(run, "--engine", default="transformers", choices=ENGINES)
     suite_option(run, "--tp", type=int, default=1)
+    suite_option(run, "--pp", type=int, default=1)
     suite_option(run, "--stream", action="store_true", default=False)
     suite_option(run, "--serving")
     run.set_defaults(handler=_run)
