@@ -127,10 +127,13 @@ def test_more_ranks_than_layers_fail_with_the_numbers(pytester: pytest.Pytester)
 
 def test_layers_split_contiguously_and_as_evenly_as_they_divide() -> None:
     assert split_layers(4, 2) == [range(0, 2), range(2, 4)]
-    # the first depth % ranks ranks hold one layer more
+    # the depth % ranks layers over go to the ranks before the last, from the last but one
+    # back, as vLLM's get_pp_indices places them (vllm/distributed/utils.py)
     assert split_layers(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
     assert layout(24, 3) == "0-7|8-15|16-23"
-    assert layout(4, 3) == "0-1|2|3"
+    assert layout(4, 3) == "0|1-2|3"
+    assert layout(7, 4) == "0-1|2-3|4-5|6"
+    assert layout(3, 2) == "0-1|2"
     with pytest.raises(PipelineUsageError, match="choose a --pp of at most 2"):
         split_layers(2, 3)
 

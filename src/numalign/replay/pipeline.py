@@ -7,7 +7,7 @@ streamed one (``golden.stream``: every parameter on meta, the buffers real) and 
 weights of its own **stage** only, read from the checkpoint once for the model's life (with
 ``--stream`` too, read as each unit runs): rank 0 the embedding and the first layers, the
 last rank the last layers, the final norm and the LM head; the layers split as evenly as
-they divide, the first ranks one layer more where they do not (:func:`split_layers`).
+they divide, and where they do not, as vLLM splits them (:func:`split_layers`).
 
 Every rank runs the model's own forward, the same on all: a unit it does not hold runs a
 stand-in in its place, so the model's own code between the units (masks, rotary
@@ -71,19 +71,21 @@ class PipelineUnsupported(ReplayUnsupported):
 
 def split_layers(depth: int, ranks: int) -> list[range]:
     """The decoder layers each rank holds: contiguous ranges in order, as even as ``depth``
-    divides (the first ``depth % ranks`` ranks one layer more)."""
+    divides; where it does not, the ``depth % ranks`` layers over go one each to the ranks
+    before the last, from the last but one back, as vLLM's pipeline splits them (the first
+    and last ranks hold the embedding and the head), so the stages replayed are the ones a
+    vLLM deployment of the model serves."""
     if ranks > depth:
         raise PipelineUsageError(
             f"{ranks} pipeline ranks for {depth} decoder layers would leave a rank none; "
             f"choose a --pp of at most {depth}"
         )
     base, extra = divmod(depth, ranks)
-    ranges, start = [], 0
-    for rank in range(ranks):
-        size = base + (1 if rank < extra else 0)
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
+    sizes = [base] * ranks
+    for back in range(2, extra + 2):
+        sizes[-back] += 1
+    starts = [sum(sizes[:rank]) for rank in range(ranks)]
+    return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
 
 
 def layout(depth: int, ranks: int) -> str:
