@@ -168,7 +168,8 @@ class ModelCache:
         self, path: str | Path, settings: Settings, device: torch.device, dtype: str
     ) -> tuple[GoldenSet, Any]:
         """The set, checked fresh (StaleGoldenSetError otherwise), and its model as the
-        session's settings ask (``model_for``; under ``--tp``, held by the ranks)."""
+        session's settings ask (``model_for``; under ``--tp`` or ``--pp``, held by the
+        ranks)."""
         golden = open_fresh(path)
         check_dtype(golden, dtype)
         if (settings.tp > 1 or settings.pp > 1) and not self.sharded:
