@@ -1,9 +1,9 @@
 """Pipeline-parallel replay (``--pp N``) for real: the model suites in a subprocess, as users
 run them, the ranks gloo processes under torchrun. An honest replay over two ranks judges
 every point as one process does, record for record and number for number; a boundary
-that loses precision between the ranks is caught at the first layer past it while every
-layer replayed alone passes; a split the model cannot take is refused with the numbers;
-the layers split as evenly as they divide."""
+that loses precision between the ranks is caught at the first layer past it, its input at
+fault named, while every layer replayed alone passes; a split the model cannot take is
+refused with the numbers; the layers split as vLLM splits them."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from numalign.replay.pipeline import (
     PipelineUnsupported,
     PipelineUsageError,
     check_pipelinable,
+    digest,
     layout,
     split_layers,
 )
@@ -105,9 +106,14 @@ def test_a_lossy_boundary_is_caught_past_it_while_the_layers_pass(
     assert "model.layers.0" not in failing
     assert failing[0].startswith("model.layers.1"), failing
     divergence = next(r.first_divergence for r in model if r.first_divergence)
-    # the first point past the boundary fails in the whole model and passes alone
+    # the first point past the boundary fails in the whole model and passes alone; its
+    # input at fault is what arrived at rank 1, whose checksum is not the one rank 0 sent
     assert divergence["point"].startswith("model.layers.1"), divergence
-    assert divergence["kind"] == "accumulated", divergence
+    assert divergence["kind"] == "input", divergence
+    assert divergence["inputs"] == ["hidden states model.layers.1 received from pipeline rank 0"], (
+        divergence
+    )
+    assert "changed on the way from rank 0 to rank 1" in out
 
     # the same plugin on one process: nothing crosses a boundary, all pass
     run_suite(pytester, *plant, *TINY_LLAMA).assert_outcomes(passed=18)
@@ -123,6 +129,22 @@ def test_more_ranks_than_layers_fail_with_the_numbers(pytester: pytest.Pytester)
     assert "tiny-llama: 3 pipeline ranks for 2 decoder layers" in out, out[-2000:]
     (error,) = records(pytester)
     assert error.verdict == "error" and error.error == "PipelineUsageError"
+
+
+def test_the_boundary_checksum_sees_any_change_of_the_bytes() -> None:
+    torch = pytest.importorskip("torch")
+    hidden = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(0))
+    sent = int(digest(hidden))
+    assert int(digest(hidden.clone())) == sent
+    swapped = hidden.clone()
+    swapped[0, 0, [0, 1]] = hidden[0, 0, [1, 0]]  # the same values, two places swapped
+    rounded = hidden.to(torch.bfloat16).to(hidden.dtype)
+    nudged = hidden.clone()
+    nudged[1, 6, 63] = torch.nextafter(hidden[1, 6, 63], torch.tensor(math.inf))
+    for changed in (swapped, rounded, nudged):
+        assert int(digest(changed)) != sent
+    # every dtype passes as bytes: the same values in bfloat16 have a checksum of their own
+    assert int(digest(hidden.to(torch.bfloat16))) != sent
 
 
 def test_layers_split_contiguously_and_as_evenly_as_they_divide() -> None:

@@ -262,8 +262,8 @@ class Divergence:
             "states from upstream"
             + (f", from {self.named}, which fails alone" if self.named else ""),
             "input": "the point alone on the golden inputs is within budget, and fails fed "
-            f"the model's own {fed}: the fault is in how the model computes that input, "
-            "which no capture point covers",
+            f"the model's own {fed}: the fault is in how the model computes or hands on that "
+            "input, which no capture point covers",
             "output": str(self.why_unlocated),
         }.get(self.kind, f"not replayed alone: {self.why_unlocated}")
         return (

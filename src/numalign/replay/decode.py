@@ -190,7 +190,8 @@ def replay_decode(
     judge = Judge.of_set(golden, dtype, "decode", hidden_and_depth(model), policy)
     torch_dtype = dtypes.torch_dtype(dtype)
 
-    stage = stage_of(model)
+    if (stage := stage_of(model)) is not None:
+        stage.start()
 
     def on_pair(request: str, step: int, point: str, path: str, actual: Any,
                 expected: Any, call: int = 0) -> None:  # fmt: skip

@@ -296,6 +296,8 @@ def replay_model(
     torch_dtype = dtypes.torch_dtype(dtype)
     hidden, depth = hidden_and_depth(model)
     judge = Judge.of_set(golden, dtype, "accumulated", (hidden, depth), policy)
+    if (stage := stage_of(model)) is not None:
+        stage.start()
     verdict = ModelVerdict(points=judge.points, logits=judge.logits, outputs=judge.outputs)
     # faults in the rows a request's mask leaves out, judged with the point's own result
     pending: dict[tuple[str, str, str, int], LeftOut] = {}
@@ -348,7 +350,6 @@ def replay_model(
             verdict.continuation.append(agreement)
     points, pooled = judge.points, judge.pooled()  # each point's lean, every request pooled
     alone: Any = _AloneOnTransformers(golden, model, dtype, device, policy)
-    stage = stage_of(model)
     if stage is not None:  # every rank's stage, in the order one process judges them
         order = {r.name: i for i, r in enumerate(golden.requests)}
         points, pooled = stage.merged(points, pooled, lambda r: (order.get(r.request, -1),))

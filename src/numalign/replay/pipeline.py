@@ -17,7 +17,9 @@ embeddings, the decoder loop, soft-capping) runs unchanged everywhere.
   before a rank's own pass their input on untouched.
 - A rank after the first receives the hidden states its predecessor's last layer returned
   in place of its first layer's input (``dist.recv``; a header first, the tensor's dtype and
-  shape, then its bytes); a rank before the last sends its last layer's output on.
+  shape, then its bytes, then their :func:`digest`); a rank before the last sends its last
+  layer's output on. Hidden states whose digest on arrival is not the one sent are a
+  :class:`BoundaryFault`: the input at fault of a divergence on that rank or after it.
 - The layers after a rank's own and the final norm pass their input on; the LM head's output
   (the logits) is broadcast from the last rank, so every rank holds the model's own logits
   and makes the same decisions on them (a continuation, a decode step's next input).
@@ -152,11 +154,20 @@ class Stage:
     #: The whole model's forward is running (the boundaries pass activations then only;
     #: a unit replayed alone on its rank passes nothing on)
     flowing: bool = False
+    #: What arrived at this rank changed on the way, since :meth:`start` (:func:`digest`)
+    faults: list[BoundaryFault] = field(default_factory=list)
+    #: Every rank's faults, gathered by :meth:`merged`
+    all_faults: list[BoundaryFault] = field(default_factory=list)
     _points: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def last(self) -> int:
         return self.ranks - 1
+
+    def start(self) -> None:
+        """A replay starts: the faults seen before it are not its own."""
+        self.faults.clear()
+        self.all_faults.clear()
 
     def owner_of(self, point: str) -> int:
         """The rank that observes ``point`` (module doc)."""
@@ -216,25 +227,46 @@ class Stage:
         import torch.distributed as dist
 
         everyone: list[Any] = [None] * self.ranks
-        dist.all_gather_object(everyone, (points, pooled))
+        dist.all_gather_object(everyone, (points, pooled, self.faults))
+        self.all_faults = [f for *_, faults in everyone for f in faults]
 
         def own(rank: int, result: PointResult) -> bool:  # the logits: the last rank's
             return result.point != OUTPUT_POINT or rank == self.last
 
         tagged = sorted(
             ((key(p), rank, p.finished, p)
-             for rank, (ps, _) in enumerate(everyone) for p in ps if own(rank, p)),
+             for rank, (ps, *_) in enumerate(everyone) for p in ps if own(rank, p)),
             key=lambda t: t[:3],
         )  # fmt: skip
         place = {(rank, finished): i for i, (_, rank, finished, _) in enumerate(tagged)}
         out = [replace(p, finished=i) for i, (*_, p) in enumerate(tagged)]
         leans = [
             replace(p, finished=place.get((rank, p.finished), p.finished))
-            for rank, (_, ps) in enumerate(everyone)
+            for rank, (_, ps, _) in enumerate(everyone)
             for p in ps
             if own(rank, p)
         ]
         return out, sorted(leans, key=lambda p: p.finished)
+
+
+@dataclass(frozen=True)
+class BoundaryFault:
+    """Hidden states that changed between two ranks: what ``receiver`` got from ``sender``
+    at ``layer`` (the receiver's first) is not what the sender's last layer returned."""
+
+    sender: int
+    receiver: int
+    layer: str
+
+    @property
+    def input(self) -> tuple[str, str]:
+        """The fault as ``compare.locate`` names an input at fault."""
+        return (
+            f"hidden states {self.layer} received from pipeline rank {self.sender}",
+            f"changed on the way from rank {self.sender} to rank {self.receiver}: their "
+            "checksum on arrival is not the one sent, a fault of the transport between the "
+            "ranks",
+        )
 
 
 def stage_of(model: Any) -> Stage | None:
@@ -254,9 +286,15 @@ class StageAlone:
         return self.stage.from_owner(point, lambda: self.inner.replay_alone(point))
 
     def inputs_at_fault(self, failing: PointResult) -> Any:
-        """The point's faulty inputs, judged on its rank; the model's forward that feeds
-        them runs on every rank (the activations pass through every stage)."""
-        if self.stage.owner_of(failing.point) != self.stage.rank:
+        """The point's faulty inputs: hidden states that changed on the way to the point's
+        rank or a rank before it (:class:`BoundaryFault`), else as one process judges them,
+        on the point's rank; the model's forward that feeds them runs on every rank (the
+        activations pass through every stage)."""
+        owner = self.stage.owner_of(failing.point)
+        faults = [f for f in self.stage.all_faults if f.receiver <= owner]
+        if faults:
+            return tuple(dict.fromkeys(f.input for f in faults))
+        if owner != self.stage.rank:
             self.inner.feed(failing)
         return self.stage.from_owner(failing.point, lambda: self.inner.inputs_at_fault(failing))
 
@@ -385,9 +423,16 @@ def _boundaries(model: Any, stage: Stage) -> None:
     if stage.rank > 0:
 
         def receive(_: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+            import torch
+            import torch.distributed as dist
+
             if not stage.flowing:
                 return None
             hidden = receive_tensor(stage.rank - 1, stage.device)
+            sent = torch.empty(1, dtype=torch.int64, device=stage.device)
+            dist.recv(sent, stage.rank - 1)
+            if int(sent) != int(digest(hidden)):
+                stage.faults.append(BoundaryFault(stage.rank - 1, stage.rank, mine[0]))
             if args:
                 return (hidden, *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": hidden}
@@ -398,9 +443,12 @@ def _boundaries(model: Any, stage: Stage) -> None:
     if stage.rank < stage.last:
 
         def send(_: Any, __: Any, output: Any) -> None:
+            import torch.distributed as dist
+
             if stage.flowing:
                 hidden = output if not isinstance(output, tuple) else output[0]
                 send_tensor(hidden, stage.rank + 1)
+                dist.send(digest(hidden), stage.rank + 1)  # checked on arrival
 
         model.get_submodule(mine[-1]).register_forward_hook(send)
     else:
@@ -469,6 +517,25 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     import torch
 
     return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+#: Bytes :func:`digest` reads at a time (its int64 working copy is 16 times that).
+DIGEST_CHUNK = 1 << 24
+
+
+def digest(tensor: torch.Tensor) -> torch.Tensor:
+    """A checksum of the tensor's bytes, weighted by place (values moved around change it
+    too), as a 1-element int64 tensor on its device: each byte times its place modulo the
+    largest prime below 2**16, plus one, summed (below 2**63 for up to 2**39 bytes)."""
+    import torch
+
+    raw = _bytes(tensor)
+    total = torch.zeros(1, dtype=torch.int64, device=raw.device)
+    for start in range(0, raw.numel(), DIGEST_CHUNK):
+        chunk = raw[start : start + DIGEST_CHUNK].to(torch.int64)
+        place = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=raw.device)
+        total += (chunk * (place % 65521 + 1)).sum()
+    return total
 
 
 def send_tensor(tensor: torch.Tensor, to: int) -> None:
