@@ -21,6 +21,7 @@ from numalign.replay.pipeline import (
     check_pipelinable,
     digest,
     layout,
+    load_stage,
     split_layers,
 )
 from numalign.settings import Settings, pipeline_conflicts
@@ -145,6 +146,32 @@ def test_the_boundary_checksum_sees_any_change_of_the_bytes() -> None:
         assert int(digest(changed)) != sent
     # every dtype passes as bytes: the same values in bfloat16 have a checksum of their own
     assert int(digest(hidden.to(torch.bfloat16))) != sent
+
+
+def test_a_stage_holds_its_own_layers_weights_and_no_others() -> None:
+    torch = pytest.importorskip("torch")
+    from numalign.golden.stream import load_streamed
+
+    whole = load_streamed(MODELS / "tiny-deep-llama", "float32", "cpu")
+    for unit in whole.numalign_streamer.units:
+        whole.numalign_streamer.enter(unit)
+    sizes = {n: p.numel() for n, p in whole.named_parameters()}
+    for rank, first, last in ((0, 0, 7), (1, 8, 15), (2, 16, 23)):  # 24 layers on 3 ranks
+        stage = load_stage(MODELS / "tiny-deep-llama", "float32", "cpu", rank=rank, ranks=3)
+        held = {n for n, p in stage.named_parameters() if p.device.type != "meta"}
+        layers = {int(n.split(".")[2]) for n in held if n.startswith("model.layers.")}
+        assert layers == set(range(first, last + 1))
+        assert ("model.embed_tokens.weight" in held) == (rank == 0)
+        assert ("lm_head.weight" in held) == (rank == 2)
+        assert ("model.norm.weight" in held) == (rank == 2)
+        # every parameter of the stage's layers is held, nothing else
+        expected = {n for n in sizes if n.startswith(tuple(f"model.layers.{i}." for i in layers))}
+        assert held - {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} == (
+            expected
+        )
+        # and they are the checkpoint's own values
+        got = dict(stage.named_parameters())
+        assert all(torch.equal(got[n], whole.get_parameter(n)) for n in held)
 
 
 def test_layers_split_contiguously_and_as_evenly_as_they_divide() -> None:

@@ -307,17 +307,21 @@ def load_stage(
     attn_implementation: str | None = None,
     experts_implementation: str | None = None,
     stream: bool = False,
+    rank: int | None = None,
+    ranks: int | None = None,
 ) -> Any:
-    """This rank's stage of the model (module doc): the streamed model with this rank's
-    units held (``stream``: read as they run) and stand-ins for the others;
-    ``model.numalign_stage`` is its :class:`Stage`. Needs the rank's process group."""
+    """Stage ``rank`` of ``ranks`` of the model (module doc; None: this process's rank in its
+    group): the streamed model with the stage's units held (``stream``: read as they run)
+    and stand-ins for the others; ``model.numalign_stage`` is its :class:`Stage`. Its
+    forward needs the ranks' process group."""
     import torch.distributed as dist
 
     from numalign.golden.stream import load_streamed
 
     model = load_streamed(model_dir, dtype, device, attn_implementation=attn_implementation,
                           experts_implementation=experts_implementation)  # fmt: skip
-    stage = _plan(model, dist.get_rank(), dist.get_world_size())
+    rank = dist.get_rank() if rank is None else rank
+    stage = _plan(model, rank, dist.get_world_size() if ranks is None else ranks)
     stage.device = model.numalign_streamer.device
     streamer = model.numalign_streamer
     for unit, rank in stage.owner.items():
