@@ -51,6 +51,22 @@ def test_a_rank_that_raises_fails_the_call_with_its_error(group: RankGroup) -> N
     assert group.call(tp_calls.rank_and_sum) == (0, 2, 3.0)  # a fresh group
 
 
+def test_numalign_s_own_errors_reach_the_test_as_themselves(group: RankGroup) -> None:
+    from numalign.errors import Unsupported
+
+    pids = group.call(tp_calls.rank_pids)
+    # raised on every rank: the test skips as on one process, and the group, idle, goes on
+    with pytest.raises(Unsupported, match=r"rank \d cannot take this path"):
+        group.call(tp_calls.unsupported_on_every_rank)
+    assert group.call(tp_calls.rank_pids) == pids
+    # raised on rank 1 alone while rank 0 waits in a collective: the same error, and the
+    # group is stopped (rank 0 would wait forever); the next call starts a fresh one
+    with pytest.raises(Unsupported, match="rank 1 cannot take this path"):
+        group.call(tp_calls.unsupported_on_rank_1)
+    assert group.process is None
+    assert group.call(tp_calls.rank_and_sum) == (0, 2, 3.0)
+
+
 def test_a_rank_that_dies_is_a_crash(group: RankGroup) -> None:
     with pytest.raises(RankCrashed, match=r"rank 1 of 2 died|launcher exited") as caught:
         group.call(tp_calls.die_on_rank_1)

@@ -31,6 +31,24 @@ def raise_on_rank_1() -> None:
     dist.barrier()  # rank 0 waits for rank 1, as in a collective
 
 
+def unsupported_on_every_rank() -> None:
+    """numalign's own error, raised alike on every rank (an uncalibrated point, a path a
+    model cannot take), after a collective."""
+    from numalign.replay.pipeline import PipelineUnsupported
+
+    dist.barrier()
+    raise PipelineUnsupported(f"rank {dist.get_rank()} cannot take this path")
+
+
+def unsupported_on_rank_1() -> None:
+    """numalign's own error on rank 1 alone, rank 0 waiting for it in a collective."""
+    from numalign.replay.pipeline import PipelineUnsupported
+
+    if dist.get_rank() == 1:
+        raise PipelineUnsupported("rank 1 cannot take this path")
+    dist.barrier()
+
+
 def die_on_rank_1() -> None:
     if dist.get_rank() == 1:
         os._exit(3)

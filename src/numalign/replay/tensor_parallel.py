@@ -311,6 +311,10 @@ class RankGroup:
                         f"rank {rank} of {self.size} died during the replay (exit status "
                         f"{self._status()}){self._log()}"
                     ) from None
+                if kind == "raised":  # numalign's own error: its kind decides, as on one rank
+                    if not self._drained(pending):
+                        self.close()  # a rank still busy, or dead: the next call starts afresh
+                    raise value
                 if kind == "error":
                     dead = self._dead(pending)
                     if dead is not None:  # its peers' collectives broke because it died
@@ -328,6 +332,20 @@ class RankGroup:
                     f"{self._log()}"
                 )
         return result
+
+    def _drained(self, pending: dict[Connection, int]) -> bool:
+        """Whether every ``pending`` rank answers within the grace of :data:`DEATH_GRACE_S`
+        (their answers dropped): the group is then idle and serves the next call."""
+        left = dict(pending)
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while left and (wait_s := deadline - time.monotonic()) > 0:
+            for connection in wait(list(left), timeout=wait_s):
+                left.pop(connection)  # type: ignore[call-overload]
+                try:
+                    receive(connection)  # type: ignore[arg-type]
+                except (EOFError, OSError):
+                    return False
+        return not left
 
     def _dead(self, pending: dict[Connection, int]) -> int | None:
         """The first of the ``pending`` ranks whose connection closes within a grace of a
