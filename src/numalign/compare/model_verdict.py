@@ -70,9 +70,11 @@ def compare_point(
         dtype = dtypes.dtype_name(actual.dtype)
         raise Uncalibrated(
             f"{name}: the golden set has no calibration of it in {dtype} (captured with "
-            f"--calibrate '' or without {dtype}): not judged, since a budget without a control "
+            f"--calibrate '' or without {dtype}; for an output the {dtype} ensemble cannot "
+            "measure, eager attention weights, without the bfloat16 or float16 calibration "
+            "its control is borrowed from): not judged, since a budget without a control "
             "would be one ulp and the tolerance table is not made for whole modules; capture "
-            f"it again with --calibrate {dtype}"
+            f"it again with --calibrate {dtype} (with bfloat16 too for such an output)"
         )
     if is_routing(name) and actual.shape == expected.shape:
         # a router's weights per expert: on the tokens choosing the same experts, and the

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import pickle
 import threading
 import time
 import traceback
@@ -39,26 +38,29 @@ def _serve(connection: Any, rank: int) -> None:
             value = fn(*args)
             send(connection, ("ok", value if rank == 0 else None))
         except BaseException as exc:  # every failure goes back to the controller
-            if _travels(exc):  # numalign's own: the test's outcome follows its kind
-                send(connection, ("raised", exc))
-                continue
+            if _rebuilds(exc):  # numalign's own: the test's outcome follows its kind
+                try:
+                    send(connection, ("raised", exc))  # pickled whole before any byte goes
+                    continue
+                except Exception:  # an argument that does not pickle: its text goes instead
+                    pass
             text = "".join(traceback.format_exception(exc))
             send(connection, ("error", f"{type(exc).__name__}: {exc}\n{text}"))
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
 
 
-def _travels(exc: BaseException) -> bool:
+def _rebuilds(exc: BaseException) -> bool:
     """Whether ``exc`` goes back to the controller as itself: one of numalign's errors (a
-    set not calibrated, a path not supported, a usage error) that survives pickling; any
-    other goes back as its traceback's text."""
+    set not calibrated, a path not supported, a usage error) that its arguments rebuild, as
+    the controller's unpickling does; any other goes back as its traceback's text."""
     from numalign.errors import NumalignError
 
     if not isinstance(exc, NumalignError):
         return False
     try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:  # an exception class whose arguments do not rebuild it
+        type(exc)(*exc.args)
+    except Exception:  # a class whose constructor takes other arguments than it keeps
         return False
     return True
 
