@@ -19,11 +19,11 @@ from numalign.replay.pipeline import (
     PipelineUnsupported,
     PipelineUsageError,
     check_pipelinable,
-    digest,
     layout,
     load_stage,
     split_layers,
 )
+from numalign.replay.wire import digest
 from numalign.settings import Settings, pipeline_conflicts
 
 ROOT = Path(__file__).resolve().parents[2]

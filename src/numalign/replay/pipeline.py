@@ -16,9 +16,9 @@ embeddings, the decoder loop, soft-capping) runs unchanged everywhere.
 - The embedding on a rank after the first gives zeros of its output's shape; the layers
   before a rank's own pass their input on untouched.
 - A rank after the first receives the hidden states its predecessor's last layer returned
-  in place of its first layer's input (``dist.recv``; a header first, the tensor's dtype and
-  shape, then its bytes, then their :func:`digest`); a rank before the last sends its last
-  layer's output on. Hidden states whose digest on arrival is not the one sent are a
+  in place of its first layer's input (``replay.wire``: a header with the tensor's dtype
+  and shape, its bytes, their checksum); a rank before the last sends its last layer's
+  output on. Hidden states whose checksum on arrival is not the one sent are a
   :class:`BoundaryFault`: the input at fault of a divergence on that rank or after it.
 - The layers after a rank's own and the final norm pass their input on; the LM head's output
   (the logits) is broadcast from the last rank, so every rank holds the model's own logits
@@ -47,19 +47,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from numalign.compare.calibration import CACHE_POINT, OUTPUT_POINT
 from numalign.compare.model_verdict import ReplayUnsupported
 from numalign.errors import UsageError
+from numalign.replay.wire import broadcast_tensor, digest, receive_tensor, send_tensor
 
 if TYPE_CHECKING:
-    import torch
-
     from numalign.compare.model_verdict import PointResult
 
 T = TypeVar("T")
-
-#: dtypes a boundary's header names, by their index in it.
-WIRE_DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "bool", "uint8")
-#: Dimensions a tensor passed between ranks may have (its header holds the dtype, the
-#: number of dimensions and this many sizes).
-WIRE_DIMS = 6
 
 
 class PipelineUsageError(UsageError, ValueError):
@@ -154,7 +147,7 @@ class Stage:
     #: The whole model's forward is running (the boundaries pass activations then only;
     #: a unit replayed alone on its rank passes nothing on)
     flowing: bool = False
-    #: What arrived at this rank changed on the way, since :meth:`start` (:func:`digest`)
+    #: What arrived at this rank changed on the way, since :meth:`start` (``wire.digest``)
     faults: list[BoundaryFault] = field(default_factory=list)
     #: Every rank's faults, gathered by :meth:`merged`
     all_faults: list[BoundaryFault] = field(default_factory=list)
@@ -496,81 +489,3 @@ def _zeros_embedding(module: Any, ids: Any, *_: Any, **__: Any) -> Any:
 
 def _receive_logits(stage: Stage, *_: Any, **__: Any) -> Any:
     return broadcast_tensor(None, stage.last, stage.device)
-
-
-def _header(tensor: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    if tensor.dim() > WIRE_DIMS:
-        raise ValueError(f"a tensor of {tensor.dim()} dimensions cannot pass between ranks")
-    dtype = WIRE_DTYPES.index(str(tensor.dtype).removeprefix("torch."))
-    sizes = [*tensor.shape, *([0] * (WIRE_DIMS - tensor.dim()))]
-    return torch.tensor([dtype, tensor.dim(), *sizes], dtype=torch.int64, device=tensor.device)
-
-
-def _empty(header: torch.Tensor, device: Any) -> torch.Tensor:
-    import torch
-
-    values = [int(v) for v in header.tolist()]
-    dtype = getattr(torch, WIRE_DTYPES[values[0]])
-    return torch.empty(values[2 : 2 + values[1]], dtype=dtype, device=device)
-
-
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes (any dtype passes through every backend as bytes)."""
-    import torch
-
-    return tensor.contiguous().reshape(-1).view(torch.uint8)
-
-
-#: Bytes :func:`digest` reads at a time (its int64 working copy is 16 times that).
-DIGEST_CHUNK = 1 << 24
-
-
-def digest(tensor: torch.Tensor) -> torch.Tensor:
-    """A checksum of the tensor's bytes, weighted by place (values moved around change it
-    too), as a 1-element int64 tensor on its device: each byte times its place modulo the
-    largest prime below 2**16, plus one, summed (below 2**63 for up to 2**39 bytes)."""
-    import torch
-
-    raw = _bytes(tensor)
-    total = torch.zeros(1, dtype=torch.int64, device=raw.device)
-    for start in range(0, raw.numel(), DIGEST_CHUNK):
-        chunk = raw[start : start + DIGEST_CHUNK].to(torch.int64)
-        place = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=raw.device)
-        total += (chunk * (place % 65521 + 1)).sum()
-    return total
-
-
-def send_tensor(tensor: torch.Tensor, to: int) -> None:
-    """``tensor`` to rank ``to``: its header, then its bytes."""
-    import torch.distributed as dist
-
-    dist.send(_header(tensor), to)
-    dist.send(_bytes(tensor), to)
-
-
-def receive_tensor(source: int, device: Any) -> torch.Tensor:
-    """The tensor rank ``source`` sends (:func:`send_tensor`), on ``device``."""
-    import torch
-    import torch.distributed as dist
-
-    header = torch.empty(2 + WIRE_DIMS, dtype=torch.int64, device=device)
-    dist.recv(header, source)
-    tensor = _empty(header, device)
-    dist.recv(_bytes(tensor), source)
-    return tensor
-
-
-def broadcast_tensor(tensor: torch.Tensor | None, source: int, device: Any) -> torch.Tensor:
-    """``tensor`` from rank ``source`` on every rank (None on the others)."""
-    import torch
-    import torch.distributed as dist
-
-    header = _header(tensor) if tensor is not None else torch.empty(
-        2 + WIRE_DIMS, dtype=torch.int64, device=device
-    )  # fmt: skip
-    dist.broadcast(header, source)
-    out = tensor.contiguous() if tensor is not None else _empty(header, device)
-    dist.broadcast(_bytes(out), source)
-    return out
