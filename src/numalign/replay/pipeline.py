@@ -105,12 +105,17 @@ def check_pipelinable(model_dir: str | Path, ranks: int) -> str:
             f"the ranks; {arch} is not one (an encoder or an image-text model): replay it "
             "without --pp"
         )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    depth = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or 1
     try:
-        return layout(int(depth), ranks)
+        return layout(depth_of(config), ranks)
     except PipelineUsageError as exc:
         raise PipelineUsageError(f"{Path(model_dir).name}: {exc}") from None
+
+
+def depth_of(config: Any) -> int:
+    """The decoder layers ``config`` (its text config) names (1 where it names none), as
+    ``replay.model.hidden_and_depth`` reads them."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or 1)
 
 
 def decode_unsupported(model_dir: str | Path) -> str | None:
@@ -358,9 +363,7 @@ def _decoder_layers(model: Any, units: list[str]) -> tuple[str, ...]:
     the config's depth."""
     import torch
 
-    from numalign.replay.model import hidden_and_depth
-
-    _, depth = hidden_and_depth(model)
+    depth = depth_of(model.config)
     found = [
         tuple(f"{name}.{i}" for i in range(len(module)))
         for name, module in model.named_modules()
