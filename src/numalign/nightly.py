@@ -241,6 +241,16 @@ def operator_tests(suites_root: Path, operators: Sequence[str]) -> list[str]:
     return [f"{module}::test_{op}" for op in operators if op in OPERATORS]
 
 
+def _fresh_set(target: Path, model_dir: Path) -> bool:
+    """Whether ``target`` holds a readable golden set of ``model_dir``'s fingerprint."""
+    if not (target / "manifest.json").is_file():
+        return False
+    try:
+        return GoldenSet.open(target).fingerprint_matches(model_dir)
+    except GoldenSetError:
+        return False
+
+
 def bring_up(
     model_dir: Path,
     sets: Path,
@@ -280,13 +290,7 @@ def bring_up(
     inv = inventory(model_dir)
     print(inv.to_markdown(), flush=True)
     target = sets / model_dir.name
-    fresh = False
-    if (target / "manifest.json").is_file():
-        try:
-            fresh = GoldenSet.open(target).fingerprint_matches(model_dir)
-        except GoldenSetError:
-            fresh = False
-    if fresh:
+    if _fresh_set(target, model_dir):
         print(f"numalign run: [2/3] golden set {target} is fresh (same fingerprint)", flush=True)
     else:
         print(f"numalign run: [2/3] capturing {target}", flush=True)

@@ -38,7 +38,7 @@ from numalign.replay.layer import (
     request_mask,
 )
 from numalign.replay.observe import observe
-from numalign.replay.pipeline import StageAlone, stage_of
+from numalign.replay.pipeline import StageAlone, depth_of, stage_of
 from numalign.replay.shards import whole
 from numalign.runtime.compiled import compile_model, take_stats
 from numalign.runtime.variant import Variant
@@ -70,10 +70,10 @@ def hidden_and_depth(model: Any = None, *, config: Any = None) -> tuple[int, int
     computed without loading the model: ``replay.set_power``); 1 for what the config does
     not name."""
     config = model.config if config is None else config
+    depth = depth_of(config)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 1
-    depth = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 1
-    return int(hidden), int(depth)
+    return int(hidden), depth
 
 
 @dataclass

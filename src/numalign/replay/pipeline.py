@@ -112,8 +112,8 @@ def check_pipelinable(model_dir: str | Path, ranks: int) -> str:
 
 
 def depth_of(config: Any) -> int:
-    """The decoder layers ``config`` (its text config) names (1 where it names none), as
-    ``replay.model.hidden_and_depth`` reads them."""
+    """The decoder layers ``config`` (its text config) names (1 where it names none); the
+    depth every replay reads (``replay.model.hidden_and_depth`` too)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or 1)
 
@@ -322,8 +322,8 @@ def load_stage(
     stage = _plan(model, rank, dist.get_world_size() if ranks is None else ranks)
     stage.device = model.numalign_streamer.device
     streamer = model.numalign_streamer
-    for unit, rank in stage.owner.items():
-        if rank != stage.rank:
+    for unit, holder in stage.owner.items():
+        if holder != stage.rank:
             streamer.units[unit] = ()  # never read here
         elif not stream:
             streamer.enter(unit)  # read once, held for the model's life
