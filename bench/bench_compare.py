@@ -29,7 +29,7 @@ def main() -> None:
     tolerance = numalign.Tolerance(rtol=1e-4, atol=1e-4)
 
     def full_metrics() -> None:
-        result = numalign.compare(actual, expected, tolerance=tolerance)
+        result = numalign.compare(actual, expected, numalign.CompareSpec(tolerance=tolerance))
         assert result.passed, result.message()
 
     def assert_close() -> None:

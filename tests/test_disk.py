@@ -133,11 +133,11 @@ def test_a_session_prunes_old_runs_and_says_so(pytester: pytest.Pytester) -> Non
     pytester.makepyfile(
         """
         import torch
-        from numalign.compare import compare
+        from numalign.compare import CompareSpec, compare
 
         def test_one(record_drift):
             t = torch.ones(4, dtype=torch.float64)
-            record_drift(compare(t.float(), t, name="p"), suite="operators")
+            record_drift(compare(t.float(), t, CompareSpec(name="p")), suite="operators")
         """
     )
     for i in range(3):

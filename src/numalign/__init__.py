@@ -7,6 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from numalign.compare import (
     CompareResult,
+    CompareSpec,
     Metrics,
     Tolerance,
     TolerancePolicy,
@@ -23,6 +24,7 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 __all__ = [
     "CompareResult",
+    "CompareSpec",
     "Metrics",
     "Tolerance",
     "TolerancePolicy",

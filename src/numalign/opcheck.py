@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from numalign.cases import Case, generator, noncontiguous
 from numalign.compare import (
     CompareResult,
+    CompareSpec,
     Tolerance,
     TolerancePolicy,
     compare,
@@ -208,7 +209,7 @@ def _judge_output(
         return _judge_float(op, output, case, name, run, reduction, policy)
     if output.kind == "exact":
         tol = Tolerance(rtol=0.0, atol=output.atol) if output.atol else None
-        return compare(a, run.control[output.name], tolerance=tol, name=name)
+        return compare(a, run.control[output.name], CompareSpec(tolerance=tol, name=name))
     if output.kind == "quantized":
         return judge_rounding(
             a,
@@ -221,9 +222,8 @@ def _judge_output(
         )
     source = output.ties_from or ""
     scores = run.truth[source] if source in run.truth else run.inputs[source]
-    return compare(
-        a, run.truth[output.name], ties=scores.to(dtype), name=name, op_class="selection"
-    )
+    spec = CompareSpec(op_class="selection", ties=scores.to(dtype), name=name)
+    return compare(a, run.truth[output.name], spec)
 
 
 def _judge_float(
@@ -242,17 +242,16 @@ def _judge_float(
     undecided = output.undecided(run.inputs, case) if output.undecided else None
     if undecided is not None:
         a, expected, reference = (_zero_where(undecided, t) for t in (a, expected, reference))
-    result = compare(
-        a,
-        expected,
-        control=reference,
+    spec = CompareSpec(
         op_class=op.op_class,
+        control=reference,
         reduction_length=reduction,
+        budget=op.budget,
         name=name,
         policy=policy,
-        budget=op.budget,
         exponent_reach=op.exponent_reach(run.inputs) if op.exponent_reach else None,
     )
+    result = compare(a, expected, spec)
     if undecided is not None and bool(undecided.any()):
         count = int(undecided.sum())
         result = dataclasses.replace(

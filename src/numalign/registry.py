@@ -161,7 +161,7 @@ class Operator:
     #: lies below its row's maximum, in natural units, over a case's inputs (``inputs`` as
     #: the candidate gets them): a kernel that folds a constant rounded to its accumulator
     #: into the exponent (exp2 with log2(e), the softmax scale) leans every weight of a row
-    #: by that distance times the constant's rounding (``compare(exponent_reach=...)``)
+    #: by that distance times the constant's rounding (``CompareSpec.exponent_reach``)
     exponent_reach: Callable[[dict[str, Any]], float] | None = None
     hf_modules: tuple[str, ...] = ()
     adapter: Callable[[Any], dict[str, Any]] | None = None

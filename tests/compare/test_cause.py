@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 from numalign.record import DriftRecord
 
 BF = torch.bfloat16
@@ -86,7 +86,7 @@ def _case(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str
 def test_a_planted_error_gets_its_label(kind: str) -> None:
     torch.set_num_threads(1)
     actual, truth, control, kwargs = _case(kind)
-    result = compare(actual, truth, control=control, name=kind, **kwargs)  # type: ignore[arg-type]
+    result = compare(actual, truth, CompareSpec(control=control, name=kind, **kwargs))  # type: ignore[arg-type]
     assert not result.passed and result.cause is not None
     assert result.cause.label == kind, result.cause
     assert result.cause.confidence >= BAR[kind], result.cause
@@ -98,7 +98,7 @@ def test_a_selection_that_chooses_other_indices_is_routing() -> None:
     scores = _x(8, 100)
     truth = scores.topk(4).indices.sort(-1).values
     wrong = (-scores).topk(4).indices.sort(-1).values
-    result = compare(wrong, truth, ties=scores.float(), op_class="selection")
+    result = compare(wrong, truth, CompareSpec(ties=scores.float(), op_class="selection"))
     assert not result.passed and result.cause is not None
     assert result.cause.label == "routing" and result.cause.confidence >= BAR["routing"]
 
@@ -120,7 +120,7 @@ def test_honest_noise_beyond_the_budget_is_precision_or_unknown(times: float, se
         torch.randperm(64, generator=torch.Generator().manual_seed(seed))
     ]
     actual = (x + times * noise).float()
-    result = compare(actual, x, control=control.float())
+    result = compare(actual, x, CompareSpec(control=control.float()))
     assert not result.passed and result.cause is not None
     assert result.cause.label in {"precision", "unknown"} or result.cause.confidence < 0.5, (
         result.cause
@@ -129,8 +129,8 @@ def test_honest_noise_beyond_the_budget_is_precision_or_unknown(times: float, se
 
 def test_a_pass_has_no_cause_and_the_record_carries_a_failures() -> None:
     x = _x(16, 64)
-    assert compare(x.to(BF), x, control=x.to(BF)).cause is None
-    result = compare((x * 1.02).to(BF), x, control=x.to(BF))
+    assert compare(x.to(BF), x, CompareSpec(control=x.to(BF))).cause is None
+    result = compare((x * 1.02).to(BF), x, CompareSpec(control=x.to(BF)))
     record = DriftRecord.from_result(result, test_id="t")
     assert record.cause is not None and record.cause["label"] == "scale"
     back = DriftRecord.from_dict(record.to_json())

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 from numalign.compare.decode_verdict import DecodeVerdict
 from numalign.compare.model_verdict import DecodeLocation, Divergence, PointResult
 
-FAILED = compare(torch.ones(4), torch.zeros(4), name="model.layers.1")
+FAILED = compare(torch.ones(4), torch.zeros(4), CompareSpec(name="model.layers.1"))
 
 
 def test_a_model_divergence_names_its_kind_and_the_module_at_fault() -> None:
@@ -42,7 +42,7 @@ def test_a_decode_divergence_names_its_step_and_where_it_lives() -> None:
 
 
 def test_the_decode_verdict_takes_the_earliest_step_and_marks_its_record() -> None:
-    passed = compare(torch.zeros(4), torch.zeros(4), name="model.layers.0")
+    passed = compare(torch.zeros(4), torch.zeros(4), CompareSpec(name="model.layers.0"))
     verdict = DecodeVerdict("dynamic", points=[
         PointResult("model.layers.0", 0, "r0", "0", passed, "decode", finished=0, step=1),
         PointResult("model.layers.1", 1, "r0", "0", FAILED, "decode", finished=1, step=2),

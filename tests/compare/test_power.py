@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from numalign.compare import CompareResult, compare
+from numalign.compare import CompareResult, CompareSpec, compare
 from numalign.compare.budgets import ControlBudget
 from numalign.compare.calibration import control_for
 from numalign.compare.model_verdict import compare_point
@@ -69,7 +69,9 @@ def test_a_planted_error_is_caught_at_twice_the_stated_figure_and_passes_at_half
     honest = truth + noise
 
     def judge(actual: torch.Tensor) -> CompareResult:
-        return compare(actual, truth, control=control, op_class="matmul", reduction_length=256)
+        return compare(
+            actual, truth, CompareSpec(control=control, op_class="matmul", reduction_length=256)
+        )
 
     result = judge(honest.to(dtype))
     assert result.passed and result.detectable is not None
@@ -101,7 +103,7 @@ def test_the_systematic_scale_rule_sets_the_scale_against_a_control() -> None:
     systematic scale resolves a quarter of a unit roundoff over 16,384 elements
     (``SCALE_OUTPUT_ROUNDOFFS``), which is what the figure states."""
     truth = torch.randn(64, 256, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    result = compare(truth.to(torch.bfloat16), truth, control=truth.to(torch.bfloat16))
+    result = compare(truth.to(torch.bfloat16), truth, CompareSpec(control=truth.to(torch.bfloat16)))
     assert result.detectable is not None
     # a quarter of bfloat16's unit roundoff 2**-8 (SCALE_OUTPUT_ROUNDOFFS), plus the
     # control's own lean (a few per cent of it over 16,384 unbiased roundings)

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
@@ -34,7 +34,7 @@ def test_identical_tensors_pass(
 ) -> None:
     t = make_truth(shape, magnitude, seed, outliers).to(dtype)
     assert compare(t, t.clone()).passed
-    assert compare(t, t.to(torch.float64), control=t.clone()).passed
+    assert compare(t, t.to(torch.float64), CompareSpec(control=t.clone())).passed
 
 
 @settings(max_examples=60, deadline=None)
@@ -43,7 +43,7 @@ def test_honest_rounding_passes_against_a_control_rounded_the_same_way(
     shape: list[int], magnitude: float, seed: int, dtype: torch.dtype, outliers: bool
 ) -> None:
     t = make_truth(shape, magnitude, seed, outliers)
-    result = compare(t.to(dtype), t, control=t.to(dtype))
+    result = compare(t.to(dtype), t, CompareSpec(control=t.to(dtype)))
     assert result.passed, result.message()
     without_control = compare(t.to(dtype), t)
     assert without_control.passed, without_control.message()
@@ -63,7 +63,7 @@ def test_two_percent_scale_error_fails_in_every_dtype(
     # 64 elements or more: a 2% error is 2.5 bfloat16 roundings, so it shows in aggregate
     # (relative L2, norm ratio), not reliably in any single element.
     t = make_truth([n], magnitude, seed, outliers=False)
-    result = compare((t * (1 + sign * 0.02)).to(dtype), t, control=t.to(dtype))
+    result = compare((t * (1 + sign * 0.02)).to(dtype), t, CompareSpec(control=t.to(dtype)))
     assert not result.passed
 
 
@@ -76,7 +76,7 @@ def test_a_nan_at_a_new_position_fails(
     actual = t.to(dtype).clone()  # .to() of the same dtype would alias the truth
     position = data.draw(st.integers(0, actual.numel() - 1))
     actual.view(-1)[position] = math.nan
-    result = compare(actual, t, control=t.to(dtype))
+    result = compare(actual, t, CompareSpec(control=t.to(dtype)))
     assert (result.passed, result.rule) == (False, "non-finite")
 
 
@@ -110,8 +110,8 @@ def test_results_do_not_depend_on_element_order(
     def shuffled(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1)[perm].reshape(shape)
 
-    a = compare(actual, t, control=control)
-    b = compare(shuffled(actual), shuffled(t), control=shuffled(control))
+    a = compare(actual, t, CompareSpec(control=control))
+    b = compare(shuffled(actual), shuffled(t), CompareSpec(control=shuffled(control)))
     assert (a.passed, a.rule) == (b.passed, b.rule)
     for name in ("max_abs", "max_rel", "ulp_max", "ulp_p99", "mismatch_count"):
         assert getattr(a.metrics, name) == getattr(b.metrics, name), name

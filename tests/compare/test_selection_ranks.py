@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 from numalign.opcheck import check_operator
 from numalign.registry import OPERATORS, Candidate, load_catalogue
 
@@ -82,7 +82,7 @@ def test_the_message_counts_index_differences_not_among_ties() -> None:
     scores = torch.tensor([[0.9, 0.1, 0.9, 0.5, 0.7]])
     reference = torch.tensor([[0, 2, 4, 3]])  # 0.9, 0.9, 0.7, 0.5
     # ranks 0 and 1 swap tied 0.9s (allowed); ranks 2 and 3 swap 0.7 and 0.5 (not tied)
-    result = compare(torch.tensor([[2, 0, 3, 4]]), reference, ties=scores)
+    result = compare(torch.tensor([[2, 0, 3, 4]]), reference, CompareSpec(ties=scores))
     assert not result.passed
     assert result.reason.startswith(
         "2 of 4 index difference(s) select a score not tied with the reference's at the same rank"
@@ -105,5 +105,5 @@ def test_a_set_listed_by_index_may_choose_among_ties_but_keeps_its_order(
     # (0.9, 0.5, 0.9) are not monotone, so the reference's order is the index order
     scores = torch.tensor([[0.9, 0.5, 0.2, 0.5, 0.1, 0.9]])
     reference = torch.tensor([[0, 1, 5]])
-    result = compare(torch.tensor([candidate]), reference, ties=scores)
+    result = compare(torch.tensor([candidate]), reference, CompareSpec(ties=scores))
     assert result.passed is passes, result.message()

@@ -83,7 +83,7 @@ def test_the_moved_thresholds_keep_their_values() -> None:
 
 
 def test_each_rule_states_its_budget_where_it_came_from() -> None:
-    from numalign.compare.core import _control_budget, _table_tolerance
+    from numalign.compare.measure import _control_budget, _table_tolerance
     from numalign.compare.tolerances import DEFAULT_POLICY, Budget
 
     t = torch.linspace(-1, 1, 64, dtype=torch.float64)

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from numalign.compare import Tolerance, TolerancePolicy, assert_aligned, compare
+from numalign.compare import (
+    CompareSpec,
+    Tolerance,
+    TolerancePolicy,
+    assert_aligned,
+    compare,
+)
 from numalign.compare.tolerances import Budget, Override
 
 FLOAT_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -19,7 +25,7 @@ def truth(n: int = 4096, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES + FP8_DTYPES, ids=str)
 def test_honest_rounding_passes_against_the_same_rounding_as_control(dtype: torch.dtype) -> None:
     t = truth()
-    result = compare(t.to(dtype), t, control=t.to(dtype))
+    result = compare(t.to(dtype), t, CompareSpec(control=t.to(dtype)))
     assert result.passed, result.message()
     assert result.rule == "budget"
 
@@ -35,14 +41,16 @@ def test_honest_rounding_passes_the_table_without_control(dtype: torch.dtype) ->
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_two_percent_scale_error_fails(dtype: torch.dtype) -> None:
     t = truth()
-    result = compare((t * 1.02).to(dtype), t, control=t.to(dtype))
+    result = compare((t * 1.02).to(dtype), t, CompareSpec(control=t.to(dtype)))
     assert not result.passed
     assert result.rule == "budget"
     assert "mostly a scale" in (result.hint or "")
 
 
 def test_shape_mismatch_is_a_failing_result() -> None:
-    result = compare(torch.zeros(4, 8), torch.zeros(4, 9, dtype=torch.float64), name="linear")
+    result = compare(
+        torch.zeros(4, 8), torch.zeros(4, 9, dtype=torch.float64), CompareSpec(name="linear")
+    )
     assert (result.passed, result.rule) == (False, "shape")
     assert "shape (4, 8) differs from the reference's (4, 9)" in result.message()
 
@@ -50,14 +58,14 @@ def test_shape_mismatch_is_a_failing_result() -> None:
 def test_control_must_share_the_candidates_dtype_and_shape() -> None:
     t = truth(8)
     with pytest.raises(ValueError, match="control dtype float32 != candidate dtype bfloat16"):
-        compare(t.to(torch.bfloat16), t, control=t.float())
+        compare(t.to(torch.bfloat16), t, CompareSpec(control=t.float()))
     with pytest.raises(ValueError, match="control shape"):
-        compare(t.float(), t, control=t[:4].float())
+        compare(t.float(), t, CompareSpec(control=t[:4].float()))
 
 
 def test_unknown_operator_class_suggests_the_closest() -> None:
     with pytest.raises(ValueError, match="Did you mean 'normalization'"):
-        compare(torch.zeros(1), torch.zeros(1), op_class="normalisation")
+        compare(torch.zeros(1), torch.zeros(1), CompareSpec(op_class="normalisation"))
 
 
 def test_unsupported_float_dtype_names_the_supported_ones() -> None:
@@ -70,7 +78,7 @@ def test_nan_at_a_new_position_fails_whatever_the_other_metrics() -> None:
     t = truth(64)
     actual = t.float()
     actual[17] = math.nan
-    result = compare(actual, t, tolerance=Tolerance(rtol=1.0, atol=1e9))
+    result = compare(actual, t, CompareSpec(tolerance=Tolerance(rtol=1.0, atol=1e9)))
     assert (result.passed, result.rule) == (False, "non-finite")
     assert "a NaN appears at (17) where the reference is finite" in result.reason
 
@@ -143,7 +151,7 @@ def test_integers_and_booleans_compare_exactly(dtype: torch.dtype) -> None:
 def test_integer_outputs_allow_an_explicit_atol() -> None:
     e = torch.tensor([10, -3, 127], dtype=torch.int8)
     a = torch.tensor([11, -3, 126], dtype=torch.int8)
-    assert compare(a, e, tolerance=Tolerance(rtol=0.0, atol=1.0)).passed
+    assert compare(a, e, CompareSpec(tolerance=Tolerance(rtol=0.0, atol=1.0))).passed
     assert not compare(a, e).passed
 
 
@@ -151,21 +159,21 @@ def test_topk_indices_may_differ_among_ties_only() -> None:
     scores = torch.tensor([[0.1, 0.9, 0.5, 0.9, 0.2]])
     reference = torch.tensor([[1, 3, 2]])
     swapped = torch.tensor([[3, 1, 2]])
-    assert compare(swapped, reference, ties=scores).passed
+    assert compare(swapped, reference, CompareSpec(ties=scores)).passed
     other_tie = torch.tensor([[1, 3, 2]])
-    assert compare(other_tie, reference, ties=scores).passed
+    assert compare(other_tie, reference, CompareSpec(ties=scores)).passed
     wrong = torch.tensor([[1, 3, 4]])  # 0.2 is not tied with 0.5
-    result = compare(wrong, reference, ties=scores)
+    result = compare(wrong, reference, CompareSpec(ties=scores))
     assert (result.passed, result.rule) == (False, "ties")
     duplicate = torch.tensor([[1, 1, 2]])
-    assert "selected twice" in compare(duplicate, reference, ties=scores).reason
+    assert "selected twice" in compare(duplicate, reference, CompareSpec(ties=scores)).reason
     out_of_range = torch.tensor([[1, 3, 5]])
-    assert "out of range" in compare(out_of_range, reference, ties=scores).reason
+    assert "out of range" in compare(out_of_range, reference, CompareSpec(ties=scores)).reason
 
 
 def test_ties_resolve_equal_scores_in_any_order() -> None:
     scores = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    assert compare(torch.tensor([[2, 0]]), torch.tensor([[0, 1]]), ties=scores).passed
+    assert compare(torch.tensor([[2, 0]]), torch.tensor([[0, 1]]), CompareSpec(ties=scores)).passed
 
 
 @pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
@@ -174,7 +182,7 @@ def test_fp8_errors_are_measured_in_fp8_ulps(dtype: torch.dtype) -> None:
     result = compare(t.to(dtype), t)
     assert result.metrics.ulp_max == 0.0
     off = (t * 1.5).to(dtype)
-    assert not compare(off, t, control=t.to(dtype)).passed
+    assert not compare(off, t, CompareSpec(control=t.to(dtype))).passed
 
 
 def test_empty_tensor_passes() -> None:
@@ -192,8 +200,8 @@ def test_tensors_are_compared_across_devices_and_layouts() -> None:
 def test_reduction_length_scales_the_tables_atol() -> None:
     t = torch.zeros(4, dtype=torch.float64)
     a = torch.full((4,), 1e-4)  # 1e-4 > 2e-5 (matmul float32 atol) but < 2e-5 * sqrt(4096)
-    assert not compare(a, t, op_class="matmul").passed
-    result = compare(a, t, op_class="matmul", reduction_length=4096)
+    assert not compare(a, t, CompareSpec(op_class="matmul")).passed
+    result = compare(a, t, CompareSpec(op_class="matmul", reduction_length=4096))
     assert result.budget["atol"] == pytest.approx(2e-5 * 64)
     assert result.metrics.mismatch_count == 0
 
@@ -204,18 +212,20 @@ def test_policy_overrides_apply_by_pattern_and_dtype() -> None:
     signs = torch.randint(0, 2, t.shape, generator=torch.Generator().manual_seed(1)) * 2 - 1
     candidate = (t + 0.006 * t.abs().max() * signs).to(torch.bfloat16)
     control = t.to(torch.bfloat16)
-    assert not compare(candidate, t, control=control, name="rms_norm").passed
+    assert not compare(candidate, t, CompareSpec(control=control, name="rms_norm")).passed
     loose = TolerancePolicy((Override(match="rms_*", dtype="bfloat16", budget=Budget(20.0, 20.0)),))
-    loosened = compare(candidate, t, control=control, name="rms_norm", policy=loose)
+    loosened = compare(candidate, t, CompareSpec(control=control, name="rms_norm", policy=loose))
     assert loosened.passed, loosened.message()
-    assert not compare(candidate, t, control=control, name="softmax", policy=loose).passed
+    assert not compare(
+        candidate, t, CompareSpec(control=control, name="softmax", policy=loose)
+    ).passed
 
 
 def test_assert_aligned_raises_with_the_message_and_returns_the_result() -> None:
     t = truth(16)
     assert assert_aligned(t.float(), t).passed
     with pytest.raises(AssertionError, match=r"is not aligned"):
-        assert_aligned((t * 2).float(), t, name="gelu")
+        assert_aligned((t * 2).float(), t, CompareSpec(name="gelu"))
 
 
 def test_budget_failure_message_is_pinned() -> None:
@@ -223,7 +233,7 @@ def test_budget_failure_message_is_pinned() -> None:
     control = expected.to(torch.bfloat16)
     actual = control.clone()
     actual[1, 1] = 4.125  # 4 ulps of bfloat16 at 4 (spacing 2**-5)
-    result = compare(actual, expected, control=control, name="rms_norm")
+    result = compare(actual, expected, CompareSpec(control=control, name="rms_norm"))
     assert result.message() == (
         "rms_norm [bfloat16, 2x2] is not aligned: max abs error 0.125 exceeds the budget "
         "0.03125 (4 ulp; the control is exact here) (rule: budget)\n"
@@ -245,7 +255,7 @@ def test_tolerance_failure_message_is_pinned() -> None:
     expected = torch.arange(6, dtype=torch.float64).reshape(2, 3)
     actual = expected.float()
     actual[0, 2] += 0.5
-    result = compare(actual, expected, name="silu")
+    result = compare(actual, expected, CompareSpec(name="silu"))
     assert result.message() == (
         "silu [float32, 2x3] is not aligned: 1 element(s) exceed atol + rtol * |expected|, "
         "worst by 3.97e+04x (rule: tolerance)\n"  # 0.5 / (1e-5 + 1.3e-6 * 2)
@@ -266,7 +276,7 @@ def test_nan_failure_message_is_pinned() -> None:
     expected = torch.ones(2, 3, dtype=torch.float64)
     actual = expected.float()
     actual[1, 2] = math.nan
-    result = compare(actual, expected, name="softmax", op_class="softmax")
+    result = compare(actual, expected, CompareSpec(name="softmax", op_class="softmax"))
     assert result.message() == (
         "softmax [float32, 2x3] is not aligned: a NaN appears at (1, 2) where the reference is "
         "finite (rule: non-finite)\n"
@@ -296,13 +306,17 @@ def test_a_systematic_scale_below_one_rounding_per_element_fails() -> None:
     control = t.to(torch.bfloat16)
     # 0.35%: 0.9 unit roundoff of bfloat16, every element within the max-abs budget (the
     # RMSNorm whose sum of squares accumulates in bfloat16)
-    leaning = compare((t * 1.0035).to(torch.bfloat16), t, control=control, name="rms_norm")
+    leaning = compare(
+        (t * 1.0035).to(torch.bfloat16), t, CompareSpec(control=control, name="rms_norm")
+    )
     assert (leaning.passed, leaning.rule) == (False, "distribution")
     assert "systematic scale of +0.35" in leaning.reason and "4096 elements" in leaning.reason
     # the same scale on 32 elements is not resolved as shared (the per-element budget rules)
     few = truth(32)
-    assert compare((few * 1.0035).to(torch.bfloat16), few, control=few.to(torch.bfloat16)).passed
+    assert compare(
+        (few * 1.0035).to(torch.bfloat16), few, CompareSpec(control=few.to(torch.bfloat16))
+    ).passed
     # a float32 normalizer summed over K = 151936 in another order leans up to sqrt(K) unit
     # roundoffs of float32 (sampling's renormalized probabilities): honest
     normalized = (t * (1 + 30 * 2.0**-24)).float()
-    assert compare(normalized, t, control=t.float(), reduction_length=151936).passed
+    assert compare(normalized, t, CompareSpec(control=t.float(), reduction_length=151936)).passed

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 from numalign.golden.reference import load_model
 from numalign.golden.store import GoldenSet
 from numalign.replay.layer import request_mask
@@ -100,7 +100,7 @@ def test_a_nan_fill_fails_at_the_mask() -> None:
     mask = torch.zeros(1, 1, 3, 3).masked_fill(~causal, torch.finfo(torch.float32).min)
     mask[0, 0, 0, 2] = float("nan")
     expected = causal[None, None]
-    result = compare(mask, expected, name="mask")
+    result = compare(mask, expected, CompareSpec(name="mask"))
     assert not result.passed and result.rule == "non-finite", result.message()
     assert "1 NaN" in result.reason and "(0, 0, 0, 2)" in result.reason
 

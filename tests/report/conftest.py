@@ -7,7 +7,7 @@ import zlib
 import pytest
 import torch
 
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 from numalign.record import DriftRecord
 
 #: Layers of the synthetic deep model: more than 30, where a chart per point is unreadable.
@@ -27,7 +27,9 @@ def operator_record(
     truth = torch.randn(256, generator=gen, dtype=torch.float64)
     dt = getattr(torch, dtype)
     signs = torch.randint(0, 2, (256,), generator=gen, dtype=torch.float64) * 2 - 1
-    result = compare((truth * (1 + scale * signs)).to(dt), truth, control=truth.to(dt), name=point)
+    result = compare(
+        (truth * (1 + scale * signs)).to(dt), truth, CompareSpec(control=truth.to(dt), name=point)
+    )
     return DriftRecord.from_result(
         result,
         test_id=f"suites/operators/test_operators.py::test_{point}[{candidate}-{dtype}-{case}]",

@@ -12,16 +12,18 @@ from numalign.report.allure import histogram_png
 TESTS = """
 import pytest
 import torch
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 
 def test_good(record_drift):
     t = torch.linspace(1, 2, 64, dtype=torch.float64)
-    record_drift(compare(t.to(torch.bfloat16), t, control=t.to(torch.bfloat16), name="rms_norm"),
+    spec = CompareSpec(control=t.to(torch.bfloat16), name="rms_norm")
+    record_drift(compare(t.to(torch.bfloat16), t, spec),
                  suite="operators", candidate="fused", device="cpu", case="llm")
 
 def test_bad(record_drift):
     t = torch.linspace(1, 2, 64, dtype=torch.float64)
-    r = compare((t * 1.1).to(torch.bfloat16), t, control=t.to(torch.bfloat16), name="rms_norm")
+    spec = CompareSpec(control=t.to(torch.bfloat16), name="rms_norm")
+    r = compare((t * 1.1).to(torch.bfloat16), t, spec)
     record_drift(r, suite="operators", candidate="broken", device="cpu", case="small")
     assert r.passed, r.message()
 
@@ -29,13 +31,14 @@ def test_bad(record_drift):
 def test_topk(dtype, record_drift):  # a bfloat16 test with int64 outputs, 3 records
     t = torch.arange(8)
     for i in range(3):
-        r = compare(t, t, name=f"topk.indices{i}")
+        r = compare(t, t, CompareSpec(name=f"topk.indices{i}"))
         record_drift(r, suite="operators", candidate="fused", device="cpu", case="llm")
 
 @pytest.mark.xfail(reason="known rounding bug")
 def test_expected(record_drift):
     t = torch.linspace(1, 2, 64, dtype=torch.float64)
-    r = compare((t * 1.1).to(torch.bfloat16), t, control=t.to(torch.bfloat16), name="rms_norm")
+    spec = CompareSpec(control=t.to(torch.bfloat16), name="rms_norm")
+    r = compare((t * 1.1).to(torch.bfloat16), t, spec)
     record_drift(r, suite="operators", candidate="broken", device="cpu", case="small")
     assert r.passed, r.message()
 """

@@ -153,12 +153,13 @@ def test_fail_on_regression_fails_the_session(
         """
 import os
 import torch
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 
 def test_drift(record_drift):
     t = torch.linspace(1, 2, 64, dtype=torch.float64)
     scale = float(os.environ["SCALE"])
-    r = compare((t * (1 + scale)).to(torch.bfloat16), t, control=t.to(torch.bfloat16), name="p")
+    spec = CompareSpec(control=t.to(torch.bfloat16), name="p")
+    r = compare((t * (1 + scale)).to(torch.bfloat16), t, spec)
     record_drift(r, suite="operators", candidate="c", device="cpu", case="x")
 """
     )

@@ -263,14 +263,14 @@ def _diverging_records(run_records: list[DriftRecord]) -> list[DriftRecord]:
     long evidence (each must wrap in its cell, never widen the page)."""
     import torch
 
-    from numalign.compare import compare
+    from numalign.compare import CompareSpec, compare
 
     test_id = "suites/models/test_model.py::test_model[tiny-mistral-bfloat16]"
     gen = torch.Generator().manual_seed(0)
     truth = torch.randn(16, 256, generator=gen, dtype=torch.float64)
     candidate = (truth * 1.02).to(torch.bfloat16)
     point = "model.layers.1.mlp"
-    result = compare(candidate, truth, control=truth.to(torch.bfloat16), name=point)
+    result = compare(candidate, truth, CompareSpec(control=truth.to(torch.bfloat16), name=point))
     first = DriftRecord.from_result(
         result, test_id=test_id, suite="models", model="tiny-mistral", mode="accumulated",
         request="text-leftpad", candidate="transformers", outcome="failed",

@@ -18,11 +18,11 @@ from numalign.record import read_records
 OUTCOMES = """
 import pytest
 import torch
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 
 def _record(record_drift, scale, case):
     t = torch.linspace(1, 2, 64, dtype=torch.float64)
-    result = compare((t * scale).float(), t, name="rms_norm")
+    result = compare((t * scale).float(), t, CompareSpec(name="rms_norm"))
     for output in range(4):  # several records per test, as a paged or model test has
         record_drift(result, suite="operators", candidate="c", device="cpu",
                      case=f"{case}-{output}")
@@ -179,15 +179,15 @@ def test_an_expected_failure_is_not_a_regression() -> None:
 def test_an_int64_output_of_a_bfloat16_test_is_counted_under_bfloat16() -> None:
     import torch
 
-    from numalign.compare import compare
+    from numalign.compare import CompareSpec, compare
     from numalign.record import DriftRecord
     from numalign.report.html import render_html
     from numalign.report.tables import summarize
 
     t = torch.arange(8)
     test = "suites/operators/test_operators.py::test_topk[fused-bfloat16-llm]"
-    record = DriftRecord.from_result(compare(t, t, name="topk.indices"), test_id=test,
-                                     suite="operators")  # fmt: skip
+    result = compare(t, t, CompareSpec(name="topk.indices"))
+    record = DriftRecord.from_result(result, test_id=test, suite="operators")
     assert record.dtype == "int64" and record.test_dtype == "bfloat16"
     summary = summarize([record], {}, {})
     assert {row["dtype"] for row in summary["by_suite_dtype"]} == {"bfloat16"}

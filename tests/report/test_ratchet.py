@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 from numalign.compare.tolerances import Budget
 from numalign.nightly import ratchet_lines
 from numalign.record import DriftRecord, write_records
@@ -34,8 +34,8 @@ def records(
             budget = (
                 Budget(max_abs_multiplier=12.0, rel_l2_multiplier=9.0) if point == loosen else None
             )
-            result = compare((truth * noise).bfloat16(), truth, control=truth.bfloat16(),
-                             budget=budget, name=point)  # fmt: skip
+            spec = CompareSpec(control=truth.bfloat16(), budget=budget, name=point)
+            result = compare((truth * noise).bfloat16(), truth, spec)
             record = DriftRecord.from_result(result, test_id="suites/models/test_model.py::"
                                              "test_model[tiny-x-bfloat16]")  # fmt: skip
             out.append(record.with_fields(point=point, request=request, output="0",

@@ -12,14 +12,14 @@ COMPARISONS = """
 import os
 import pytest
 import torch
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 
 @pytest.mark.parametrize("i", range(200))
 def test_compare(i, record_drift):
     if i == {kill} and os.environ.get("KILL_ONE"):
         os._exit(3)  # the worker dies in the middle of the run
     t = torch.full((8,), float(i), dtype=torch.float64)
-    result = compare(t.float(), t, name=f"point{{i}}")
+    result = compare(t.float(), t, CompareSpec(name=f"point{{i}}"))
     record_drift(result, suite="operators", candidate="c", device="cpu", case=str(i))
     assert result.passed
 """
@@ -78,14 +78,14 @@ def test_a_session_without_comparisons_writes_no_report(pytester: pytest.Pyteste
 RAISING = """
 import pytest
 import torch
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 
 @pytest.mark.parametrize("case", ["ok", "raises", "fails"])
 def test_rms_norm(case, record_drift):
     t = torch.linspace(1, 2, 8, dtype=torch.float64)
     if case == "raises":
         raise RuntimeError("kernel launch failed: <unsupported shape 0x4097>")
-    result = compare((t * 1.1 if case == "fails" else t).float(), t, name="rms_norm")
+    result = compare((t * 1.1 if case == "fails" else t).float(), t, CompareSpec(name="rms_norm"))
     record_drift(result, suite="operators", candidate="c", device="cpu", case=case)
     assert result.passed, result.message()
 

@@ -14,12 +14,12 @@ from numalign.record import RecordWriter, read_records
 COMPARISONS = """
 import pytest
 import torch
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 
 @pytest.mark.parametrize("i", range(10))
 def test_compare(i, record_drift):
     t = torch.full((8,), float(i), dtype=torch.float64)
-    record_drift(compare(t.float(), t, name=f"p{i}"), suite="operators", candidate="c",
+    record_drift(compare(t.float(), t, CompareSpec(name=f"p{i}")), suite="operators", candidate="c",
                  device="cpu", case=str(i))
 """
 

@@ -11,21 +11,21 @@ from pathlib import Path
 KNOWN = """
 import pytest
 import torch
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 
 @pytest.mark.xfail(reason="the paged kernel drops the soft-capping")
 def test_known(record_drift):
     t = torch.linspace(1, 2, 64, dtype=torch.float64)
     # its first records pass closer to the budget than the honest test's, then one fails
     for scale, case in ((1.0 + 2**-24, "near"), (1.1, "off")):
-        result = compare((t * scale).float(), t, name="rms_norm")
+        result = compare((t * scale).float(), t, CompareSpec(name="rms_norm"))
         record_drift(result, suite="operators", candidate="c", device="cpu", case=case)
     assert result.passed
 
 def test_honest(record_drift):
     t = torch.linspace(1, 2, 64, dtype=torch.float64)
-    record_drift(compare(t.float(), t, name="rms_norm"), suite="operators", candidate="c",
-                 device="cpu", case="exact")
+    record_drift(compare(t.float(), t, CompareSpec(name="rms_norm")), suite="operators",
+                 candidate="c", device="cpu", case="exact")
 """
 
 

@@ -1,8 +1,10 @@
-"""The comparison core: metrics, tolerance tables, verdicts, CompareResult, assert_aligned."""
+"""The comparison core: metrics, tolerance tables, verdicts, CompareSpec, CompareResult,
+assert_aligned."""
 
 from numalign.compare.core import assert_aligned, compare, dtype_name
 from numalign.compare.metrics import ControlErrors, Metrics, compute_metrics
 from numalign.compare.result import RULES, CompareResult
+from numalign.compare.spec import CompareSpec
 from numalign.compare.tolerances import (
     OP_CLASSES,
     Budget,
@@ -16,6 +18,7 @@ __all__ = [
     "RULES",
     "Budget",
     "CompareResult",
+    "CompareSpec",
     "ControlErrors",
     "Metrics",
     "Tolerance",

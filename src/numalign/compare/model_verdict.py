@@ -21,6 +21,7 @@ from numalign.compare.logits import LogitsStats, kl_budget, logits_stats, near_t
 from numalign.compare.metrics import ControlErrors
 from numalign.compare.result import CompareResult
 from numalign.compare.routing import agreeing, is_routing, judge_flips
+from numalign.compare.spec import CompareSpec
 from numalign.compare.tolerances import (
     DEFAULT_POLICY,
     FLOAT_FORMATS,
@@ -60,12 +61,12 @@ def compare_point(
 
     if expected.dtype == torch.bool:  # a mask the model builds is judged as where it attends
         # recorded in the dtype it was built in (an additive mask: the replay's)
-        return replace(compare(actual, expected, name=name),
+        return replace(compare(actual, expected, CompareSpec(name=name)),
                        dtype=dtypes.dtype_name(actual.dtype))  # fmt: skip
     if not expected.is_floating_point():
         if actual.shape == expected.shape and actual.dim() > 0:
             actual, expected = actual.sort(-1).values, expected.sort(-1).values
-        return compare(actual, expected, name=name)
+        return compare(actual, expected, CompareSpec(name=name))
     if not control.calibrated:  # a budget without a control would be one ulp
         dtype = dtypes.dtype_name(actual.dtype)
         raise Uncalibrated(
@@ -91,9 +92,11 @@ def _within_control(
     """A floating output against the golden one within its calibrated control's budget."""
     reach = chance_zero_reach(control.errors, expected, dtypes.dtype_name(actual.dtype),
                               thresholds_of(policy))  # fmt: skip
-    return compare(actual, expected, control_errors=control.errors,
-                   reduction_length=control.reduction, op_class="matmul", name=name,
-                   policy=policy, zero_reach=reach, propagated=control.propagated)  # fmt: skip
+    spec = CompareSpec(
+        op_class="matmul", control_errors=control.errors, reduction_length=control.reduction,
+        name=name, policy=policy, zero_reach=reach, propagated=control.propagated,
+    )  # fmt: skip
+    return compare(actual, expected, spec)
 
 
 def chance_zero_reach(

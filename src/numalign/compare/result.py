@@ -1,5 +1,5 @@
 """CompareResult: every metric, the budget that applied, the verdict and the rule that decided
-it; assertions only format it."""
+it, and a failure's likely ``Cause``; assertions only format it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from numalign.compare.cause import Cause
 from numalign.compare.metrics import Metrics
 from numalign.compare.power import Detectable
 
@@ -22,6 +21,26 @@ RULES: tuple[str, ...] = (
     "tolerance",
     "distribution",
 )
+
+
+@dataclass(frozen=True)
+class Cause:
+    """A failure's likely cause (``compare.cause``, which reads it): ``label`` (one of
+    ``cause.LABELS``), ``evidence`` (one line, with the numbers) and ``confidence`` in [0, 1]
+    (the share of the error's energy the label's model explains, shrunk where its signature
+    is partial; low for ``unknown``)."""
+
+    label: str
+    evidence: str
+    confidence: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "evidence": self.evidence,
+                "confidence": round(float(self.confidence), 3)}  # fmt: skip
+
+    def line(self) -> str:
+        """The failure message's line."""
+        return f"Likely cause: {self.label} (confidence {self.confidence:.2f}): {self.evidence}"
 
 
 @dataclass(frozen=True)
