@@ -33,7 +33,8 @@ def bench_model(name: str, dtype: str, backend: str, repeat: int) -> dict[str, f
     """Eager and compiled full-model replay of one zoo set: seconds of each phase."""
     import torch
 
-    from numalign.replay.model import ModelCache, open_fresh, replay_model
+    from numalign.replay.model import ModelCache, replay_model
+    from numalign.replay.sets import open_fresh
     from numalign.runtime.compiled import CompileSpec, take_stats
     from numalign.runtime.variant import Variant
 

@@ -35,7 +35,7 @@ def main() -> int:
     from numalign.replay.engines.errors import EngineUnsupported
     from numalign.replay.engines.vllm import VllmEngine
     from numalign.replay.engines.vllm_serving import serve_rows
-    from numalign.replay.model import open_fresh
+    from numalign.replay.sets import open_fresh
     from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING
     from numalign.settings import Settings
 

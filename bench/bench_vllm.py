@@ -64,7 +64,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from numalign.replay.engines.vllm import VllmEngine
-    from numalign.replay.model import open_fresh
+    from numalign.replay.sets import open_fresh
     from numalign.settings import Settings
 
     engine = VllmEngine(Settings(engine="vllm"))

@@ -161,7 +161,7 @@ def test_golden_only_collects_the_given_set_alone(bert: tuple[Path, Path]) -> No
 
 def test_two_sets_of_one_name_are_an_error_naming_both(bert: tuple[Path, Path]) -> None:
     from numalign.golden import GoldenSetError
-    from numalign.replay.model import suite_sets
+    from numalign.replay.sets import suite_sets
 
     _, sets = bert
     clash = sets / "other" / "tiny-bert"

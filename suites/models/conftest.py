@@ -13,7 +13,7 @@ from numalign.golden import GoldenSetError
 from numalign.record import NodeRecorder
 from numalign.record_errors import recorded_errors
 from numalign.replay.engines import Engine, open_engine
-from numalign.replay.model import unusable_sets
+from numalign.replay.sets import unusable_sets
 from numalign.runtime.variant import Variant
 from numalign.testids import Param
 

@@ -22,7 +22,7 @@ from numalign import testids
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.engines import Engine, decode_caches
-from numalign.replay.model import suite_sets
+from numalign.replay.sets import suite_sets
 from numalign.replay.verdict import records
 from numalign.runtime.compiled import GraphBreakWarning
 from numalign.testids import ReplayCase, replay_param

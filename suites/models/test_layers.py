@@ -20,7 +20,7 @@ from numalign.golden import GoldenSet, GoldenSetError
 from numalign.plugin import settings_key
 from numalign.record import NodeRecorder
 from numalign.replay.engines import Engine
-from numalign.replay.model import suite_sets
+from numalign.replay.sets import suite_sets
 from numalign.replay.verdict import point_record
 from numalign.runtime.compiled import GraphBreakWarning
 from numalign.testids import ReplayCase, replay_param

@@ -19,7 +19,7 @@ import torch
 from numalign.golden.reference import load_model
 from numalign.golden.stream import StreamError, StreamUnsupported, load_streamed
 from numalign.replay.engines.transformers import TransformersEngine
-from numalign.replay.model import open_fresh
+from numalign.replay.sets import open_fresh
 from numalign.replay.verdict import point_record, records
 from numalign.runtime.variant import Variant
 from numalign.settings import Settings

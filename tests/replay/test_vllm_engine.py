@@ -53,7 +53,7 @@ def _hooked(module: torch.nn.Module, hook: Callable[..., Any], pre: bool = False
 
 
 def _running_model(engine: VllmEngine, dtype: str) -> Any:
-    from numalign.replay.model import open_fresh
+    from numalign.replay.sets import open_fresh
 
     return engine._engine(open_fresh(MISTRAL), dtype).model
 
@@ -193,7 +193,7 @@ def test_an_engine_that_fails_to_start_is_an_error_naming_the_set(
     from types import SimpleNamespace
 
     from numalign.replay.engines.errors import EngineError
-    from numalign.replay.model import open_fresh
+    from numalign.replay.sets import open_fresh
     from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING
 
     golden = open_fresh(MISTRAL)
@@ -235,7 +235,7 @@ def test_the_compiled_graph_is_judged_by_its_logits(engine: VllmEngine) -> None:
 def test_memory_the_machine_lacks_is_an_error_saying_what_to_lower(
     engine: VllmEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from numalign.replay.engines import vllm as module
+    from numalign.replay.engines import vllm_options as module
     from numalign.replay.engines.errors import EngineError
 
     engine._stop()  # one engine at a time in a process

@@ -256,6 +256,6 @@ def _rotary_shifted(running: Any, part: Callable[[Any, str], slice | None]) -> I
 
 
 def _open(path: Path) -> Any:
-    from numalign.replay.model import open_fresh
+    from numalign.replay.sets import open_fresh
 
     return open_fresh(path)

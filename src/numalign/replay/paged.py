@@ -239,20 +239,9 @@ def _serve(
 ) -> _Served:
     """Runs the engine on every row, teacher-forced with its golden tokens, and collects."""
     import torch
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     served = _Served()
-    pages = sum(-(-(len(p) + steps + 1) // REPLAY_PAGE_SIZE) for _, _, p, _ in rows.values())
-    manager = model.init_continuous_batching(
-        generation_config=GenerationConfig(  # type: ignore[no-untyped-call]
-            max_new_tokens=steps + 1, do_sample=False, eos_token_id=-1
-        ),
-        continuous_batching_config=ContinuousBatchingConfig(
-            page_size=REPLAY_PAGE_SIZE, num_blocks=pages + 4, max_batch_tokens=MAX_BATCH_TOKENS,
-            allow_block_sharing=False, auto_switch_to_flash=False,
-        ),
-    )  # fmt: skip
+    manager = _manager(model, rows, steps)
     forced = {rid: tokens for rid, (_, _, _, tokens) in rows.items()}
 
     def before(module: Any, args: Any, kwargs: Any) -> None:
@@ -315,6 +304,26 @@ def _serve(
         for handle in handles:
             handle.remove()
     return served
+
+
+def _manager(model: Any, rows: dict[str, tuple[str, int, list[int], list[int]]], steps: int) -> Any:
+    """The model's paged engine for ``rows``, not started: greedy, no end-of-sequence token,
+    ``steps`` new tokens and one more per row, pages of ``REPLAY_PAGE_SIZE`` tokens for every
+    row's prompt and new tokens (four spare; no block shared between rows), ``MAX_BATCH_TOKENS``
+    a forward, and the model's own attention (no switch to flash attention)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    pages = sum(-(-(len(p) + steps + 1) // REPLAY_PAGE_SIZE) for _, _, p, _ in rows.values())
+    return model.init_continuous_batching(
+        generation_config=GenerationConfig(  # type: ignore[no-untyped-call]
+            max_new_tokens=steps + 1, do_sample=False, eos_token_id=-1
+        ),
+        continuous_batching_config=ContinuousBatchingConfig(
+            page_size=REPLAY_PAGE_SIZE, num_blocks=pages + 4, max_batch_tokens=MAX_BATCH_TOKENS,
+            allow_block_sharing=False, auto_switch_to_flash=False,
+        ),
+    )  # fmt: skip
 
 
 #: The engine's error where a model's code uses an API transformers' paged cache lacks (BART's

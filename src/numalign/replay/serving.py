@@ -12,9 +12,10 @@ from numalign.compare.decode_verdict import DecodeVerdict
 from numalign.compare.signature import Signature, unexplained
 from numalign.replay.decode import decode_unavailable, replay_decode
 from numalign.replay.decode_locate import locate_decode
-from numalign.replay.model import ModelCache, open_fresh
+from numalign.replay.model import ModelCache
 from numalign.replay.paged import PAGED_ATTENTION, PagedUnsupported, paged_divergence
 from numalign.replay.pipeline import PipelineUnsupported, decode_unsupported
+from numalign.replay.sets import open_fresh
 
 if TYPE_CHECKING:
     import torch

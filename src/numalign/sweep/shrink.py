@@ -384,6 +384,51 @@ def _special_tokens(defaults: dict[str, Any], out: dict[str, Any], vocab: Any) -
         out[key] = vocab - 1 - i
 
 
+def _layers(defaults: dict[str, Any], out: dict[str, Any], count: int) -> None:
+    """The default's ``count`` layers shrunk to those ``_layer_indices`` keeps: the layer
+    counts, every per-layer list (as shrunk in ``out`` already, else the default's) and
+    per-layer settings by index (their sizes ``_scaled``), and the layers that reuse an
+    earlier layer's cache (kept with a producer of each kind)."""
+    keep = _layer_indices(defaults, count)
+    shared = defaults.get("num_kv_shared_layers")
+    if _int(shared) and 0 < shared < count:
+        # the last layers reuse the cache of the last earlier layer of their kind (Gemma 3n):
+        # the kept layers twice, the second time sharing, so that each kind produces a cache
+        # and uses one
+        out["num_kv_shared_layers"] = len(keep)
+        keep = keep + keep
+    for key in LAYER_KEYS:
+        if key in defaults:
+            out[key] = len(keep)
+    for key, value in defaults.items():
+        if isinstance(value, list) and len(value) == count and count > len(keep):
+            out[key] = [out.get(key, value)[i] for i in keep]
+        elif (
+            isinstance(value, dict)
+            and value
+            and all(str(k).isdigit() and isinstance(v, dict) for k, v in value.items())
+        ):
+            # per-layer settings by layer index (Gemma 4's per_layer_config): the kept
+            # layers' own, under their new indices
+            by_index = {int(k): v for k, v in value.items()}
+            out[key] = {
+                new: _scaled(by_index[i], defaults, out)
+                for new, i in enumerate(keep)
+                if i in by_index
+            }
+
+
+def _token_ids(defaults: dict[str, Any], out: dict[str, Any], vocab: Any) -> None:
+    """The bos, eos and pad ids (``TOKEN_KEYS``) inside the tiny vocabulary ``vocab``: an id
+    past it becomes its key's index in ``TOKEN_KEYS``, an id of a list past it 2."""
+    for key in TOKEN_KEYS:
+        token = defaults.get(key)
+        if isinstance(vocab, int) and isinstance(token, int) and token >= vocab:
+            out[key] = TOKEN_KEYS.index(key)
+        elif isinstance(token, list):
+            out[key] = [t if t < (vocab or t + 1) else 2 for t in token]
+
+
 def shrink(
     defaults: dict[str, Any],
     model_type: str | None = None,
@@ -429,39 +474,8 @@ def shrink(
     if defaults.get("kv_lora_rank"):
         _latent(defaults, out)
     if count:
-        keep = _layer_indices(defaults, count)
-        shared = defaults.get("num_kv_shared_layers")
-        if _int(shared) and 0 < shared < count:
-            # the last layers reuse the cache of the last earlier layer of their kind (Gemma 3n):
-            # the kept layers twice, the second time sharing, so that each kind produces a cache
-            # and uses one
-            out["num_kv_shared_layers"] = len(keep)
-            keep = keep + keep
-        for key in LAYER_KEYS:
-            if key in defaults:
-                out[key] = len(keep)
-        for key, value in defaults.items():
-            if isinstance(value, list) and len(value) == count and count > len(keep):
-                out[key] = [out.get(key, value)[i] for i in keep]
-            elif (
-                isinstance(value, dict)
-                and value
-                and all(str(k).isdigit() and isinstance(v, dict) for k, v in value.items())
-            ):
-                # per-layer settings by layer index (Gemma 4's per_layer_config): the kept
-                # layers' own, under their new indices
-                by_index = {int(k): v for k, v in value.items()}
-                out[key] = {
-                    new: _scaled(by_index[i], defaults, out)
-                    for new, i in enumerate(keep)
-                    if i in by_index
-                }
-    for key in TOKEN_KEYS:
-        token = defaults.get(key)
-        if isinstance(vocab, int) and isinstance(token, int) and token >= vocab:
-            out[key] = TOKEN_KEYS.index(key)
-        elif isinstance(token, list):
-            out[key] = [t if t < (vocab or t + 1) else 2 for t in token]
+        _layers(defaults, out, count)
+    _token_ids(defaults, out, vocab)
     # a vision tower's projection feeds the text model: its output is the text width, which a
     # type's defaults may not agree with (Qwen3-VL's out_hidden_size 3584 beside 4096)
     text = out.get("text_config")

@@ -9,7 +9,8 @@ compares like with like. Hooks on the mapped modules (``vllm_points``) read each
 positions out of the flattened batch, and the engine's own logits computation gives the
 full-vocabulary logits at every position (``vllm_serving``). One serving per (set, dtype)
 feeds the model test (every point and the logits of the prompts) and the decode test (every
-step's new token).
+step's new token). What an engine is started with (its options for a serving arrangement, its
+KV cache, the guards vLLM's CPU build needs) is ``vllm_options``'s.
 
 Modules that run alone (norms, MLPs, MoE blocks) are also replayed alone on the golden
 inputs (layer replay, and locating a divergence); attention, which needs vLLM's forward
@@ -42,19 +43,23 @@ from numalign.replay.decode import decode_unavailable, require_decode_calibratio
 from numalign.replay.engines import Replayed
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
 from numalign.replay.engines.vllm_alone import AloneOnVllm, isolated, judge_residuals
-from numalign.replay.engines.vllm_drafts import GOLDEN_DRAFTS
+from numalign.replay.engines.vllm_options import (
+    ENGINE_ENV,
+    allow_amx,
+    configuration,
+    onednn_capped_below,
+    serving_options,
+)
 from numalign.replay.engines.vllm_points import (
     LM_HEAD,
     PointMap,
     map_points,
 )
 from numalign.replay.engines.vllm_serving import (
-    KV_BLOCK,
     Running,
     Served,
     decode_step_count,
     engine_rows,
-    forcing_processor,
     hidden_and_depth_of,
     prompt_rows,
     quiet,
@@ -63,7 +68,7 @@ from numalign.replay.engines.vllm_serving import (
     step_rows,
 )
 from numalign.replay.layer import AloneUnsupported, kept_positions, request_mask
-from numalign.replay.model import open_fresh
+from numalign.replay.sets import open_fresh
 from numalign.runtime.variant import Variant
 from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING, Arrangement
 
@@ -73,26 +78,6 @@ if TYPE_CHECKING:
     from numalign.golden.store import GoldenSet
     from numalign.settings import Settings
 
-#: vLLM in this process (its engine core in-process: hooks reach the model, nothing is
-#: pickled) and its CPU threads left where the worker put them (xdist workers share cores).
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-
-
-#: Tokens per engine step: the zoo's 16- and 24-token prompts are prefilled in chunks beside
-#: other rows' decode steps (continuous batching with chunked prefill).
-MAX_BATCH_TOKENS = 32
-
-
-#: Rows served at once (the zoo's sets have 8 rows).
-MAX_ROWS = 16
-
-
-#: The KV cache a replay reserves: what its rows need, MARGIN times over, at least FLOOR (a
-#: cache sized to the replay, not a share of the machine: on CPU vLLM's share counts the whole
-#: process's memory, golden tensors and a previous engine's pages included).
-KV_MARGIN, KV_FLOOR_BYTES = 4, 64 << 20
-
-
 #: vLLM's messages for a model or configuration it does not serve (the test skips with it).
 UNSUPPORTED = ("Unsupported CPU attention", "not supported", "There is no module or parameter",
                "is not supported", "does not support", "do not support")  # fmt: skip
@@ -101,16 +86,6 @@ UNSUPPORTED = ("Unsupported CPU attention", "not supported", "There is no module
 #: vLLM's message for a KV-cache share larger than the machine holds.
 MEMORY = ("less than requested memory", "No available memory for the cache blocks",
           "Insufficient memory")  # fmt: skip
-
-
-#: oneDNN's instruction sets in its order, as ``ONEDNN_MAX_CPU_ISA`` names them, and the
-#: lowest that builds the bfloat16 GEMMs vLLM's CPU build asks it for.
-ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
-               "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX10_1_512", "AVX10_1_512_AMX",
-               "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2")  # fmt: skip
-
-
-ONEDNN_BF16_ISA = "AVX512_CORE_BF16"
 
 
 class VllmEngine:
@@ -269,7 +244,7 @@ class VllmEngine:
         if arrangement is None:
             same = running is not None and running.key[:2] == (str(golden.path), dtype)
             arrangement = running.arrangement if same and running else ARRANGEMENTS[DEFAULT_SERVING]
-        key = (str(golden.path), dtype, _configuration(arrangement))
+        key = (str(golden.path), dtype, configuration(arrangement))
         reason = self._unsupported.get(str(golden.path))
         if reason is not None:
             raise EngineUnsupported(reason)
@@ -281,10 +256,10 @@ class VllmEngine:
 
     def _start(self, golden: GoldenSet, dtype: str, arrangement: Arrangement) -> Running:
         os.environ.update(ENGINE_ENV)
-        capped = _onednn_capped_below(dtype)
+        capped = onednn_capped_below(dtype)
         if capped is not None:
             raise EngineUnsupported(f"vLLM does not serve {golden.name} in {dtype} here: {capped}")
-        _allow_amx()
+        allow_amx()
         # the rows, their decode steps, and room for drafts past the last one
         length = max(row_lengths(golden), default=16) + 2 * decode_step_count(golden) + 2
         llm = None
@@ -297,7 +272,7 @@ class VllmEngine:
                     model=str(golden.model_dir), skip_tokenizer_init=True, dtype=dtype,
                     gpu_memory_utilization=self.settings.vllm_memory, max_model_len=length,
                     enforce_eager=self.settings.compile_backend is None, seed=0,
-                    **_serving_options(golden, dtype, arrangement, length),
+                    **serving_options(golden, dtype, arrangement, length),
                 )  # fmt: skip
                 # one short request first: what vLLM cannot serve (an attention configuration
                 # its kernels lack) fails here, before any test judges anything
@@ -324,7 +299,7 @@ class VllmEngine:
                              config, routers)  # fmt: skip
         if self.settings.compile_backend is not None:
             mapping = [_compiled(pm) for pm in mapping]
-        key = (str(golden.path), dtype, _configuration(arrangement))
+        key = (str(golden.path), dtype, configuration(arrangement))
         return Running(key, llm, model, runner, mapping, _variant(llm, model), arrangement)
 
     def _stop(self) -> None:
@@ -443,111 +418,9 @@ def _shutdown(llm: Any) -> None:
         llm.llm_engine.engine_core.shutdown()
 
 
-def _onednn_capped_below(dtype: str) -> str | None:
-    """Why oneDNN, capped by ``ONEDNN_MAX_CPU_ISA``, cannot run vLLM's CPU GEMMs in
-    ``dtype`` (None where it can): vLLM chooses its bfloat16 oneDNN kernels from the
-    hardware, and below AVX512_CORE_BF16 oneDNN refuses to build them and the process aborts
-    (vLLM 0.32.0; float32 and float16 run under any cap)."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    if dtype != "bfloat16" or cap not in ONEDNN_ISAS:
-        return None
-    from vllm.platforms import current_platform
-
-    if current_platform.device_type != "cpu":  # the cap is the CPU build's concern only
-        return None
-    if ONEDNN_ISAS.index(cap) >= ONEDNN_ISAS.index(ONEDNN_BF16_ISA):
-        return None
-    return (
-        f"ONEDNN_MAX_CPU_ISA={cap} caps oneDNN below {ONEDNN_BF16_ISA}, which vLLM's CPU "
-        "bfloat16 GEMMs need (they choose their kernels from the hardware, and the process "
-        "aborts when oneDNN refuses them); replay bfloat16 through vLLM without the cap, "
-        f"or with {ONEDNN_BF16_ISA} or above"
-    )
-
-
-def _allow_amx() -> None:
-    """Asks Linux for the AMX tile state where the CPU has AMX. vLLM's CPU attention chooses
-    its AMX kernel from the hardware alone and relies on oneDNN having asked for it; with
-    oneDNN capped below AMX (``ONEDNN_MAX_CPU_ISA=AVX2``, as the honest matrix and the
-    calibration members run) nobody asks, and the first attention kills the process with an
-    illegal instruction (vLLM 0.32.0). Its own kernels do not follow the cap either way."""
-    import torch
-
-    if torch.cpu._is_amx_tile_supported():
-        torch._C._cpu._init_amx()
-
-
 def _worker(worker: Any) -> Any:
     """The worker itself (the engine runs in this process)."""
     return worker
-
-
-def _configuration(arrangement: Arrangement) -> tuple[Any, ...]:
-    """What of ``arrangement`` the engine is started with (arrangements that agree on it share
-    one running engine)."""
-    return (arrangement.batch_tokens or MAX_BATCH_TOKENS, arrangement.rows or MAX_ROWS,
-            arrangement.prefix_cached, arrangement.spare_blocks,
-            arrangement.speculative)  # fmt: skip
-
-
-def _serving_options(
-    golden: GoldenSet, dtype: str, arrangement: Arrangement, length: int
-) -> dict[str, Any]:
-    """vLLM's engine options for ``arrangement``: the token budget and rows a step, the
-    prefix cache, the KV block size (``KV_BLOCK`` on the CPU and where blocks are counted),
-    the KV cache: sized to the replay, or for the preempted arrangement a number of blocks
-    only slightly above what the longest row (``length`` tokens) needs; and the golden
-    tokens forced (a logits processor) or, speculative, proposed as drafts."""
-    from vllm.platforms import current_platform
-
-    rows = arrangement.rows or MAX_ROWS
-    copies = -(-rows // max(1, len(row_lengths(golden)))) if arrangement.crowded else 1
-    options: dict[str, Any] = {
-        # vLLM warns of a budget past what its rows can schedule: no more than that
-        "max_num_batched_tokens": min(arrangement.batch_tokens or MAX_BATCH_TOKENS, rows * length),
-        "max_num_seqs": rows,
-        "enable_prefix_caching": arrangement.prefix_cached,
-        "kv_cache_memory_bytes": _kv_cache_bytes(golden, dtype, copies),
-    }
-    # a GPU keeps its backend's block unless the arrangement counts blocks
-    if current_platform.device_type == "cpu" or arrangement.spare_blocks is not None:
-        options["block_size"] = KV_BLOCK
-    if arrangement.speculative:
-        # the golden tokens are the drafts (``vllm_drafts``): enough of them that one
-        # verification covers every decode step after the first; the tokens are not forced,
-        # as vLLM takes no logits processor with speculative decoding
-        drafts = max(1, decode_step_count(golden) - 1)
-        options["speculative_config"] = {"method": "custom_class", "model": GOLDEN_DRAFTS,
-                                         "num_speculative_tokens": drafts}  # fmt: skip
-    else:  # every decode row teacher-forced with the golden tokens
-        options["logits_processors"] = [forcing_processor()]
-    if arrangement.spare_blocks is not None:
-        # and one block more: vLLM's block pool holds one back (its null block)
-        blocks = -(-length // KV_BLOCK) + arrangement.spare_blocks + 1
-        options["num_gpu_blocks_override"] = blocks
-        # admitted on their first chunk alone (not their whole prompt), rows then compete
-        # for blocks as their prefill goes on, and the scheduler preempts
-        options["scheduler_reserve_full_isl"] = False
-    return options
-
-
-def _kv_cache_bytes(golden: GoldenSet, dtype: str, copies: int = 1) -> int:
-    """The KV cache the set's rows need (keys and values of every layer for every position
-    served, each row rounded up to whole blocks of ``KV_BLOCK`` tokens, and one block more),
-    ``copies`` times (a crowded serving runs copies of the rows beside them) and KV_MARGIN
-    times over, at least KV_FLOOR_BYTES."""
-    import json
-
-    config = json.loads((golden.model_dir / "config.json").read_text(encoding="utf-8"))
-    config = config.get("text_config", config)
-    heads = int(config.get("num_attention_heads") or 1)
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or int(config.get("hidden_size") or 64) // heads)
-    layers = int(config.get("num_hidden_layers") or 1)
-    steps = decode_step_count(golden) + 1
-    tokens = sum(-(-(n + steps) // KV_BLOCK) * KV_BLOCK + KV_BLOCK for n in row_lengths(golden))
-    per_token = 2 * layers * kv_heads * head_dim * int(dtypes.torch_dtype(dtype).itemsize)
-    return max(KV_FLOOR_BYTES, KV_MARGIN * copies * tokens * per_token)
 
 
 def _unmapped(mapping: list[PointMap]) -> dict[str, str]:
