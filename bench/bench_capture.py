@@ -60,8 +60,9 @@ CAPTURE = (
     COMMON
     + r"""
 from numalign.golden.capture import capture
+from numalign.golden.capture_spec import CaptureSpec
 start = time.perf_counter()
-golden = capture(folder, out, continuation=0, progress=False)
+golden = capture(folder, out, CaptureSpec(continuation=0, progress=False))
 capture_s = time.perf_counter() - start
 per_request = golden.unique_tensor_bytes() / len(golden.requests)
 layers = sum(1 for p in golden.points if p.type.endswith("DecoderLayer"))
@@ -102,7 +103,8 @@ def synthetic_set(folder: Path, total_bytes: int) -> None:
     import torch
 
     from numalign.golden.manifest import Manifest, ModelInfo, ReferenceInfo
-    from numalign.golden.store import ShardWriter, write_manifest
+    from numalign.golden.shards import ShardWriter
+    from numalign.golden.store import write_manifest
 
     folder.mkdir(parents=True)
     writer = ShardWriter(folder, max_shard_bytes=256 << 20)

@@ -26,17 +26,19 @@ def main() -> int:
     parser.add_argument("model", nargs="?", default=str(ROOT / "golden/models/tiny-deep-llama"))
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
+    from numalign.golden.capture_spec import CaptureSpec
     from numalign.replay.ensemble import Member, capture_calibrated
 
+    quiet = CaptureSpec(progress=False)
     with tempfile.TemporaryDirectory() as scratch:
 
         def single() -> None:
-            capture_calibrated(args.model, Path(scratch) / "single", progress=False,
+            capture_calibrated(args.model, Path(scratch) / "single", quiet,
                                calibrate=("bfloat16", "float16"),
                                members=[Member("reference")])  # fmt: skip
 
         def ensemble() -> None:
-            capture_calibrated(args.model, Path(scratch) / "ensemble", progress=False)
+            capture_calibrated(args.model, Path(scratch) / "ensemble", quiet)
 
         t_single = best_of(single, args.repeats)
         t_ensemble = best_of(ensemble, args.repeats)

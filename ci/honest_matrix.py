@@ -98,6 +98,7 @@ def sweep_sample(types: list[str], out: Path) -> Path:
     """Builds and captures (calibrated, as the sweep does) each of ``types`` under ``out``;
     returns the folder of their sets."""
     sys.path.insert(0, str(ROOT / "src"))
+    from numalign.golden.capture_spec import CaptureSpec
     from numalign.replay.ensemble import capture_calibrated
     from numalign.sweep.build import build_tiny
 
@@ -105,7 +106,7 @@ def sweep_sample(types: list[str], out: Path) -> Path:
     for model_type in types:
         print(f"== sweep sample: building and capturing {model_type}", flush=True)
         model_dir = build_tiny(model_type, out / "models")
-        capture_calibrated(model_dir, sets / model_type, progress=False, force=True)
+        capture_calibrated(model_dir, sets / model_type, CaptureSpec(progress=False, force=True))
     return sets
 
 

@@ -185,12 +185,12 @@ def test_capture_on_a_full_disk_says_so_and_leaves_nothing(monkeypatch, tmp_path
     (no set, no temporary folder)."""
     import errno
 
-    from numalign.golden import store
+    from numalign.golden import shards
 
     def full(self, key, tensor):  # type: ignore[no-untyped-def]
         raise OSError(errno.ENOSPC, "No space left on device", str(self.folder))
 
-    monkeypatch.setattr(store.ShardWriter, "put", full)
+    monkeypatch.setattr(shards.ShardWriter, "put", full)
     out = tmp_path / "sets" / "tiny-llama"
     with pytest.raises(SystemExit) as exited:
         main(["capture", str(LLAMA), "--out", str(out), "--calibrate", ""])

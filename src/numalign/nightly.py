@@ -29,6 +29,7 @@ from pathlib import Path
 
 from numalign import finite_json
 from numalign.golden import GoldenSet, GoldenSetError
+from numalign.golden.capture_spec import CaptureSpec
 from numalign.replay.ensemble import DEFAULT_CALIBRATION, capture_calibrated
 
 VERSIONS = ".versions"
@@ -77,7 +78,7 @@ def refresh_sets(
             shutil.copytree(target, keep)
             result.archived.append(keep)
         print(f"numalign nightly: recapturing {model_dir.name} (its model changed)", flush=True)
-        capture_calibrated(model_dir, target, calibrate=calibrate, progress=None)
+        capture_calibrated(model_dir, target, calibrate=calibrate)
         result.recaptured.append(model_dir.name)
     return result
 
@@ -276,7 +277,7 @@ def bring_up(
     fingerprint is checked against the model folder; the operator tests are those of the
     operators the inventory maps this model to that have candidates, by exact test name. The
     report path printed is this run's, and only when the run wrote one."""
-    from numalign.golden.reference import check_model_dir
+    from numalign.golden.model_folder import check_model_dir
     from numalign.inventory import inventory
 
     model_dir = check_model_dir(model_dir).resolve()
@@ -295,7 +296,7 @@ def bring_up(
     else:
         print(f"numalign run: [2/3] capturing {target}", flush=True)
         # --stream streams the capture too; else the capture chooses by the memory available
-        capture_calibrated(model_dir, target, progress=None, stream=True if stream else None)
+        capture_calibrated(model_dir, target, CaptureSpec(stream=True if stream else None))
     golden = GoldenSet.open(target)
     golden.check_fresh(model_dir)
     operators = [row["operator"] for row in inv.rows if row["status"] == "covered by candidates"]

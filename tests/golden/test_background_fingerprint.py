@@ -14,6 +14,7 @@ import pytest
 
 from numalign.golden import capture as capture_module
 from numalign.golden.capture import capture
+from numalign.golden.capture_spec import CaptureSpec
 from numalign.golden.fingerprint import BackgroundFingerprint, Cancelled, fingerprint_and_files
 
 #: the module, not the function ``numalign.golden`` re-exports under its name
@@ -80,7 +81,7 @@ def test_a_failed_capture_stops_the_hashing_and_places_nothing(
 
     monkeypatch.setattr(capture_module, "load_reference", broken)
     with pytest.raises(RuntimeError, match="could not be built"):
-        capture(model_copy, tmp_path / "set", long=0, far=0, progress=False)
+        capture(model_copy, tmp_path / "set", CaptureSpec(long=0, far=0, progress=False))
     assert _hashing_threads() == []
     assert not (tmp_path / "set").exists()
 
@@ -93,6 +94,6 @@ def test_a_hash_that_fails_during_the_capture_places_no_set(
 
     monkeypatch.setattr(fingerprint_module, "fingerprint_and_files", vanished)
     with pytest.raises(FileNotFoundError, match="removed during the capture"):
-        capture(model_copy, tmp_path / "set", long=0, far=0, progress=False)
+        capture(model_copy, tmp_path / "set", CaptureSpec(long=0, far=0, progress=False))
     assert not (tmp_path / "set").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

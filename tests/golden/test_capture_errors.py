@@ -16,6 +16,7 @@ import torch
 
 from numalign.golden import GoldenSet, GoldenSetError, StaleGoldenSetError
 from numalign.golden.capture import capture
+from numalign.golden.capture_spec import CaptureSpec
 from numalign.replay.ensemble import capture_calibrated
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def small_set(tmp_path: Path, model_copy: Path) -> GoldenSet:
-    return capture(model_copy, tmp_path / "sets" / "llama", continuation=2, progress=False)
+    return capture(
+        model_copy, tmp_path / "sets" / "llama", CaptureSpec(continuation=2, progress=False)
+    )
 
 
 def test_one_flipped_byte_fails_the_checksum(small_set: GoldenSet) -> None:
@@ -107,13 +110,14 @@ def test_manifest_errors_name_the_file_and_the_remedy(small_set: GoldenSet, tmp_
 
 CAPTURE_SLOWLY = """
 import sys, time, torch
-from numalign.golden import capture as c, store
-original = store.ShardWriter.put
+from numalign.golden import capture as c, shards
+from numalign.golden.capture_spec import CaptureSpec
+original = shards.ShardWriter.put
 def slow_put(self, key, tensor):
     time.sleep(0.05)  # slow enough to be killed half way
     return original(self, key, tensor)
-store.ShardWriter.put = slow_put
-c.capture(sys.argv[1], sys.argv[2], progress=False, max_shard_bytes=1024)
+shards.ShardWriter.put = slow_put
+c.capture(sys.argv[1], sys.argv[2], CaptureSpec(progress=False, max_shard_bytes=1024))
 """
 
 
@@ -145,7 +149,9 @@ def test_a_capture_killed_half_way_leaves_the_previous_set_intact(
 
 def test_an_exception_during_capture_leaves_no_folder(tmp_path: Path, model_copy: Path) -> None:
     with pytest.raises(ValueError, match="match no module"):
-        capture(model_copy, tmp_path / "sets" / "x", points=["no.such.*"], progress=False)
+        capture(
+            model_copy, tmp_path / "sets" / "x", CaptureSpec(points=["no.such.*"], progress=False)
+        )
     sets = tmp_path / "sets"
     assert not sets.exists() or not any(sets.iterdir())
 
@@ -154,9 +160,7 @@ def test_points_patterns_select_modules(tmp_path: Path, model_copy: Path) -> Non
     golden = capture(
         model_copy,
         tmp_path / "s",
-        points=["model.layers.*.mlp"],
-        continuation=0,
-        progress=False,
+        CaptureSpec(points=["model.layers.*.mlp"], continuation=0, progress=False),
     )
     assert [p.name for p in golden.points] == ["model.layers.0.mlp", "model.layers.1.mlp"]
 
@@ -165,20 +169,20 @@ def test_float64_reference_and_prompts(tmp_path: Path, model_copy: Path) -> None
     golden = capture(
         model_copy,
         tmp_path / "s",
-        prompts=["the dog", "a fox jumps over it ."],
-        continuation=1,
-        progress=False,
+        CaptureSpec(prompts=["the dog", "a fox jumps over it ."], continuation=1, progress=False),
     )
     mask = golden.tensor(golden.requests[0].inputs["attention_mask"])
     assert mask[0, 0] == 0 and mask[1, 0] == 1  # left padding: the short prompt starts late
     golden = capture(
         model_copy,
         tmp_path / "s64",
-        prompts=["the dog", "the cat"],  # one length: no padding
-        reference_dtype="float64",
-        long=0,  # the long requests are left-padded too
-        continuation=1,
-        progress=False,
+        CaptureSpec(
+            prompts=["the dog", "the cat"],  # one length: no padding
+            reference_dtype="float64",
+            long=0,  # the long requests are left-padded too
+            continuation=1,
+            progress=False,
+        ),
     )
     assert golden.reference.dtype == "float64"
     logits = golden.tensor(golden.final_outputs("text-rightpad")["logits"])
@@ -186,12 +190,13 @@ def test_float64_reference_and_prompts(tmp_path: Path, model_copy: Path) -> None
     # issue 27: transformers' eager attention in float64 gives the left-padded batch NaN at
     # kept positions from layer 1 on (NaN rows of fully masked queries reach the values):
     # such a reference passed every replay vacuously; capture now refuses it, naming where
-    from numalign.golden.capture import NonFiniteReferenceError
+    from numalign.golden.nonfinite import NonFiniteReferenceError
 
     with pytest.raises(NonFiniteReferenceError, match=r"model.layers.1.self_attn output '0' of "
                        r"request text-leftpad"):  # fmt: skip
-        capture(model_copy, tmp_path / "bad64", prompts=["the dog", "a fox jumps over it ."],
-                reference_dtype="float64", long=0, continuation=1, progress=False)  # fmt: skip
+        capture(model_copy, tmp_path / "bad64", CaptureSpec(
+            prompts=["the dog", "a fox jumps over it ."], reference_dtype="float64", long=0,
+            continuation=1, progress=False))  # fmt: skip
 
 
 #: The one module that may pickle: the tensor-parallel controller and its own ranks exchange
@@ -220,7 +225,7 @@ def test_no_pickle_in_the_package_or_the_catalogue() -> None:
 def test_capture_then_reload_every_zoo_family(tmp_path: Path, name: str) -> None:
     model = ROOT / "golden" / "models" / name
     golden = capture_calibrated(
-        model, tmp_path / name, calibrate=("bfloat16",), continuation=2, progress=False
+        model, tmp_path / name, CaptureSpec(continuation=2, progress=False), calibrate=("bfloat16",)
     )
     reopened = GoldenSet.open(tmp_path / name)
     reopened.verify()

@@ -58,12 +58,13 @@ def test_a_checkpoint_pickling_objects_is_a_clear_error(tmp_path: Path, model_co
     import fractions
 
     from numalign.golden.capture import capture
+    from numalign.golden.capture_spec import CaptureSpec
 
     weights = _as_bin(model_copy)
     tensors = torch.load(weights, weights_only=True)
     torch.save({**tensors, "extra": fractions.Fraction(1, 3)}, weights)
     with pytest.raises(ValueError, match=r"holds objects that are not plain tensors .*"
                        r"Fraction.*never unpickles them. Convert it to safetensors"):  # fmt: skip
-        capture(model_copy, tmp_path / "set", continuation=0, decode_steps=0, long=0,
-                progress=False)  # fmt: skip
+        capture(model_copy, tmp_path / "set",
+                CaptureSpec(continuation=0, decode_steps=0, long=0, progress=False))  # fmt: skip
     assert not (tmp_path / "set").exists()

@@ -14,13 +14,15 @@ import pytest
 
 from numalign.golden import GoldenSet, GoldenSetError
 from numalign.golden.capture import capture
+from numalign.golden.capture_spec import CaptureSpec
 from numalign.golden.folders import MARKER, mark, remove_abandoned, temporary_folder
 from numalign.golden.store import discover_sets, replace_set
 from numalign.golden.target import CaptureTargetError
 
 
-def _capture(model: Path, out: Path, **kwargs: object) -> GoldenSet:
-    return capture(model, out, continuation=0, decode_steps=0, long=0, progress=False, **kwargs)
+def _capture(model: Path, out: Path, *, force: bool = False) -> GoldenSet:
+    spec = CaptureSpec(continuation=0, decode_steps=0, long=0, progress=False, force=force)
+    return capture(model, out, spec)
 
 
 @pytest.fixture
@@ -176,7 +178,7 @@ def test_a_non_finite_reference_is_refused_naming_the_first_point(
     """Issue 27, item 10: one inf weight captured 100% NaN logits that every replay passed."""
     from safetensors.torch import load_file, save_file
 
-    from numalign.golden.capture import NonFiniteReferenceError
+    from numalign.golden.nonfinite import NonFiniteReferenceError
 
     weights = model_copy / "model.safetensors"
     tensors = load_file(str(weights))

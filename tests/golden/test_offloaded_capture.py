@@ -15,6 +15,7 @@ import torch
 
 from numalign.golden import GoldenSet
 from numalign.golden.capture import capture
+from numalign.golden.capture_spec import CaptureSpec
 from numalign.golden.reference import Placement, load_model, parse_max_memory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ def test_weights_past_the_memory_budget_go_to_disk(tmp_path: Path) -> None:
 
 
 def test_an_offloaded_capture_is_the_in_memory_capture_bit_for_bit(tmp_path: Path) -> None:
-    in_memory = capture(LLAMA, tmp_path / "memory", progress=False)
+    in_memory = capture(LLAMA, tmp_path / "memory", CaptureSpec(progress=False))
     command = [
         sys.executable, "-m", "numalign.cli", "capture", str(LLAMA), "--out",
         str(tmp_path / "offloaded"), "--calibrate", "bfloat16", "--device-map", "auto",

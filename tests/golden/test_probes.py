@@ -11,6 +11,7 @@ import torch
 
 from numalign.golden import GoldenSet
 from numalign.golden.capture import capture
+from numalign.golden.capture_spec import CaptureSpec
 from numalign.golden.manifest import PROBE_REQUEST
 from numalign.golden.probes import (
     ACTIVATION_GRID,
@@ -53,8 +54,9 @@ def test_the_zoo_sets_probe_every_norm_at_its_epsilon_and_the_activation() -> No
 
 def test_a_capture_without_probes_has_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    golden = capture(ZOO / "tiny-llama", tmp_path / "set", probes=False, progress=False,
-                     decode_steps=0, long=0, far=0, continuation=0)  # fmt: skip
+    spec = CaptureSpec(probes=False, progress=False, decode_steps=0, long=0, far=0,
+                       continuation=0)  # fmt: skip
+    golden = capture(ZOO / "tiny-llama", tmp_path / "set", spec)
     assert not [p.name for p in golden.points if PROBE_REQUEST in p.calls]
     assert "model.layers.0.mlp.act_fn" not in {p.name for p in golden.points}
 

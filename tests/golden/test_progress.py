@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from numalign.golden.capture_spec import CaptureSpec
 from numalign.replay.ensemble import Member, capture_calibrated
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,10 +20,10 @@ def test_a_capture_in_a_log_prints_one_line_per_step(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # one member (the reference alone) calibrating one dtype: the fewest steps that show both
+    spec = CaptureSpec(points=["model.layers.0.mlp"], decode_steps=0, long=0, progress=None)
     golden = capture_calibrated(
-        MODEL, tmp_path / "set", calibrate=["bfloat16"], members=[Member("reference")],
-        points=["model.layers.0.mlp"], decode_steps=0, long=0, progress=None,
-    )  # fmt: skip
+        MODEL, tmp_path / "set", spec, calibrate=["bfloat16"], members=[Member("reference")]
+    )
     lines = [
         line for line in capsys.readouterr().err.splitlines()
         if line.startswith("numalign capture set:")
@@ -61,8 +62,6 @@ def test_a_long_step_is_never_silent(capsys: pytest.CaptureFixture[str]) -> None
 def test_a_capture_asked_for_no_progress_prints_none(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    capture_calibrated(
-        MODEL, tmp_path / "quiet", calibrate=[], points=["model.layers.0.mlp"],
-        decode_steps=0, long=0, progress=False,
-    )  # fmt: skip
+    spec = CaptureSpec(points=["model.layers.0.mlp"], decode_steps=0, long=0, progress=False)
+    capture_calibrated(MODEL, tmp_path / "quiet", spec, calibrate=[])
     assert "numalign capture" not in capsys.readouterr().err

@@ -14,12 +14,15 @@ import torch
 
 from numalign.golden import GoldenSet, StaleGoldenSetError
 from numalign.golden.capture import capture
+from numalign.golden.capture_spec import CaptureSpec
 from numalign.golden.fingerprint import fingerprint
 from numalign.golden.reference import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "golden" / "models" / "tiny-llama"
 ZOO_SET = ROOT / "golden" / "sets" / "tiny-llama"
+#: the capture these tests need: the prompts' forward alone
+QUICK = CaptureSpec(continuation=0, decode_steps=0, long=0, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +35,7 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GoldenSet]:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (LLAMA / name).is_file():
             shutil.copy(LLAMA / name, folder / name)
-    golden = capture(folder, root / "sets" / "sharded-llama", continuation=0, decode_steps=0,
-                     long=0, progress=False)  # fmt: skip
+    golden = capture(folder, root / "sets" / "sharded-llama", QUICK)
     return folder, golden
 
 
@@ -96,6 +98,5 @@ def test_a_missing_or_changed_shard_is_named(
     with pytest.raises(StaleGoldenSetError, match=rf"{second} \(missing\)"):
         golden.check_fresh(copy)
     with pytest.raises(FileNotFoundError, match=rf"{second}: a shard the checkpoint's index"):
-        capture(copy, tmp_path / "sets" / "broken", continuation=0, decode_steps=0, long=0,
-                progress=False)  # fmt: skip
+        capture(copy, tmp_path / "sets" / "broken", QUICK)
     assert not (tmp_path / "sets" / "broken").exists()  # nothing half-written

@@ -6,6 +6,7 @@ says so; a streamed reference holds no real parameter once the capture ends."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from numalign.golden import GoldenSet
 from numalign.golden import capture as capture_module
 from numalign.golden import loading as loading_module
 from numalign.golden.capture import capture
+from numalign.golden.capture_spec import CaptureSpec
 from numalign.golden.loading import STREAM_SHARE, checkpoint_bytes, stream_choice
 from numalign.golden.reference import Placement
 from numalign.replay.ensemble import Member, capture_calibrated
@@ -64,8 +66,8 @@ def test_a_streamed_capture_is_the_unstreamed_capture_bit_for_bit(
     tmp_path: Path, name: str, loaded: list[tuple[Any, bool]]
 ) -> None:
     model_dir = MODELS / name
-    plain = capture(model_dir, tmp_path / "plain", progress=False, stream=False)
-    streamed = capture(model_dir, tmp_path / "streamed", progress=False, stream=True)
+    plain = capture(model_dir, tmp_path / "plain", CaptureSpec(progress=False, stream=False))
+    streamed = capture(model_dir, tmp_path / "streamed", CaptureSpec(progress=False, stream=True))
     assert [s for _, s in loaded] == [False, True]
     assert streamed.manifest.decode and streamed.manifest.continuation  # it decoded
     assert any(p.name.endswith("norm") for p in streamed.manifest.points)
@@ -93,10 +95,11 @@ def test_every_calibration_member_streams_with_the_capture(
     # the reference in process and a member in a subprocess (an environment variable makes
     # it one), calibrating bfloat16: the same calibration streamed and not
     members = [Member("reference"), Member("sub", {"NUMALIGN_STREAM_TEST": "1"}, threads=1)]
-    options: dict[str, Any] = dict(calibrate=["bfloat16"], members=members, progress=False,
-                                   long=0, far=0, decode_steps=2, continuation=2)  # fmt: skip
-    plain = capture_calibrated(LLAMA, tmp_path / "plain", stream=False, **options)
-    streamed = capture_calibrated(LLAMA, tmp_path / "streamed", stream=True, **options)
+    spec = CaptureSpec(progress=False, long=0, far=0, decode_steps=2, continuation=2)
+    options: dict[str, Any] = dict(calibrate=["bfloat16"], members=members)
+    plain = capture_calibrated(LLAMA, tmp_path / "plain", replace(spec, stream=False), **options)
+    streamed = capture_calibrated(LLAMA, tmp_path / "streamed", replace(spec, stream=True),
+                                  **options)  # fmt: skip
     assert in_process == [False, True]
     assert len(streamed.manifest.ensemble["bfloat16"]) == len(members)
     _same_set(streamed, plain)

@@ -13,12 +13,13 @@ import pytest
 from numalign.cli import main
 from numalign.golden import GoldenSet, GoldenSetError
 from numalign.golden.capture import capture
+from numalign.golden.capture_spec import CaptureSpec
 
 
 @pytest.fixture
 def golden(tmp_path: Path, model_copy: Path) -> GoldenSet:
-    return capture(model_copy, tmp_path / "sets" / "llama", continuation=0, decode_steps=0,
-                   long=0, progress=False)  # fmt: skip
+    spec = CaptureSpec(continuation=0, decode_steps=0, long=0, progress=False)
+    return capture(model_copy, tmp_path / "sets" / "llama", spec)
 
 
 def _edit_manifest(golden: GoldenSet, edit: object) -> None:

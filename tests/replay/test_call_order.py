@@ -80,6 +80,7 @@ def _seed_ordering_otherwise(layer_types: list[str], first: str) -> int:
 
 
 def test_a_member_whose_process_orders_the_layer_types_anew_calibrates(tmp_path: Path) -> None:
+    from numalign.golden.capture_spec import CaptureSpec
     from numalign.replay.ensemble import Member, capture_calibrated
     from numalign.sweep.build import build_tiny
 
@@ -89,10 +90,10 @@ def test_a_member_whose_process_orders_the_layer_types_anew_calibrates(tmp_path:
     first = next(iter(set(layer_types)))
     seed = _seed_ordering_otherwise(layer_types, first)
     member = Member.parse(f"threads=1,PYTHONHASHSEED={seed},dtypes=float32")
+    spec = CaptureSpec(continuation=0, decode_steps=1, long=0, far=0, progress=False)
     golden = capture_calibrated(
-        model_dir, tmp_path / "set", calibrate=("float32",), members=[member],
-        continuation=0, decode_steps=1, long=0, far=0, progress=False,
-    )  # fmt: skip
+        model_dir, tmp_path / "set", spec, calibrate=("float32",), members=[member]
+    )
     rotary = golden.point("model.rotary_emb")
     calls = rotary.calls["text-leftpad"]
     assert calls[0].args_json[2] == first != calls[1].args_json[2]

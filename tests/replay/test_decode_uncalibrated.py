@@ -16,12 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_an_uncalibrated_decode_test_leaves_a_record_that_says_so(
     pytester: pytest.Pytester, on_path: None
 ) -> None:
+    from numalign.golden.capture_spec import CaptureSpec
     from numalign.replay.ensemble import capture_calibrated
 
     sets = pytester.path / "sets"
-    capture_calibrated(ROOT / "golden" / "models" / "tiny-llama", sets / "bare-llama",
-                       calibrate=(), progress=False, continuation=1, decode_steps=1,
-                       long=0, points=["model.layers.0.mlp"])  # fmt: skip
+    spec = CaptureSpec(progress=False, continuation=1, decode_steps=1, long=0,
+                       points=["model.layers.0.mlp"])  # fmt: skip
+    capture_calibrated(ROOT / "golden" / "models" / "tiny-llama", sets / "bare-llama", spec,
+                       calibrate=())  # fmt: skip
     result = pytester.runpytest_subprocess(
         str(ROOT / "suites" / "models" / "test_decode.py"), "--rootdir", str(ROOT),
         "-p", "no:cacheprovider", "--report-dir", str(pytester.path / "reports"), "-q", "-rs",

@@ -104,14 +104,15 @@ def test_merge_keeps_the_worst_the_spread_and_the_count() -> None:
 
 def test_a_capture_calibrates_over_a_subprocess_member(tmp_path: Path) -> None:
     from numalign.golden import GoldenSet
+    from numalign.golden.capture_spec import CaptureSpec
     from numalign.replay.ensemble import capture_calibrated
 
     model = tmp_path / "tiny-llama"
     shutil.copytree(ROOT / "golden" / "models" / "tiny-llama", model)
     member = Member.parse("onednn=AVX2,aten=default,threads=1")
     golden = capture_calibrated(
-        model, tmp_path / "set", calibrate=("float32", "bfloat16"),
-        members=[Member("reference"), member], decode_steps=1, long=0, progress=False,
+        model, tmp_path / "set", CaptureSpec(decode_steps=1, long=0, progress=False),
+        calibrate=("float32", "bfloat16"), members=[Member("reference"), member],
     )  # fmt: skip
     reopened = GoldenSet.open(golden.path)
     data = json.loads((golden.path / "manifest.json").read_text())
@@ -133,6 +134,7 @@ def test_a_member_running_other_code_than_the_capture_s_is_an_error(tmp_path: Pa
     read. A member now checks that its numalign is the code the capture loaded (the files'
     fingerprint), and one that is not, here a copy with one line changed, is an error that
     says so instead of a calibration from other code."""
+    from numalign.golden.capture_spec import CaptureSpec
     from numalign.replay.ensemble import EnsembleError, capture_calibrated
 
     changed = tmp_path / "changed"
@@ -143,9 +145,9 @@ def test_a_member_running_other_code_than_the_capture_s_is_an_error(tmp_path: Pa
     shutil.copytree(ROOT / "golden" / "models" / "tiny-llama", model)
     member = Member("changed", env={"PYTHONPATH": str(changed)})
     with pytest.raises(EnsembleError, match="not the code the capture started with") as caught:
-        capture_calibrated(model, tmp_path / "set", calibrate=("float32",), members=[member],
-                           decode_steps=0, continuation=0, long=0, far=0,
-                           progress=False)  # fmt: skip
+        spec = CaptureSpec(decode_steps=0, continuation=0, long=0, far=0, progress=False)
+        capture_calibrated(model, tmp_path / "set", spec, calibrate=("float32",),
+                           members=[member])  # fmt: skip
     assert str(changed / "numalign") in str(caught.value)  # names the other numalign
     assert "capture again once numalign's code stands still" in str(caught.value)
     assert not (tmp_path / "set").exists()  # no set calibrated by other code

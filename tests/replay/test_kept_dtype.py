@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from numalign.golden.capture import capture
+from numalign.golden.capture_spec import CaptureSpec
 from numalign.replay.layer import fed_dtypes, input_dtype, replay_call
 from numalign.sweep.build import build_tiny
 
@@ -52,8 +53,8 @@ def test_a_module_kept_in_float32_is_fed_the_runs_dtype_where_it_takes_it() -> N
 
 def test_a_module_kept_in_float32_replays_alone_in_a_bfloat16_model(tmp_path: Path) -> None:
     model_dir = build_tiny("hy_v4", tmp_path / "models")
-    golden = capture(model_dir, tmp_path / "sets" / "hy_v4", continuation=0,
-                     decode_steps=0, long=0, far=0, progress=False)  # fmt: skip
+    spec = CaptureSpec(continuation=0, decode_steps=0, long=0, far=0, progress=False)
+    golden = capture(model_dir, tmp_path / "sets" / "hy_v4", spec)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()

@@ -14,9 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from numalign.golden.capture import capture, key_tree
+from numalign.golden.capture import capture
+from numalign.golden.capture_spec import CaptureSpec
+from numalign.golden.recorder import key_tree
 from numalign.replay.layer import call_inputs, replay_call
 from numalign.sweep.build import build_tiny
+
+#: the capture these tests read: the prompts' forward alone
+FORWARD_ONLY = CaptureSpec(continuation=0, decode_steps=0, long=0, far=0, progress=False)
 
 
 def _assert_replays_as_captured(model_dir: Path, golden: Any, point: str, call: Any) -> None:
@@ -65,8 +70,7 @@ def test_a_layer_fed_a_dict_replays_alone(
     tmp_path: Path, model_type: str, keyword: str, keys: set[str]
 ) -> None:
     model_dir = build_tiny(model_type, tmp_path / "models")
-    golden = capture(model_dir, tmp_path / "sets" / model_type, continuation=0,
-                     decode_steps=0, long=0, far=0, progress=False)  # fmt: skip
+    golden = capture(model_dir, tmp_path / "sets" / model_type, FORWARD_ONLY)
     point = next(p for p in golden.points if p.name == "model.layers.0")
     call = next(iter(point.calls.values()))[0]
     recorded = call.kwargs[keyword]
@@ -79,8 +83,7 @@ def test_a_layer_fed_a_dict_replays_alone(
 
 def test_a_layer_fed_a_positional_tuple_replays_alone(tmp_path: Path) -> None:
     model_dir = build_tiny("qwen4_exp", tmp_path / "models")
-    golden = capture(model_dir, tmp_path / "sets" / "qwen4_exp", continuation=0,
-                     decode_steps=0, long=0, far=0, progress=False)  # fmt: skip
+    golden = capture(model_dir, tmp_path / "sets" / "qwen4_exp", FORWARD_ONLY)
     # its decoder layer calls self_attn(hidden_states, position_embeddings, ...): cos and sin
     point = next(p for p in golden.points if p.name.endswith(".self_attn"))
     call = next(iter(point.calls.values()))[0]

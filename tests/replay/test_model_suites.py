@@ -255,11 +255,13 @@ def test_a_set_without_calibration_is_refused_with_the_reason_not_judged_by_one_
     """Issue 27, item 5: a set captured with --calibrate '' failed honest replays ("the
     control is exact here": a budget of one ulp). Its replays skip, saying why (tests/
     test_ran_nothing.py: a session where every test skips says nothing was tested)."""
+    from numalign.golden.capture_spec import CaptureSpec
     from numalign.replay.ensemble import capture_calibrated
 
     sets = pytester.path / "sets"
-    capture_calibrated(ROOT / "golden" / "models" / "tiny-llama", sets / "bare-llama",
-                       calibrate=(), progress=False, continuation=2, decode_steps=0)  # fmt: skip
+    spec = CaptureSpec(progress=False, continuation=2, decode_steps=0)
+    capture_calibrated(ROOT / "golden" / "models" / "tiny-llama", sets / "bare-llama", spec,
+                       calibrate=())  # fmt: skip
     result = pytester.runpytest_subprocess(
         str(SUITES / "test_layers.py"), str(SUITES / "test_model.py"), "--rootdir", str(ROOT),
         "-p", "no:cacheprovider", "--report-dir", str(pytester.path / "reports"), "-q", "-rs",

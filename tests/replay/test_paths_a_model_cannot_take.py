@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from numalign.golden.capture import capture
+from numalign.golden.capture_spec import CaptureSpec
 from numalign.golden.manifest import CACHE_POINT
 from numalign.golden.reference import CacheUnsupported, load_model, new_cache
 from numalign.golden.store import GoldenSet
@@ -64,7 +65,8 @@ def test_paged_serves_the_layer_types_it_holds() -> None:
 
 def _captured(model_type: str, tmp_path: Path) -> GoldenSet:
     model_dir = build_tiny(model_type, tmp_path / "models")
-    return capture(model_dir, tmp_path / "sets" / model_type, decode_steps=2, progress=False)
+    spec = CaptureSpec(decode_steps=2, progress=False)
+    return capture(model_dir, tmp_path / "sets" / model_type, spec)
 
 
 def _decode_errors(golden: GoldenSet, model: Any, request: Any) -> dict[str, float]:
@@ -327,9 +329,9 @@ def test_a_dtype_the_reference_cannot_run_in_skips_with_the_reason(tmp_path: Pat
     model_dir = build_tiny("xlnet", tmp_path / "models")
     # one member, in a subprocess (its environment set): its limit comes back through JSON
     members = [Member("apart", env={"NUMALIGN_MEMBER": "apart"})]
-    golden = capture_calibrated(model_dir, tmp_path / "sets" / "xlnet",
-                                calibrate=("float32", "bfloat16"), members=members,
-                                continuation=0, long=0, far=0, progress=False)  # fmt: skip
+    spec = CaptureSpec(continuation=0, long=0, far=0, progress=False)
+    golden = capture_calibrated(model_dir, tmp_path / "sets" / "xlnet", spec,
+                                calibrate=("float32", "bfloat16"), members=members)  # fmt: skip
     golden = GoldenSet.open(golden.path)  # as written
     limits = golden.manifest.dtype_limits
     assert set(limits) == {"bfloat16"}
@@ -364,8 +366,8 @@ def test_a_model_whose_steps_see_the_whole_sequence_decodes_with_its_cache(
 
     assert not steps_see_whole_sequence(_tiny("llama"))  # the usual step: the new token
     model_dir = build_tiny("cpmant", tmp_path / "models")
-    golden = capture(model_dir, tmp_path / "sets" / "cpmant", continuation=3, decode_steps=2,
-                     long=0, far=0, progress=False)  # fmt: skip
+    spec = CaptureSpec(continuation=3, decode_steps=2, long=0, far=0, progress=False)
+    golden = capture(model_dir, tmp_path / "sets" / "cpmant", spec)
     model = load_model(golden.model_dir, "float32", attn_implementation=None,
                        trust_remote_code=False)  # fmt: skip
     assert steps_see_whole_sequence(model)
@@ -408,8 +410,8 @@ def test_a_model_whose_generation_feeds_more_than_the_sequence_decodes_whole(
     config = json.loads((model_dir / "config.json").read_text())
     # causal attention: the cached and the uncached forward then compute the same function
     (model_dir / "config.json").write_text(json.dumps(config | {"causal": True}))
-    golden = capture(model_dir, tmp_path / "sets" / "xlm", continuation=0, decode_steps=2,
-                     long=0, far=0, progress=False)  # fmt: skip
+    spec = CaptureSpec(continuation=0, decode_steps=2, long=0, far=0, progress=False)
+    golden = capture(model_dir, tmp_path / "sets" / "xlm", spec)
     model = load_model(golden.model_dir, "float32", attn_implementation=None,
                        trust_remote_code=False)  # fmt: skip
     assert model.config.causal and steps_see_whole_sequence(model)

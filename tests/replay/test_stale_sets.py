@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from numalign.golden.capture_spec import CaptureSpec
 from numalign.replay.ensemble import capture_calibrated
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,10 +20,10 @@ POINTS = ["model.layers.0.mlp", "model.layers.1.mlp", "model.layers.0.self_attn"
 def test_a_stale_set_fails_every_test_and_names_the_first(tmp_path: Path) -> None:
     model = tmp_path / "models" / "tiny-llama-stale"
     shutil.copytree(ROOT / "golden" / "models" / "tiny-llama", model)
+    spec = CaptureSpec(points=POINTS, decode_steps=0, long=0, progress=False)
     golden = capture_calibrated(
-        model, tmp_path / "sets" / "tiny-llama-stale", calibrate=["float32"], points=POINTS,
-        decode_steps=0, long=0, progress=False,
-    )  # fmt: skip
+        model, tmp_path / "sets" / "tiny-llama-stale", spec, calibrate=["float32"]
+    )
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 1e-5}))  # changed
     done = subprocess.run(

@@ -35,20 +35,20 @@ def _run_dir(root: Path) -> Path:
 NAN_TESTS = """
 import pytest
 import torch
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 from numalign.record import DriftRecord
 
 @pytest.mark.parametrize("i", range(5))
 def test_compare(i, record_drift):
     t = torch.full((8,), float(i + 1), dtype=torch.float64)
-    record_drift(compare(t.float(), t, name=f"p{i}"), suite="operators", candidate="c",
-                 device="cpu", case=str(i))
+    record_drift(compare(t.float(), t, CompareSpec(name=f"p{i}")), suite="operators",
+                 candidate="c", device="cpu", case=str(i))
 
 def test_nan_logits(record_drift):
     # as replay.verdict.logits_record makes it: logits statistics merged into the metrics; a
     # mask filled from float32's minimum in bfloat16 turned the padded rows to NaN
     t = torch.ones(8, dtype=torch.float64)
-    record = DriftRecord.from_result(compare(t.float(), t, name="logits"),
+    record = DriftRecord.from_result(compare(t.float(), t, CompareSpec(name="logits")),
                                      test_id=record_drift.nodeid, suite="models",
                                      candidate="c", device="cpu", case="nan")
     record.metrics |= {"max_abs": float("nan"), "kl_max": float("nan"),
@@ -191,13 +191,13 @@ def test_numalign_report_refuses_a_torn_or_empty_baseline(
 COMPARISONS = """
 import pytest
 import torch
-from numalign.compare import compare
+from numalign.compare import CompareSpec, compare
 
 @pytest.mark.parametrize("i", range(10))
 def test_compare(i, record_drift):
     t = torch.full((8,), float(i), dtype=torch.float64)
-    record_drift(compare(t.float(), t, name=f"p{i}"), suite="operators", candidate="c",
-                 device="cpu", case=str(i))
+    record_drift(compare(t.float(), t, CompareSpec(name=f"p{i}")), suite="operators",
+                 candidate="c", device="cpu", case=str(i))
 """
 
 
@@ -352,11 +352,13 @@ def test_a_replay_of_a_set_captured_without_calibration_reads_not_judged(
     tests skipped for want of calibration, its mask test passed exactly). Now the skips are
     records of rule ``uncalibrated``; summary.json, drift.html and the terminal say NOT
     JUDGED, and the session is not green."""
+    from numalign.golden.capture_spec import CaptureSpec
     from numalign.replay.ensemble import capture_calibrated
 
     sets = pytester.path / "sets"
-    capture_calibrated(ROOT / "golden" / "models" / "tiny-llama", sets / "bare-llama",
-                       calibrate=(), progress=False, continuation=2, decode_steps=0)  # fmt: skip
+    spec = CaptureSpec(progress=False, continuation=2, decode_steps=0)
+    capture_calibrated(ROOT / "golden" / "models" / "tiny-llama", sets / "bare-llama", spec,
+                       calibrate=())  # fmt: skip
     suites = ROOT / "suites" / "models"
     result = pytester.runpytest_subprocess(
         str(suites / "test_layers.py"), str(suites / "test_model.py"), "--rootdir", str(ROOT),

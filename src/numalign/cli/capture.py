@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from numalign.cli.common import check_dtypes, check_model, subparser
+from numalign.golden.capture_spec import DEFAULT_CONTINUATION, CaptureSpec
 from numalign.golden.decode import DEFAULT_DECODE_STEPS
 from numalign.golden.requests import FAR_LENGTH
 from numalign.settings import ATTN_IMPLEMENTATIONS
@@ -73,15 +74,11 @@ def _capture(args: argparse.Namespace) -> int:
 def _capture_set(args: argparse.Namespace, prompts: Any, members: Any, placement: Any) -> Any:
     from numalign.replay.ensemble import capture_calibrated
 
-    return capture_calibrated(
-        args.model_dir,
-        args.out,
+    spec = CaptureSpec(
         points=args.points,
         prompts=prompts,
         image=args.image,
         reference_dtype=args.reference_dtype,
-        calibrate=[d for d in args.calibrate.split(",") if d],
-        members=members,
         continuation=args.continuation,
         decode_steps=args.decode_steps,
         long=args.long,
@@ -94,6 +91,8 @@ def _capture_set(args: argparse.Namespace, prompts: Any, members: Any, placement
         probes=not args.no_probes,
         stream=args.stream,
     )
+    calibrate = [d for d in args.calibrate.split(",") if d]
+    return capture_calibrated(args.model_dir, args.out, spec, calibrate=calibrate, members=members)
 
 
 def add_capture(commands: Any) -> None:
@@ -163,7 +162,9 @@ def add_capture(commands: Any) -> None:
 def _add_capture_requests(cap: argparse.ArgumentParser) -> None:
     """capture: what the set records beyond the prompts' forward (continuation, decode, long
     and far-position requests)."""
-    cap.add_argument("--continuation", type=int, default=8, help="greedy tokens to record")
+    cap.add_argument(
+        "--continuation", type=int, default=DEFAULT_CONTINUATION, help="greedy tokens to record"
+    )
     cap.add_argument(
         "--decode-steps",
         type=int,

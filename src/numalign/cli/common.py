@@ -20,7 +20,7 @@ def check_dtypes(text: str | None, option: str, command: str) -> None:
 
 
 def check_model(model_dir: str, command: str) -> None:
-    from numalign.golden.reference import ModelFolderError, check_model_dir
+    from numalign.golden.model_folder import ModelFolderError, check_model_dir
 
     try:
         check_model_dir(model_dir)

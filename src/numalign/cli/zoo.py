@@ -50,6 +50,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _zoo(args: argparse.Namespace) -> int:
+    from numalign.golden.capture_spec import CaptureSpec
     from numalign.golden.zoo import ZOO, build_zoo
     from numalign.replay.ensemble import capture_calibrated
 
@@ -59,8 +60,8 @@ def _zoo(args: argparse.Namespace) -> int:
     for path in build_zoo(args.out or "golden/models", args.names or None):
         line = f"{path}"
         if args.sets:
-            golden = capture_calibrated(path, Path(args.sets) / path.name, progress=False,
-                                        long=specs[path.name].long)  # fmt: skip
+            spec = CaptureSpec(progress=False, long=specs[path.name].long)
+            golden = capture_calibrated(path, Path(args.sets) / path.name, spec)
             line += f" -> {golden.path} ({len(golden.points)} points)"
         print(line)
     return 0

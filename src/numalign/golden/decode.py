@@ -26,7 +26,7 @@ from numalign.golden.reference import (
 )
 from numalign.golden.requests import CaptureRequest
 from numalign.golden.routing import point_tensors
-from numalign.golden.store import ShardWriter
+from numalign.golden.shards import ShardWriter
 
 #: Decode steps a capture records per generating request: enough to see a cache grow past
 #: the prefill, small enough that a set grows by a few hidden states per step.

@@ -41,13 +41,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare.model_verdict import ReplayUnsupported
-from numalign.golden.reference import (
-    ModelFolderError,
-    attach_points,
-    check_model_dir,
-    implementations,
-    model_class,
-)
+from numalign.golden.model_folder import ModelFolderError, check_model_dir
+from numalign.golden.reference import attach_points, implementations, model_class
 from numalign.golden.stream_experts import find_routed, stream_by_expert
 
 if TYPE_CHECKING:

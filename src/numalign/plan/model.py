@@ -223,14 +223,14 @@ def _from_meta(model: Any, shapes: Shapes) -> tuple[Part, ...]:
 
 
 def _point_values(model: Any, layers: str, shapes: Shapes) -> dict[str, int]:
-    """Values per token the capture's default points (``golden.capture.default_points``)
+    """Values per token the capture's default points (``golden.capture_points.default_points``)
     output, by part: a Linear its out_features, an Embedding its dimension, a norm its
     weight's size, a router its logits and top-k indices and weights, a rotary embedding its
     cos and sin, every other point (a layer, an attention, an MLP or MoE, its experts) one
     hidden-size tensor."""
     import torch
 
-    from numalign.golden.capture import _ROUTER_TYPES, default_points
+    from numalign.golden.capture_points import ROUTER_TYPES, default_points
 
     found = {"embedding": 0, "norm": 0, "head": 0}
     seen_layers = False
@@ -241,7 +241,7 @@ def _point_values(model: Any, layers: str, shapes: Shapes) -> dict[str, int]:
             width = module.out_features
         elif isinstance(module, torch.nn.Embedding):
             width = module.embedding_dim
-        elif _ROUTER_TYPES.search(kind):
+        elif ROUTER_TYPES.search(kind):
             width = (shapes.experts or 1) + 2 * shapes.top_k
         elif kind.endswith("RotaryEmbedding"):
             width = 2 * 2 * int(getattr(module, "inv_freq", torch.zeros(0)).numel())

@@ -31,13 +31,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from numalign.compare.calibration import merge_statistics
 from numalign.errors import Crashed
 from numalign.golden.capture import capture, resolve_stream
+from numalign.golden.capture_spec import CaptureSpec
 from numalign.golden.manifest import CalibrationJson, calibration_from_json
 from numalign.replay.ensemble_member import (
     CODE_CHANGED,
@@ -413,28 +414,27 @@ def calibration_steps(golden_reference_dtype: str, dtypes: Sequence[str],
 def capture_calibrated(
     model_dir: str | Path,
     out: str | Path,
+    spec: CaptureSpec = CaptureSpec(),
     *,
     calibrate: Sequence[str] = DEFAULT_CALIBRATION,
     members: Sequence[Member] | None = None,
-    trust_remote_code: bool = False,
-    **options: Any,
 ) -> GoldenSet:
-    """``numalign capture``: a capture (``golden.capture.capture``, same ``options``) that is
-    calibrated in ``calibrate`` over the ensemble, and its power per point computed from that
-    calibration (``replay.set_power``), before it is moved into place, so a set never
-    appears without its calibration and power (a line says the power's median scale, unless
-    ``progress`` is False). A streamed capture (``stream``, or the automatic
+    """``numalign capture``: a capture of ``spec`` (``golden.capture.capture``; its
+    ``finish`` is this calibration) that is calibrated in ``calibrate`` over the
+    ensemble, and its power per point computed from that calibration
+    (``replay.set_power``), before it is moved into place, so a set never appears without
+    its calibration and power (a line says the power's median scale, unless
+    ``spec.progress`` is False). A streamed capture (``spec.stream``, or the automatic
     choice where it is None: ``golden.capture.resolve_stream``) streams every member."""
     # the one dtype parser, before anything loads (ValueError naming the allowed dtypes)
     dtypes = parse_dtypes(",".join(calibrate)) if calibrate else ()
-    placement = options.get("placement")
+    placement, trust_remote_code = spec.placement, spec.trust_remote_code
     # decided once, here: the capture's reference and every member stream alike
-    stream = resolve_stream(model_dir, options.get("reference_dtype", "float32"),
-                            options.pop("stream", None), placement)  # fmt: skip
+    stream = resolve_stream(model_dir, spec.reference_dtype, spec.stream, placement)
     chosen = (
         list(members)
         if members is not None
-        else default_members(options.get("attn_implementation") or "eager")
+        else default_members(spec.attn_implementation or "eager")
     )
 
     def finish(golden: GoldenSet, step: Callable[[str], None]) -> None:
@@ -444,10 +444,10 @@ def capture_calibrated(
             config = model_config(golden.model_dir, trust_remote_code)
             golden.write_power(set_power(golden, config=config))
 
-    steps = calibration_steps(options.get("reference_dtype", "float32"), dtypes, chosen)
-    golden = capture(model_dir, out, trust_remote_code=trust_remote_code, finish=finish,
-                     finish_steps=steps if dtypes else 0, stream=stream, **options)  # fmt: skip
-    if golden.manifest.power and options.get("progress") is not False:  # as its progress
+    steps = calibration_steps(spec.reference_dtype, dtypes, chosen)
+    golden = capture(model_dir, out, replace(spec, finish=finish, stream=stream,
+                                             finish_steps=steps if dtypes else 0))  # fmt: skip
+    if golden.manifest.power and spec.progress is not False:  # as its progress
         print(f"numalign capture {golden.name}: power per point written to its manifest, "
               f"{power_line(golden.manifest.power)}", file=sys.stderr, flush=True)  # fmt: skip
     return golden

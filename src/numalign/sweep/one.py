@@ -173,6 +173,7 @@ def why_not_planted(model: Any) -> str:
 
 def sweep_type(model_type: str, work: Path, suites: Path) -> SweepRow:
     """The sweep of one type: every step that can run, each failure kept in its column."""
+    from numalign.golden.capture_spec import CaptureSpec
     from numalign.replay.ensemble import capture_calibrated
     from numalign.sweep.build import BuildError, build_tiny
 
@@ -186,7 +187,7 @@ def sweep_type(model_type: str, work: Path, suites: Path) -> SweepRow:
     if row.buildable:
         golden = work / "sets" / model_type
         try:
-            capture_calibrated(model_dir, golden, progress=False)
+            capture_calibrated(model_dir, golden, CaptureSpec(progress=False))
             row.capture = "ok"
         except Exception as exc:
             row.capture, row.crashes = "crash: " + _short(exc), 1
