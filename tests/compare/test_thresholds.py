@@ -84,7 +84,8 @@ def test_the_moved_thresholds_keep_their_values() -> None:
 
 def test_each_rule_states_its_budget_where_it_came_from() -> None:
     from numalign.compare.measure import _control_budget, _table_tolerance
-    from numalign.compare.tolerances import DEFAULT_POLICY, Budget
+    from numalign.compare.policy import DEFAULT_POLICY
+    from numalign.compare.tolerances import Budget
 
     t = torch.linspace(-1, 1, 64, dtype=torch.float64)
     c = t.to(torch.bfloat16)

@@ -12,7 +12,8 @@ from numalign.compare import (
     assert_aligned,
     compare,
 )
-from numalign.compare.tolerances import Budget, Override
+from numalign.compare.policy import Override
+from numalign.compare.tolerances import Budget
 
 FLOAT_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]

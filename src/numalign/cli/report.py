@@ -38,7 +38,7 @@ def _report(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from numalign.compare.tolerances import load_policy
+    from numalign.compare.policy import load_policy
 
     rendered = render_run(
         run_dir,

@@ -3,15 +3,10 @@ assert_aligned."""
 
 from numalign.compare.core import assert_aligned, compare, dtype_name
 from numalign.compare.metrics import ControlErrors, Metrics, compute_metrics
+from numalign.compare.policy import TolerancePolicy, load_policy
 from numalign.compare.result import RULES, CompareResult
 from numalign.compare.spec import CompareSpec
-from numalign.compare.tolerances import (
-    OP_CLASSES,
-    Budget,
-    Tolerance,
-    TolerancePolicy,
-    load_policy,
-)
+from numalign.compare.tolerances import OP_CLASSES, Budget, Tolerance
 
 __all__ = [
     "OP_CLASSES",

@@ -26,8 +26,8 @@ from numalign.compare.model_verdict import (
     judge_logits,
     label,
 )
+from numalign.compare.policy import thresholds_of
 from numalign.compare.pooled import PointLeans
-from numalign.compare.tolerances import thresholds_of
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

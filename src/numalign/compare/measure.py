@@ -9,13 +9,8 @@ from typing import TYPE_CHECKING
 
 from numalign.compare.budgets import ControlBudget, ToleranceBudget
 from numalign.compare.metrics import ControlErrors, Metrics, compute_metrics, error_tail
-from numalign.compare.tolerances import (
-    DEFAULT_POLICY,
-    FLOAT_FORMATS,
-    Budget,
-    Tolerance,
-    TolerancePolicy,
-)
+from numalign.compare.policy import DEFAULT_POLICY, TolerancePolicy
+from numalign.compare.tolerances import FLOAT_FORMATS, Budget, Tolerance
 from numalign.dtypes import dtype_name
 
 if TYPE_CHECKING:

@@ -19,15 +19,11 @@ from numalign.compare.calibration import Control
 from numalign.compare.core import compare
 from numalign.compare.logits import LogitsStats, kl_budget, logits_stats, near_tie
 from numalign.compare.metrics import ControlErrors
+from numalign.compare.policy import DEFAULT_POLICY, thresholds_of
 from numalign.compare.result import CompareResult
 from numalign.compare.routing import agreeing, is_routing, judge_flips
 from numalign.compare.spec import CompareSpec
-from numalign.compare.tolerances import (
-    DEFAULT_POLICY,
-    FLOAT_FORMATS,
-    Thresholds,
-    thresholds_of,
-)
+from numalign.compare.tolerances import FLOAT_FORMATS, Thresholds
 from numalign.errors import Unsupported
 
 if TYPE_CHECKING:

@@ -11,15 +11,14 @@ from typing import TYPE_CHECKING
 from numalign import dtypes
 from numalign.compare.budgets import Decision, RoundingBudget
 from numalign.compare.metrics import Metrics, compute_metrics
+from numalign.compare.policy import DEFAULT_POLICY, TolerancePolicy
 from numalign.compare.result import CompareResult
 from numalign.compare.tolerances import (
-    DEFAULT_POLICY,
     FLOAT_FORMATS,
     ROUNDING_BIAS_LIMIT,
     ROUNDING_MAX_STEP_ERROR,
     ROUNDING_OFF_BY_ONE_SHARE,
     ROUNDING_TIE_BAND,
-    TolerancePolicy,
 )
 from numalign.dtypes import dtype_name
 

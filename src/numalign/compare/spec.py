@@ -12,7 +12,8 @@ if TYPE_CHECKING:
     import torch
 
     from numalign.compare.metrics import ControlErrors
-    from numalign.compare.tolerances import Budget, Tolerance, TolerancePolicy
+    from numalign.compare.policy import TolerancePolicy
+    from numalign.compare.tolerances import Budget, Tolerance
 
 __all__ = ["CompareSpec"]
 

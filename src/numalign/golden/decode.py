@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from numalign.compare.routing import ROUTING
+from numalign.compare.tolerances import CACHE_LIMIT_DISAGREEMENT
 from numalign.golden.manifest import Decode, DecodeStep
 from numalign.golden.reference import (
     cache_state,
@@ -42,11 +43,6 @@ REFERENCE_CACHE = "dynamic"
 PROBED_CACHES = ("static",)
 #: Characters of the reference's error kept as a limit's reason.
 LIMIT_CHARS = 300
-#: A probed cache whose step logits differ from the reference cache's by more than this share
-#: of their largest is a limit too: another cache reorders float32 sums (about 1e-6 of the
-#: logits), a cache the model's code mishandles moves them by percents (GIT's static decode:
-#: its encoder layers 2% off).
-LIMIT_DISAGREEMENT = 1e-3
 
 
 def record_decode(
@@ -118,10 +114,10 @@ def cache_limits(model: Any, request: CaptureRequest) -> dict[str, str]:
     """For each of ``PROBED_CACHES`` the reference cannot decode ``request`` with, why: the
     error its forward raised (a prefill and one step, as the decode replay runs them), or
     the step's logits disagreeing with the reference cache's by more than
-    ``LIMIT_DISAGREEMENT`` (GIT's static decode computes another result); building the cache
-    for the model's config is part of the path (DeepSeek-V4's ``heavily_compressed_attention``
-    layers have no static layer class). A model that builds its own cache
-    (``CacheUnsupported``) is left out: replay says so itself."""
+    ``tolerances.CACHE_LIMIT_DISAGREEMENT`` (GIT's static decode computes another result);
+    building the cache for the model's config is part of the path (DeepSeek-V4's
+    ``heavily_compressed_attention`` layers have no static layer class). A model that builds
+    its own cache (``CacheUnsupported``) is left out: replay says so itself."""
     from numalign.golden.reference import CacheUnsupported
 
     limits: dict[str, str] = {}
@@ -136,11 +132,11 @@ def cache_limits(model: Any, request: CaptureRequest) -> dict[str, str]:
             continue
         scale = float(reference.abs().max()) or 1.0
         apart = float((logits - reference).abs().max()) / scale
-        if apart > LIMIT_DISAGREEMENT:
+        if apart > CACHE_LIMIT_DISAGREEMENT:
             limits[implementation] = (
                 f"its step's logits differ from the {REFERENCE_CACHE} cache's by {apart:.3g} of "
-                f"their largest (more than {LIMIT_DISAGREEMENT:g}): the model's code computes "
-                "another result with this cache"
+                f"their largest (more than {CACHE_LIMIT_DISAGREEMENT:g}): the model's code "
+                "computes another result with this cache"
             )
     return limits
 

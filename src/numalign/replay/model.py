@@ -25,7 +25,7 @@ from numalign.compare.model_verdict import (
     ReplayUnsupported,
     logit_transform,
 )
-from numalign.compare.tolerances import thresholds_of
+from numalign.compare.policy import thresholds_of
 from numalign.golden.manifest import LOGIT_TRANSFORM, OUTPUT_POINT, Continuation
 from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
 from numalign.replay.inputs import fed_inputs, input_at_fault

@@ -10,9 +10,9 @@ from numalign.compare import tolerances
 from numalign.record import DriftRecord
 from numalign.report.ratchet import RATCHET_FACTOR, ratchet
 
-#: A record regresses when its budget use grows beyond this factor of the baseline's: twice
-#: the error is beyond run-to-run noise of deterministic inputs, well before a failure.
-DEFAULT_REGRESSION_FACTOR = 2.0
+#: A record regresses when its budget use grows beyond this factor of the baseline's (its
+#: reason: compare.tolerances).
+DEFAULT_REGRESSION_FACTOR = tolerances.REGRESSION_FACTOR
 #: Growth below this use of the budget is not reported (its reason: compare.tolerances).
 NOISE_FLOOR = tolerances.NOISE_FLOOR
 

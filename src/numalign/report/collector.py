@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from numalign.compare.tolerances import load_policy
+from numalign.compare.policy import load_policy
 from numalign.record import (
     FAILING,
     DriftRecord,

@@ -23,16 +23,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from numalign.compare import tolerances
 from numalign.record import DriftRecord
 
-#: A budget or a power figure moved beyond this factor is reported. Measured between AVX2
-#: with ATen's default kernels and native AVX-512 on one machine (2026-12-05): the model
-#: suites' budgets did not move (1.000x over 4,758 records of tiny-llama and tiny-mixtral:
-#: calibrated from the golden set), their power up to 1.085x (the candidate's own lean's
-#: standard error); the operator suite's budgets (from a control run on the machine) up to
-#: 1.33x (a float32 top-k routing whose control chose otherwise at a tie; 99% within
-#: 1.01x), its power up to 1.04x. 1.5 is above every honest move measured (docs/ci.md).
-RATCHET_FACTOR = 1.5
+#: A budget or a power figure moved beyond this factor is reported (its reason there).
+RATCHET_FACTOR = tolerances.RATCHET_FACTOR
 #: Budget keys that bound a candidate's error directly (larger: looser), per rule: the
 #: calibrated budget (max_abs, rel_l2), the tolerance (atol, rtol), the distribution rule
 #: (norm, cosine, zeros, scale), rounding's three limits, the logits' KL, the continuation's
