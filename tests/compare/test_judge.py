@@ -11,6 +11,7 @@ from numalign.compare.calibration import CACHE_POINT, OUTPUT_POINT, ControlStats
 from numalign.compare.judge import Judge, Observation
 from numalign.compare.locate import UPSTREAM_POINTS, locate, locate_logits
 from numalign.compare.model_verdict import PointResult
+from numalign.compare.output_kind import TENSOR
 from numalign.compare.pooled import POOLED
 from numalign.errors import Unsupported
 
@@ -33,6 +34,9 @@ class Golden:
 
     def calibrated_paths(self, dtype: str, point: str) -> list[str]:
         return ["0"]
+
+    def output_kind(self, point: str, path: str) -> str:
+        return TENSOR
 
 
 def judge(mode: str = "accumulated") -> Judge:

@@ -13,6 +13,7 @@ import torch
 from numalign.compare import ControlErrors
 from numalign.compare.calibration import Control, ControlStats, control_for
 from numalign.compare.model_verdict import compare_point
+from numalign.compare.output_kind import ROUTING_KIND
 from numalign.compare.routing import ROUTING, allowed_flips
 from numalign.compare.tolerances import Thresholds
 from numalign.golden.routing import point_tensors
@@ -72,7 +73,7 @@ def test_other_outputs_are_kept_as_they_are() -> None:
 def test_a_router_equal_to_the_golden_one_passes() -> None:
     _, weights, indices = router()
     dense = routing(weights, indices)
-    result = compare_point(dense.clone(), dense, LABEL, control(1e-4, 0.0), None)
+    result = compare_point(dense.clone(), dense, LABEL, control(1e-4, 0.0), None, ROUTING_KIND)
     assert result.passed, result.message()
 
 
@@ -83,7 +84,9 @@ def test_a_bias_in_the_weights_fails_on_the_tokens_that_choose_alike() -> None:
     # against a control that errs by 1e-3 (an honest bfloat16 router errs by 5e-4)
     bias = 0.02 * torch.randn(EXPERTS, generator=torch.Generator().manual_seed(1))
     biased = weights + bias[indices]
-    result = compare_point(routing(biased, indices), golden, LABEL, control(1e-3, 0.0), None)
+    result = compare_point(
+        routing(biased, indices), golden, LABEL, control(1e-3, 0.0), None, ROUTING_KIND
+    )
     assert not result.passed and result.rule == "budget", result.message()
 
 
@@ -93,7 +96,7 @@ def test_flips_within_the_ensembles_pass_and_the_weights_are_judged_without_them
     actual = routing(weights, choose_other(indices, 3))  # three tokens choose anew
     assert int(((actual != 0) != (golden != 0)).any(-1).sum()) == 3
     # the ensemble flipped 3 of 256 too: a whole weight moved on each, yet within budget
-    result = compare_point(actual, golden, LABEL, control(1e-6, 3 / TOKENS), None)
+    result = compare_point(actual, golden, LABEL, control(1e-6, 3 / TOKENS), None, ROUTING_KIND)
     assert result.passed, result.message()
     assert result.budget["flips"] == 3 and result.shape == (TOKENS - 3, EXPERTS)
 
@@ -104,7 +107,7 @@ def test_more_flips_than_the_ensembles_fail_as_a_selection() -> None:
     # every token chooses another second expert (a choice by other scores)
     other = choose_other(indices, TOKENS)
     result = compare_point(routing(weights, other), golden, LABEL, control(1e-3, 3 / TOKENS),
-                           None)  # fmt: skip
+                           None, ROUTING_KIND)  # fmt: skip
     assert not result.passed and result.rule == "ties", result.message()
     assert "choose other experts" in result.reason
     # its likely cause says so: a routing change, not the weights' signature
@@ -124,7 +127,7 @@ def test_the_calibration_keeps_the_flips_and_the_agreeing_tokens_errors() -> Non
     _, weights, indices = router()
     golden = routing(weights, indices)
     actual = routing(weights * (1 + 1e-3), choose_other(indices, 1))
-    stats = _stats(actual, golden, ROUTING)
+    stats = _stats(actual, golden, ROUTING_KIND)
     assert stats["flips"] == pytest.approx(1 / TOKENS)
     # the errors are the agreeing tokens': a 0.1% scale, not a whole weight
     assert stats["max_abs"] == pytest.approx(1e-3 * float(weights.max()), rel=1e-3)

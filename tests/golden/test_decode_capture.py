@@ -14,6 +14,7 @@ import torch
 
 from numalign.golden import GoldenSet
 from numalign.golden.decode import DEFAULT_DECODE_STEPS, new_token_output
+from numalign.golden.manifest import FORMAT
 from numalign.golden.reference import load_model
 from numalign.golden.requests import length_boundaries
 from numalign.golden.zoo import ZOO
@@ -34,7 +35,7 @@ def test_every_generating_request_has_its_decode_steps_and_cache(golden: GoldenS
     generating = {r.name for r in golden.requests if r.name.endswith("leftpad")}
     generating |= {"image", "far-positions"} & {r.name for r in golden.requests}
     assert set(golden.decode_requests) == generating
-    assert golden.manifest.format == "numalign.golden/3"
+    assert golden.manifest.format == FORMAT
     for name in golden.decode_requests:
         decode = golden.decode(name)
         assert decode is not None and decode.cache == "dynamic"

@@ -58,7 +58,7 @@ def test_a_missing_field_of_an_object_is_an_error_naming_it(llama_set: Path) -> 
     with pytest.raises(GoldenSetError) as caught:
         GoldenSet.open(llama_set)
     assert str(caught.value) == (
-        f"{manifest}: model has no field 'fingerprint', which format numalign.golden/3 "
+        f"{manifest}: model has no field 'fingerprint', which format numalign.golden/4 "
         "requires; capture the set again"
     )
     assert "__init__" not in str(caught.value)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from numalign.golden.manifest import FORMAT
 from numalign.replay.ensemble import Member, default_members, describe, merge
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,7 +117,7 @@ def test_a_capture_calibrates_over_a_subprocess_member(tmp_path: Path) -> None:
     )  # fmt: skip
     reopened = GoldenSet.open(golden.path)
     data = json.loads((golden.path / "manifest.json").read_text())
-    assert data["format"] == "numalign.golden/3"
+    assert data["format"] == FORMAT
     # float32: only the subprocess member (the reference is exact there); bfloat16: both
     assert reopened.manifest.ensemble["float32"] == [describe(member)]
     assert reopened.manifest.ensemble["bfloat16"] == ["reference: as captured", describe(member)]

@@ -1,4 +1,4 @@
-"""numalign golden: list, show, verify golden sets and their power."""
+"""numalign golden: list, show, verify, upgrade golden sets and their power."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ def _golden(args: argparse.Namespace) -> int:
         return 0
     if args.action == "power":
         return _golden_power(g)
+    if args.action == "upgrade":
+        was = g.upgrade()
+        print(f"{g.path}: " + (f"{was} rewritten as {g.manifest.format}" if was
+                               else f"already {g.manifest.format}"))  # fmt: skip
+        return 0
     m, ref = g.manifest, g.reference
     print(f"set        {g.path}")
     print(f"model      {g.model.name} ({g.model.architecture}) at {g.model_dir}")
@@ -128,13 +133,14 @@ def _golden_ls(folder: Path) -> int:
 
 
 def add_golden(commands: Any) -> None:
-    """numalign golden ls | show | verify | power"""
+    """numalign golden ls | show | verify | power | upgrade"""
     golden = subparser(commands, "golden", help="list, show and verify golden sets")
     golden.add_argument(
-        "action", choices=["ls", "show", "verify", "power"],
+        "action", choices=["ls", "show", "verify", "power", "upgrade"],
         help="ls: the sets of a folder; show: one set's contents; verify: its checksums and "
         "its model's fingerprint; power: (re)compute and store what a pass at each point "
-        "would catch, from its calibration",
+        "would catch, from its calibration; upgrade: rewrite a format 3 manifest in the "
+        "current format (its output kinds stored)",
     )  # fmt: skip
     golden.add_argument(
         "target", nargs="?",

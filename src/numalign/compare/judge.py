@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from numalign.compare.calibration import Calibrated, Control
+    from numalign.compare.calibration import Control
     from numalign.compare.result import CompareResult
 
 #: The modes a point is judged in: alone on the golden inputs, inside the whole model, the
@@ -79,6 +79,7 @@ class CalibratedSet(Protocol):
     def points(self) -> Sequence[_Ordered]: ...
     def calibrated(self, dtype: str, point: str, path: str, mode: str) -> Any: ...
     def calibrated_paths(self, dtype: str, point: str) -> list[str]: ...
+    def output_kind(self, point: str, path: str) -> str: ...
 
 
 @dataclass
@@ -91,7 +92,7 @@ class Judge:
     ``pooled`` judges the pooled leans once every observation is in (``leans``: False where
     the replay pools none)."""
 
-    golden: Calibrated
+    golden: CalibratedSet
     dtype: str
     mode: str
     hidden: int
@@ -142,11 +143,13 @@ class Judge:
 
     def compare(self, point: str, path: str, actual: torch.Tensor, expected: torch.Tensor,
                 mode: str | None = None, name: str | None = None) -> CompareResult:  # fmt: skip
-        """One output against its control, recorded nowhere (a decision's side question:
-        whether a point fails alone, the budget of a later position); ``name``: the result's,
-        the point's label by default."""
+        """One output against its control, by the rule of its kind as the set stores it
+        (``compare.output_kind``), recorded nowhere (a decision's side question: whether a
+        point fails alone, the budget of a later position); ``name``: the result's, the
+        point's label by default."""
         control = self.control(point, path, mode)
-        return compare_point(actual, expected, name or label(point, path), control, self.policy)
+        return compare_point(actual, expected, name or label(point, path), control, self.policy,
+                             self.golden.output_kind(point, path))  # fmt: skip
 
     def observe(self, seen: Observation) -> PointResult | LogitsResult:
         """``seen`` judged and kept: the model's logits by the logits rule (``logits``),

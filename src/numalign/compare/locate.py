@@ -11,7 +11,7 @@ An engine that cannot take a model's own inputs (vLLM) answers ``inputs_at_fault
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from numalign.compare.calibration import OUTPUT_POINT
 from numalign.compare.model_verdict import Divergence, LogitsResult, PointResult, first_divergence
@@ -110,3 +110,23 @@ def locate_logits(
         return Divergence(OUTPUT_POINT, "accumulated", first.request, first.values, named=named)
     return Divergence(OUTPUT_POINT, "output", first.request, first.values,
                       why_unlocated=after_last)  # fmt: skip
+
+
+#: Config attributes of a transform models apply to their logits after the LM head.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def logit_transform(config: Any) -> str:
+    """What the model does to its logits after the LM head, from its config (soft-capping,
+    scaling), for a divergence that only the logits show."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found = [
+        f"{name} {value}"
+        for name in LOGIT_TRANSFORMS
+        if (value := getattr(text, name, None)) not in (None, 1, 1.0)
+    ]
+    where = f" ({', '.join(found)})" if found else " (the config names none)"
+    return (
+        "every capture point is within budget and the logits are not: the fault is after the "
+        f"LM head, in the model's final logit transform{where}"
+    )

@@ -19,9 +19,10 @@ from numalign.compare.calibration import Control
 from numalign.compare.core import compare
 from numalign.compare.logits import LogitsStats, kl_budget, logits_stats, near_tie
 from numalign.compare.metrics import ControlErrors
+from numalign.compare.output_kind import CALIBRATED_KINDS, MASK, ROUTING_KIND, SELECTION, TENSOR
 from numalign.compare.policy import DEFAULT_POLICY, thresholds_of
 from numalign.compare.result import CompareResult
-from numalign.compare.routing import agreeing, is_routing, judge_flips
+from numalign.compare.routing import agreeing, judge_flips
 from numalign.compare.spec import CompareSpec
 from numalign.compare.tolerances import FLOAT_FORMATS, Thresholds
 from numalign.errors import Unsupported
@@ -43,43 +44,71 @@ class Uncalibrated(ReplayUnsupported):
 
 # -- judging one point ---------------------------------------------------------------------------
 def compare_point(
-    actual: torch.Tensor, expected: torch.Tensor, name: str, control: Control, policy: Any
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    name: str,
+    control: Control,
+    policy: Any,
+    kind: str = TENSOR,
 ) -> CompareResult:
     """One output of a point (whole: a tensor-parallel rank's shard gathered first) against
-    the golden one within its control's budget; exact for boolean outputs (a mask point's
-    golden output is where each position attends: ``exact.judge_mask`` of the mask in
-    whatever form the candidate built it, an additive mask's fill included), and for
-    integer ones as a selection: each row's values, in any order (a top-k's order is its
-    kernel's: GLM-DSA's indexer returns its masked keys, tied at -inf, in any order). A
-    router's routing (``compare.routing``) is judged on the tokens whose chosen experts
-    agree, and the others by their count. Uncalibrated where the control is not calibrated."""
-    import torch
+    the golden one, by the rule of its ``kind`` (``compare.output_kind``, stored in the set at
+    capture; ``_JUDGES``): a mask exactly as where each position attends (``exact.judge_mask``
+    of the mask in whatever form the candidate built it, an additive mask's fill included); a
+    selection as each row's values in any order (a top-k's order is its kernel's: GLM-DSA's
+    indexer returns its masked keys, tied at -inf, in any order); a router's routing
+    (``compare.routing``) on the tokens whose chosen experts agree and the others by their
+    count; a tensor within its control's budget. A kind judged within a control is
+    Uncalibrated where the control is not calibrated."""
+    judge = _JUDGES.get(kind)
+    if judge is None:
+        raise ValueError(f"{name}: no rule for output kind {kind!r}; one of {', '.join(_JUDGES)}")
+    if kind in CALIBRATED_KINDS and not control.calibrated:
+        raise _uncalibrated(name, dtypes.dtype_name(actual.dtype))
+    return judge(actual, expected, name, control, policy)
 
-    if expected.dtype == torch.bool:  # a mask the model builds is judged as where it attends
-        # recorded in the dtype it was built in (an additive mask: the replay's)
-        return replace(compare(actual, expected, CompareSpec(name=name)),
-                       dtype=dtypes.dtype_name(actual.dtype))  # fmt: skip
-    if not expected.is_floating_point():
-        if actual.shape == expected.shape and actual.dim() > 0:
-            actual, expected = actual.sort(-1).values, expected.sort(-1).values
-        return compare(actual, expected, CompareSpec(name=name))
-    if not control.calibrated:  # a budget without a control would be one ulp
-        dtype = dtypes.dtype_name(actual.dtype)
-        raise Uncalibrated(
-            f"{name}: the golden set has no calibration of it in {dtype} (captured with "
-            f"--calibrate '' or without {dtype}; for an output the {dtype} ensemble cannot "
-            "measure, eager attention weights, without the bfloat16 or float16 calibration "
-            "its control is borrowed from): not judged, since a budget without a control "
-            "would be one ulp and the tolerance table is not made for whole modules; capture "
-            f"it again with --calibrate {dtype} (with bfloat16 too for such an output)"
-        )
-    if is_routing(name) and actual.shape == expected.shape:
-        # a router's weights per expert: on the tokens choosing the same experts, and the
-        # others counted (``compare.routing``)
-        actual, expected, flips, tokens = agreeing(actual, expected)
-        result = _within_control(actual, expected, name, control, policy)
-        return judge_flips(result, flips, tokens, control.flips, thresholds_of(policy))
-    return _within_control(actual, expected, name, control, policy)
+
+def _uncalibrated(name: str, dtype: str) -> Uncalibrated:
+    """Why an output without a calibrated control is not judged (a budget without a control
+    would be one ulp)."""
+    return Uncalibrated(
+        f"{name}: the golden set has no calibration of it in {dtype} (captured with "
+        f"--calibrate '' or without {dtype}; for an output the {dtype} ensemble cannot "
+        "measure, eager attention weights, without the bfloat16 or float16 calibration "
+        "its control is borrowed from): not judged, since a budget without a control "
+        "would be one ulp and the tolerance table is not made for whole modules; capture "
+        f"it again with --calibrate {dtype} (with bfloat16 too for such an output)"
+    )
+
+
+def _judge_mask(
+    actual: torch.Tensor, expected: torch.Tensor, name: str, control: Control, policy: Any
+) -> CompareResult:
+    """A mask the model builds, judged as where it attends; recorded in the dtype the
+    candidate built it in (an additive mask: the replay's)."""
+    return replace(compare(actual, expected, CompareSpec(name=name)),
+                   dtype=dtypes.dtype_name(actual.dtype))  # fmt: skip
+
+
+def _judge_selection(
+    actual: torch.Tensor, expected: torch.Tensor, name: str, control: Control, policy: Any
+) -> CompareResult:
+    """Integer indices, each row's in any order."""
+    if actual.shape == expected.shape and actual.dim() > 0:
+        actual, expected = actual.sort(-1).values, expected.sort(-1).values
+    return compare(actual, expected, CompareSpec(name=name))
+
+
+def _judge_routing(
+    actual: torch.Tensor, expected: torch.Tensor, name: str, control: Control, policy: Any
+) -> CompareResult:
+    """A router's weight per expert: on the tokens choosing the same experts within the
+    control, and the others counted against the ensemble's flips."""
+    if actual.shape != expected.shape:  # the shape rule names it
+        return _within_control(actual, expected, name, control, policy)
+    actual, expected, flips, tokens = agreeing(actual, expected)
+    result = _within_control(actual, expected, name, control, policy)
+    return judge_flips(result, flips, tokens, control.flips, thresholds_of(policy))
 
 
 def _within_control(
@@ -93,6 +122,16 @@ def _within_control(
         name=name, policy=policy, zero_reach=reach, propagated=control.propagated,
     )  # fmt: skip
     return compare(actual, expected, spec)
+
+
+#: The rule of each output kind (``compare.output_kind.KINDS``), as torch's comparison orders
+#: its pairs by type: one entry a kind.
+_JUDGES = {
+    TENSOR: _within_control,
+    MASK: _judge_mask,
+    SELECTION: _judge_selection,
+    ROUTING_KIND: _judge_routing,
+}
 
 
 def chance_zero_reach(
@@ -151,26 +190,6 @@ def judge_logits(
     vocab = int(expected.shape[-1]) if expected.dim() else 1
     budget = kl_budget(spread, control.kl_max, ulp, vocab, thresholds)
     return LogitsResult(request, values, stats, budget)
-
-
-#: Config attributes of a transform models apply to their logits after the LM head.
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
-def logit_transform(config: Any) -> str:
-    """What the model does to its logits after the LM head, from its config (soft-capping,
-    scaling), for a divergence that only the logits show."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    found = [
-        f"{name} {value}"
-        for name in LOGIT_TRANSFORMS
-        if (value := getattr(text, name, None)) not in (None, 1, 1.0)
-    ]
-    where = f" ({', '.join(found)})" if found else " (the config names none)"
-    return (
-        "every capture point is within budget and the logits are not: the fault is after the "
-        f"LM head, in the model's final logit transform{where}"
-    )
 
 
 # -- results -----------------------------------------------------------------------------------

@@ -35,11 +35,6 @@ if TYPE_CHECKING:
 ROUTING = "routing"
 
 
-def is_routing(name: str) -> bool:
-    """Whether a point output's label (``model_verdict.label``) names a routing."""
-    return name == ROUTING or name.endswith("." + ROUTING)
-
-
 def agreeing(
     actual: torch.Tensor, expected: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:

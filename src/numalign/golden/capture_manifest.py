@@ -47,13 +47,17 @@ def started_manifest(model: Any, model_dir: Path, out: Path, reference_dtype: st
 
 
 def recorded_points(
-    model: Any, names: Iterable[str], calls: dict[str, dict[str, list[Call]]]
+    model: Any,
+    names: Iterable[str],
+    calls: dict[str, dict[str, list[Call]]],
+    kinds: dict[str, dict[str, str]],
 ) -> list[Point]:
     """The points of ``names`` that were called (``calls``: by point, then request), in the
-    order of the model's modules, each with its module's class name and its calls."""
+    order of the model's modules, each with its module's class name, its calls and its
+    outputs' kinds (``kinds``: by point, then output path)."""
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return [
-        Point(n, type(model.get_submodule(n)).__name__, order[n], calls[n])
+        Point(n, type(model.get_submodule(n)).__name__, order[n], calls[n], kinds.get(n, {}))
         for n in sorted(set(names), key=lambda n: order[n])
         if calls.get(n)
     ]

@@ -1,4 +1,4 @@
-"""The golden set format, ``numalign.golden/3``, as typed objects: what ``manifest.json``
+"""The golden set format, ``numalign.golden/4``, as typed objects: what ``manifest.json``
 holds, read and written in this one module (``Manifest.from_json`` / ``Manifest.to_json``),
 so that no reader touches the JSON itself and a renamed key has one place to change.
 
@@ -26,19 +26,23 @@ from numalign.compare.calibration import CACHE_POINT as CACHE_POINT
 from numalign.compare.calibration import OUTPUT_POINT as OUTPUT_POINT
 from numalign.compare.calibration import Calibration as Calibration
 from numalign.compare.calibration import ControlStats as ControlStats
+from numalign.compare.output_kind import check_kind, kind_of
 from numalign.errors import BrokenData
 from numalign.finite_json import decode as _decode_finite
 from numalign.finite_json import encode as _encode_finite
 
-FORMAT = "numalign.golden/3"
+FORMAT = "numalign.golden/4"
 #: Formats this numalign reads: format 1 sets have no decode steps, format 1 and 2 sets a
-#: calibration of one member.
-READ_FORMATS = ("numalign.golden/1", "numalign.golden/2", FORMAT)
+#: calibration of one member, formats 1 to 3 no output kinds (read from their dtypes once,
+#: ``Point.kinds``).
+READ_FORMATS = ("numalign.golden/1", "numalign.golden/2", "numalign.golden/3", FORMAT)
 MANIFEST = "manifest.json"
 #: The request name of a point's probe calls (``golden.probes``): inputs no request makes,
 #: recorded with the point's calls but not a request of the set (no model inputs; the
 #: whole-model replays never run it; layer replay replays it alone like any call).
 PROBE_REQUEST = "probe"
+#: The type a set records for a mask the model builds (``golden.mask_points.MaskFunction``).
+MASK_POINT_TYPE = "MaskFunction"
 #: The point of what a language model does to its logits after the LM head
 #: (``golden.logit_transform``), where it does something.
 LOGIT_TRANSFORM = "logit_transform"
@@ -194,6 +198,8 @@ class Point:
     type: str
     order: int
     calls: dict[str, list[Call]]  # request name -> calls in that request's forward
+    #: output path -> its kind (``compare.output_kind``), decided by the capture
+    kinds: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -317,6 +323,8 @@ class Manifest:
                     "type": p.type,
                     "order": p.order,
                     "calls": {req: [c.to_json() for c in calls] for req, calls in p.calls.items()},
+                    # an older set rewritten (its power, say) keeps its format: no kinds
+                    **({"kinds": p.kinds} if self.format == FORMAT else {}),
                 }
                 for p in self.points
             ],
@@ -367,6 +375,7 @@ class Manifest:
                             req: [Call.from_json(c) for c in calls]
                             for req, calls in p["calls"].items()
                         },
+                        _kinds(p, data["tensors"], source),
                     )
                     for p in data["points"]
                 ],
@@ -413,6 +422,19 @@ class Manifest:
                 stacklevel=3,
             )
         return manifest
+
+
+def _kinds(point: dict[str, Any], tensors: dict[str, Any], source: Path) -> dict[str, str]:
+    """A point's output kinds as stored; for a set of a format before they were (1 to 3), as
+    the capture decides them (``output_kind.kind_of``) from the dtypes its manifest records
+    of the point's outputs, a mask point by its type."""
+    if "kinds" in point:
+        return {path: check_kind(kind, f"{source}: point {point['name']!r}")
+                for path, kind in point["kinds"].items()}  # fmt: skip
+    mask_point = point["type"] == MASK_POINT_TYPE
+    return {path: kind_of(path, tensors[key]["dtype"], mask_point=mask_point)
+            for calls in point["calls"].values() for call in calls[:1]
+            for path, key in call["outputs"].items()}  # fmt: skip
 
 
 #: The fields of a manifest's top level (``Manifest.to_json``).

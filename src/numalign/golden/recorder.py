@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from numalign.compare.output_kind import kind_of
+from numalign.dtypes import dtype_name
 from numalign.golden.manifest import Call, KeyTree
 from numalign.golden.nonfinite import NonFinite, count_nonfinite
 from numalign.golden.reference import flatten, jsonable
@@ -31,6 +33,8 @@ class Recorder:
     #: the points that are masks the model builds (``golden.mask_points``): their outputs are
     #: stored as where each position may attend, whatever form the attention takes them in
     mask_points: frozenset[str] = frozenset()
+    #: each point's output kinds by path (``compare.output_kind``), decided here as recorded
+    kinds: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def on_call(
         self, request: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -62,6 +66,11 @@ class Recorder:
             output = attends(output)
         tensors = point_tensors(output)  # a router's as its logits and routing
         outputs = {p: put(f"{base}/out/{p}", t) for p, t in tensors}
+        kinds = self.kinds.setdefault(name, {})
+        for p, t in tensors:
+            kinds.setdefault(
+                p, kind_of(p, dtype_name(t.dtype), mask_point=name in self.mask_points)
+            )
         # the point's main output (hidden states; not attention weights, whose padded query
         # rows are NaN where every key is masked), at the positions the mask keeps
         first = tensors[0] if tensors else None

@@ -63,7 +63,8 @@ def record_requests(
     probed = record_probes(model, recorded, activations, recorder.on_call) if probes else []
     writer.flush()
     manifest.tensors, manifest.shards = dict(writer.tensors), dict(writer.shards)
-    manifest.points = recorded_points(model, [*point_names, *probed], recorder.calls)
+    manifest.points = recorded_points(model, [*point_names, *probed], recorder.calls,
+                                      recorder.kinds)  # fmt: skip
 
 
 def _record_request(

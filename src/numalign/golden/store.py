@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from numalign.compare.output_kind import TENSOR
 from numalign.golden.fingerprint import changed_files, fingerprint, settled_stat
 from numalign.golden.folders import MARKER, mark, marked, remove_abandoned, remove_written
 from numalign.golden.manifest import (
@@ -53,6 +54,8 @@ __all__ = [
 
 #: Where golden sets live, relative to a project's root.
 DEFAULT_SETS = Path("golden") / "sets"
+#: The one older format a set is upgraded from by rewriting its manifest (``upgrade``).
+UPGRADABLE_FORMAT = "numalign.golden/3"
 #: Shards verified against the manifest's sha256 in this process: (sha256, settled stat).
 _VERIFIED: set[tuple[object, ...]] = set()
 #: Sets opened with ``GoldenSet.open_shared``, by manifest path: (its settled stat, the set).
@@ -285,6 +288,20 @@ class GoldenSet:
         calibration = self.manifest.calibration.get(dtype)
         return list(calibration.points.get(point, {})) if calibration is not None else []
 
+    def output_kind(self, point: str, path: str) -> str:
+        """The kind of ``point``'s output ``path`` as the capture stored it
+        (``compare.output_kind``): the model's own outputs and the KV cache's states are
+        tensors; an output the set does not hold is a GoldenSetError naming it."""
+        if point in (OUTPUT_POINT, CACHE_POINT):
+            return TENSOR
+        kinds = self.point(point).kinds
+        if path not in kinds:
+            raise GoldenSetError(
+                f"{self.path}: capture point {point!r} has no output {path!r} (it has "
+                f"{', '.join(kinds) or 'none'})"
+            )
+        return kinds[path]
+
     def write_calibration(
         self, dtype: str, calibration: Calibration, *, members: list[str] | None = None
     ) -> None:
@@ -309,6 +326,23 @@ class GoldenSet:
         manifest replaced atomically)."""
         self.manifest.power = power
         write_manifest(self.path, self.manifest)
+
+    def upgrade(self) -> str | None:
+        """Rewrites the manifest of a format 3 set in the current format, its output kinds
+        (read from the dtypes it records) stored; returns the format it had, None where it
+        is current. A set of format 1 or 2 is a GoldenSetError: what it lacks (decode steps,
+        an ensemble's calibration) only a capture makes."""
+        found = self.manifest.format
+        if found == FORMAT:
+            return None
+        if found != UPGRADABLE_FORMAT:
+            raise GoldenSetError(
+                f"{self.path}: format {found} cannot be upgraded to {FORMAT} (it lacks what "
+                "only a capture records): capture the set again"
+            )
+        self.manifest.format = FORMAT
+        write_manifest(self.path, self.manifest)
+        return found
 
     def write_dtype_limit(self, dtype: str, reason: str) -> None:
         """Stores that the reference's own code cannot run in ``dtype`` (``reason``: its

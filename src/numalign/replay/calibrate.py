@@ -33,7 +33,8 @@ from numalign.compare.calibration import (
 )
 from numalign.compare.lean import LeanSums
 from numalign.compare.logits import logits_stats
-from numalign.compare.routing import agreeing, is_routing
+from numalign.compare.output_kind import CALIBRATED_KINDS, ROUTING_KIND, TENSOR
+from numalign.compare.routing import agreeing
 from numalign.errors import Unsupported
 from numalign.golden.decode import REFERENCE_CACHE, limit_message
 from numalign.golden.loading import load_reference
@@ -58,11 +59,11 @@ _Worst = dict[tuple[str, str], dict[str, float]]
 _Leans = dict[tuple[str, str, str], LeanSums]
 
 
-def _stats(actual: torch.Tensor, expected: torch.Tensor, path: str = "") -> dict[str, float]:
+def _stats(actual: torch.Tensor, expected: torch.Tensor, kind: str = TENSOR) -> dict[str, float]:
     """The errors of one output (``ERROR_STATISTICS``, the distribution's); a router's routing
-    (``compare.routing``) on the tokens whose chosen experts agree, with the fraction of
-    tokens that choose differently (``flips``)."""
-    if is_routing(path) and actual.shape == expected.shape:
+    (``kind``: ``compare.routing``) on the tokens whose chosen experts agree, with the
+    fraction of tokens that choose differently (``flips``)."""
+    if kind == ROUTING_KIND and actual.shape == expected.shape:
         actual, expected, flips, tokens = agreeing(actual, expected)
         return _stats(actual, expected) | {"flips": flips / max(tokens, 1)}
     m = compute_metrics(actual, expected)
@@ -175,10 +176,11 @@ def _accumulated(
         }
 
         def on_output(point: str, path: str, actual: Any, expected: Any, call: int) -> None:
-            if not expected.is_floating_point():
+            kind = golden.output_kind(point, path)
+            if kind not in CALIBRATED_KINDS:
                 return  # judged exactly (a mask, indices): no budget
             # every call of a point shares its calibration (the worst of them)
-            stats = _stats(actual, expected, path)
+            stats = _stats(actual, expected, kind)
             accumulated[(point, path)] = _worst(accumulated.get((point, path)), stats)
 
         with torch.no_grad(), golden_outputs(model, golden, name, on_output):
@@ -219,14 +221,15 @@ def _isolated(
                 except AloneUnsupported:
                     continue  # no isolated calibration: its layer replay skips with the reason
                 for path, key in call.outputs.items():
-                    if path in outputs and golden.tensor(key).is_floating_point():
+                    kind = golden.output_kind(point.name, path)
+                    if path in outputs and kind in CALIBRATED_KINDS:
                         expected = kept_positions(golden.tensor(key), mask)
                         actual = kept_positions(outputs[path], mask)
-                        stats = _stats(actual, expected, path)
+                        stats = _stats(actual, expected, kind)
                         isolated[(point.name, path)] = _worst(
                             isolated.get((point.name, path)), stats
                         )
-                        if actual.is_floating_point() and not is_routing(path):
+                        if kind == TENSOR and actual.is_floating_point():
                             slot = (point.name, path, "isolated")
                             leans.setdefault(slot, LeanSums()).add(actual, expected)
     return isolated
@@ -240,7 +243,7 @@ def _decoded(golden: GoldenSet, model: Any, device: str, torch_dtype: torch.dtyp
     def on_pair(
         request: str, step: int, point: str, path: str, actual: Any, expected: Any, call: int = 0
     ) -> None:
-        stats = _stats(actual, expected, path)
+        stats = _stats(actual, expected, golden.output_kind(point, path))
         if point == OUTPUT_POINT:
             agreement = logits_stats(actual, expected, 0.0)
             stats |= {k: float(getattr(agreement, k)) for k in LOGITS_STATISTICS}

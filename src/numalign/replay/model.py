@@ -16,14 +16,13 @@ from numalign import dtypes
 from numalign.compare import CompareResult
 from numalign.compare.exact import LeftOut
 from numalign.compare.judge import Judge, Observation
-from numalign.compare.locate import locate, locate_logits
+from numalign.compare.locate import locate, locate_logits, logit_transform
 from numalign.compare.logits import near_tie
 from numalign.compare.model_verdict import (
     ContinuationResult,
     ModelVerdict,
     PointResult,
     ReplayUnsupported,
-    logit_transform,
 )
 from numalign.compare.policy import thresholds_of
 from numalign.golden.manifest import LOGIT_TRANSFORM, OUTPUT_POINT, Continuation

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from numalign import dtypes
 from numalign.compare.judge import Judge
 from numalign.compare.model_verdict import Uncalibrated
+from numalign.compare.output_kind import CALIBRATED_KINDS
 from numalign.golden.manifest import PROBE_REQUEST, PowerJson
 from numalign.replay.layer import kept_positions, request_mask
 from numalign.replay.model import hidden_and_depth
@@ -103,8 +104,9 @@ def _detectable(
     judge: Judge, point: str, path: str, expected: Any, torch_dtype: Any
 ) -> Detectable | None:
     """The power of one comparison of the truth rounded to ``torch_dtype`` against the
-    truth; None where the judge has none (not floating) or refuses it (uncalibrated)."""
-    if not expected.is_floating_point():
+    truth; None where the judge has none (an output judged exactly: ``compare.output_kind``)
+    or refuses it (uncalibrated)."""
+    if judge.golden.output_kind(point, path) not in CALIBRATED_KINDS:
         return None
     try:
         result = judge.compare(point, path, expected.to(torch_dtype), expected)
