@@ -89,8 +89,11 @@ def _argument_row(action: argparse.Action) -> str | None:
         return None
     if action.option_strings:
         name = ", ".join(action.option_strings)
-        if action.nargs != 0:
-            name += f" {action.metavar or action.dest.upper()}"
+        value = action.metavar or action.dest.upper()
+        if action.nargs == "?":
+            name += f" [{value}]"
+        elif action.nargs != 0:
+            name += f" {value}"
     else:
         name = str(action.metavar or action.dest)
     default: Any = action.default

@@ -1,5 +1,6 @@
 """The numalign command line."""
 
+import argparse
 import importlib.util
 import subprocess
 import sys
@@ -212,16 +213,63 @@ def test_golden_show_and_verify_take_a_name_as_ls_prints_it() -> None:
         assert f"golden/sets/{name}" in out.stdout
 
 
+def test_golden_upgrade_rewrites_a_format_3_manifest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+    import shutil
+
+    root = Path(__file__).resolve().parents[1]
+    folder = tmp_path / "tiny-bert"
+    shutil.copytree(root / "golden" / "sets" / "tiny-bert", folder)
+    manifest = folder / "manifest.json"
+    data = json.loads(manifest.read_text())
+    kinds = {p["name"]: p.pop("kinds") for p in data["points"]}
+    data["format"] = "numalign.golden/3"
+    manifest.write_text(json.dumps(data, indent=1))
+    assert main(["golden", "upgrade", str(folder)]) == 0
+    assert "numalign.golden/3 rewritten as numalign.golden/4" in capsys.readouterr().out
+    upgraded = json.loads(manifest.read_text())
+    assert {p["name"]: p["kinds"] for p in upgraded["points"]} == kinds
+    assert main(["golden", "upgrade", str(folder)]) == 0
+    assert "already numalign.golden/4" in capsys.readouterr().out
+
+
+#: What each command hands on to the suites, added from the option table (options.add_to).
+HANDED_ON = {
+    "run": {"report_dir", "tier", "device", "dtype", "engine", "tp", "pp", "stream", "serving"},
+    "nightly": {"tier", "device", "dtype", "compile"},
+}
+#: The suites' options a command words its own way: nightly's tier defaults to the last one,
+#: its --compile is a compiled run after the eager one, and its --report-dir holds the
+#: nightly runs and their history.
+OWN_HELP = {("nightly", "--tier"), ("nightly", "--compile"), ("nightly", "--report-dir")}
+
+
 def test_run_and_nightly_take_the_suites_options_from_the_one_table() -> None:
     from numalign.cli import build_parser
     from numalign.options import OPTIONS
 
-    table = {o.flag: o.help for o in OPTIONS}
+    pytest_like = argparse.ArgumentParser()  # each option as the plugin gives it to pytest
+    table = {o.flag: (o, pytest_like.add_argument(o.flag, **o.argparse_kwargs())) for o in OPTIONS}
     commands = next(a for a in build_parser()._actions if a.choices and "run" in a.choices)
-    for name, flags in (("run", ("--device", "--dtype", "--engine", "--tp", "--pp")),
-                        ("nightly", ("--device", "--dtype"))):  # fmt: skip
-        actions = {a.option_strings[0]: a for a in commands.choices[name]._actions
-                   if a.option_strings}  # fmt: skip
-        for flag in flags:
-            assert actions[flag].help == table[flag], (name, flag)
-            assert actions[flag].default in (None, 1, "transformers")  # the table's default
+    for name, names in HANDED_ON.items():
+        sub = commands.choices[name]
+        assert set(sub.get_default("suite_options")) == names
+        for action in sub._actions:
+            if not action.option_strings or action.option_strings[0] not in table:
+                continue
+            option, expected = table[action.option_strings[0]]
+            read = (type(action), action.metavar, action.nargs, action.const)
+            assert read == (type(expected), expected.metavar, expected.nargs, expected.const)
+            if (name, option.flag) not in OWN_HELP:
+                assert option.name in names and action.help == option.help, (name, option.flag)
+
+
+def test_run_checks_what_it_hands_on_before_any_work(tmp_path: Path) -> None:
+    sets = tmp_path / "sets"
+    with pytest.raises(SystemExit, match="numalign run: --stream is not supported together with"):
+        main(["run", str(LLAMA), "--stream", "--tp", "2", "--sets", str(sets)])
+    with pytest.raises(SystemExit, match="numalign run: --serving: unknown arrangement bogus"):
+        main(["run", str(LLAMA), "--serving", "bogus", "--sets", str(sets)])
+    assert not sets.exists()  # nothing captured

@@ -1,14 +1,17 @@
-"""The option table (numalign.options) and its one validation (Settings.from_options), shared
-by the plugin and the CLI's run and nightly."""
+"""The option table (numalign.options), the one place every option is declared, and its one
+validation (Settings.from_options), shared by the plugin and the CLI's run and nightly."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from numalign.options import INI_TYPES, OPTIONS
-from numalign.settings import DEFAULT_CACHE_IMPLEMENTATIONS, Settings
+from numalign.option_values import DEFAULT_CACHE_IMPLEMENTATIONS
+from numalign.options import BY_NAME, INI_TYPES, OPTIONS, Option, add_to, command_values
+from numalign.settings import Settings
 
 
 def test_every_option_of_the_table_is_validated_and_its_default_is_valid() -> None:
@@ -18,6 +21,46 @@ def test_every_option_of_the_table_is_validated_and_its_default_is_valid() -> No
     assert settings.truth_cache_max_bytes == 4 * 10**9 and settings.keep_runs == 10
     assert len({o.name for o in OPTIONS}) == len({o.ini for o in OPTIONS}) == len(OPTIONS)
     assert all(o.ini_type in INI_TYPES and o.ini.startswith("numalign_") for o in OPTIONS)
+
+
+def test_every_settings_field_is_set_by_one_option() -> None:
+    fields = [f.name for f in dataclasses.fields(Settings)]
+    assert sorted(o.setting for o in OPTIONS) == sorted(fields)
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=lambda o: o.flag)
+def test_each_options_default_reads_as_the_settings_default(option: Option) -> None:
+    """What a session gets without the flag or the ini key is what ``Settings()`` holds (the
+    truth cache's folder, which the plugin resolves against the rootdir, reads as off)."""
+    assert option.read(option.default) == getattr(Settings(), option.setting)
+
+
+def test_a_text_option_needs_a_parser_and_no_other_has_one() -> None:
+    with pytest.raises(ValueError, match="--x: a text option has a parser"):
+        Option("--x", "numalign_x", "x", setting="x")
+    with pytest.raises(ValueError, match="--x: a text option has a parser"):
+        Option("--x", "numalign_x", "x", setting="x", ini_type="bool", parse=str)
+    with pytest.raises(ValueError, match="--x: ini type 'int' is not one of"):
+        Option("--x", "numalign_x", "x", setting="x", ini_type="int", parse=int)
+
+
+def test_a_command_takes_the_suites_options_from_the_table() -> None:
+    parser = argparse.ArgumentParser()
+    add_to(parser, ["device", "compile", "tp"])
+    add_to(parser, ["tier"], defaults=True, choices=("pr",))
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    for name in ("device", "compile", "tp", "tier"):
+        option, action = BY_NAME[name], actions[name]
+        assert action.option_strings == [option.flag] and action.help == option.help
+        assert (action.metavar, action.nargs, action.const) == (
+            option.metavar, option.nargs, option.const
+        )  # fmt: skip
+    assert actions["device"].default is None and actions["tier"].default == "pr"
+    assert actions["tier"].choices == ("pr",) and actions["device"].choices is None
+    args = parser.parse_args(["--compile", "--tp", "2"])
+    values = {"device": None, "compile": "inductor", "tp": "2", "tier": "pr"}
+    assert command_values(args) == values
+    assert Settings.from_options(values) == Settings(compile_backend="inductor", tp=2)
 
 
 def test_absent_options_keep_the_defaults_and_unknown_names_are_refused() -> None:

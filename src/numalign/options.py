@@ -1,23 +1,47 @@
-"""The numalign pytest options as data: one :class:`Option` per command-line option and ini
-key, in the order ``pytest --help`` lists them. The plugin registers them; ``Settings.
-from_options`` validates their values (by :attr:`Option.name`); ci/options_reference.py
-writes docs/reference/options.md from them."""
+"""The numalign options as data: one :class:`Option` per command-line option and ini key, in
+the order ``pytest --help`` lists them, each with the ``Settings`` field it sets and how its
+value is read. Everything else is built from this table: the plugin registers it
+(``pytest_addoption``), ``Settings.from_options`` validates by it, the commands that hand
+options on to the suites (``numalign run``, ``nightly``) add them with :func:`add_to`, and
+ci/options_reference.py writes docs/reference/options.md from it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import KW_ONLY, dataclass
+from pathlib import Path
 from typing import Any
 
-from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING
-from numalign.settings import (
+from numalign.option_values import (
     ATTN_IMPLEMENTATIONS,
     CACHE_IMPLEMENTATIONS,
     DEFAULT_CACHE_IMPLEMENTATIONS,
     DEFAULT_DTYPES,
+    DEFAULT_ENGINE,
+    DEFAULT_REGRESSION_FACTOR,
     DEFAULT_TIER,
     DEFAULT_VLLM_MEMORY,
     TIERS,
+    optional_path,
+    optional_text,
+    parse_attn_implementation,
+    parse_cache_implementations,
+    parse_count,
+    parse_engine,
+    parse_experts_implementation,
+    parse_ranks,
+    parse_regression_factor,
+    parse_run_dtypes,
+    parse_seconds,
+    parse_shard,
+    parse_share,
+    parse_size,
+    parse_tier,
+    parse_tp,
 )
+from numalign.runtime.devices import validate_device
+from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING, parse_serving
 
 #: pytest's ini types an option's ini key may have.
 INI_TYPES: tuple[str, ...] = ("string", "linelist", "paths", "bool")
@@ -25,14 +49,19 @@ INI_TYPES: tuple[str, ...] = ("string", "linelist", "paths", "bool")
 
 @dataclass(frozen=True)
 class Option:
-    """One numalign option: its flag, its ini key (also its ``dest``), its help, its ini type
-    and default (what the session gets when neither the flag nor the ini key is given), and
-    how argparse reads the flag (``action``: ``append`` for a repeatable option,
-    ``store_true`` for a switch; ``nargs``/``const`` for an optional value)."""
+    """One numalign option: its flag, its ini key (also its pytest ``dest``), its help, the
+    ``Settings`` field it sets (``setting``) and, for a text option, the parser of its text
+    (``parse``: text -> the field's value, ValueError naming the option); its ini type and
+    default (what the session gets when neither the flag nor the ini key is given), and how
+    argparse reads the flag (``action``: ``append`` for a repeatable option, ``store_true``
+    for a switch; ``nargs``/``const`` for an optional value)."""
 
     flag: str
     ini: str
     help: str
+    _: KW_ONLY
+    setting: str
+    parse: Callable[[str], Any] | None = None
     ini_type: str = "string"
     default: Any = ""
     action: str | None = None
@@ -40,10 +69,29 @@ class Option:
     nargs: str | None = None
     const: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.ini_type not in INI_TYPES:
+            raise ValueError(f"{self.flag}: ini type {self.ini_type!r} is not one of {INI_TYPES}")
+        if (self.parse is None) != (self.ini_type != "string"):
+            raise ValueError(f"{self.flag}: a text option has a parser, and no other has one")
+
     @property
     def name(self) -> str:
         """The key of its value in ``Settings.from_options``: ``--tp-timeout`` -> ``tp_timeout``."""
         return self.flag.removeprefix("--").replace("-", "_")
+
+    def read(self, value: Any) -> Any:
+        """Its ``Settings`` value, from the value pytest or a command gives: a switch's as a
+        bool, a repeatable option's list as a tuple (of paths for ``paths``), a text through
+        ``parse`` (None read as empty, a number as its text); ValueError from ``parse``."""
+        if self.ini_type == "bool":
+            return bool(value)
+        if self.ini_type == "paths":
+            return tuple(Path(p) for p in value)
+        if self.ini_type == "linelist":
+            return tuple(value)
+        assert self.parse is not None  # __post_init__: every text option has one
+        return self.parse("" if value is None else str(value))
 
     def argparse_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of its ``addoption`` besides the flag, ``dest`` and help."""
@@ -65,6 +113,8 @@ OPTIONS: tuple[Option, ...] = (
         "numalign_device",
         "where candidates run: auto (first of cuda, xpu, npu, mps, else cpu), cpu, cuda:1, ...",
         default="auto",
+        setting="device",
+        parse=validate_device,
     ),
     Option(
         "--device-plugin",
@@ -73,18 +123,23 @@ OPTIONS: tuple[Option, ...] = (
         ini_type="linelist",
         default=[],
         action="append",
+        setting="device_plugins",
     ),
     Option(
         "--dtype",
         "numalign_dtype",
         f"comma list of dtypes candidates run in (default {','.join(DEFAULT_DTYPES)})",
         default=",".join(DEFAULT_DTYPES),
+        setting="dtypes",
+        parse=parse_run_dtypes,
     ),
     Option(
         "--tier",
         "numalign_tier",
         f"case grid size: {', '.join(TIERS)} (default {DEFAULT_TIER})",
         default=DEFAULT_TIER,
+        setting="tier",
+        parse=parse_tier,
     ),
     Option(
         "--golden",
@@ -93,6 +148,7 @@ OPTIONS: tuple[Option, ...] = (
         ini_type="paths",
         default=[],
         action="append",
+        setting="golden_dirs",
     ),
     Option(
         "--golden-only",
@@ -102,6 +158,7 @@ OPTIONS: tuple[Option, ...] = (
         ini_type="bool",
         default=False,
         action="store_true",
+        setting="golden_only",
     ),
     Option(
         "--candidates",
@@ -110,24 +167,31 @@ OPTIONS: tuple[Option, ...] = (
         ini_type="linelist",
         default=[],
         action="append",
+        setting="candidate_modules",
     ),
     Option(
         "--report-dir",
         "numalign_report_dir",
         "where run reports go (default reports/)",
         default="reports",
+        setting="report_dir",
+        parse=Path,
     ),
     Option(
         "--drift-baseline",
         "numalign_drift_baseline",
         "a run folder or records.jsonl to compare this run against",
         default="",
+        setting="baseline",
+        parse=optional_path,
     ),
     Option(
         "--regression-factor",
         "numalign_regression_factor",
         "a record regresses when its use of budget grows beyond this factor (default 2)",
-        default="2.0",
+        default=str(DEFAULT_REGRESSION_FACTOR),
+        setting="regression_factor",
+        parse=parse_regression_factor,
     ),
     Option(
         "--fail-on-regression",
@@ -136,12 +200,15 @@ OPTIONS: tuple[Option, ...] = (
         ini_type="bool",
         default=False,
         action="store_true",
+        setting="fail_on_regression",
     ),
     Option(
         "--history",
         "numalign_history",
         "history file runs are appended to (default <report-dir>/history.jsonl)",
         default="",
+        setting="history",
+        parse=optional_path,
     ),
     Option(
         "--swap",
@@ -151,6 +218,7 @@ OPTIONS: tuple[Option, ...] = (
         ini_type="linelist",
         default=[],
         action="append",
+        setting="swaps",
     ),
     Option(
         "--attn-implementation",
@@ -158,6 +226,8 @@ OPTIONS: tuple[Option, ...] = (
         "transformers attention implementation for model replay: eager or one transformers "
         "offers (" + ", ".join(ATTN_IMPLEMENTATIONS) + ", flash_attention_2, ...)",
         default="",
+        setting="attn_implementation",
+        parse=parse_attn_implementation,
     ),
     Option(
         "--engine",
@@ -165,7 +235,9 @@ OPTIONS: tuple[Option, ...] = (
         "what replays the model suites' models: transformers (the reference's modelling "
         "code) or vllm (vLLM's own model code, its modules mapped to the capture points; "
         "see docs/vllm.md)",
-        default="transformers",
+        default=DEFAULT_ENGINE,
+        setting="engine",
+        parse=parse_engine,
     ),
     Option(
         "--vllm-memory",
@@ -173,6 +245,8 @@ OPTIONS: tuple[Option, ...] = (
         "share of the device's memory (on CPU: of RAM) vLLM reserves for its KV cache "
         f"(gpu_memory_utilization; default {DEFAULT_VLLM_MEMORY})",
         default=str(DEFAULT_VLLM_MEMORY),
+        setting="vllm_memory",
+        parse=lambda text: parse_share(text, "--vllm-memory"),
     ),
     Option(
         "--serving",
@@ -181,6 +255,8 @@ OPTIONS: tuple[Option, ...] = (
         f"all, or a comma list of {', '.join(ARRANGEMENTS)} (default {DEFAULT_SERVING}; "
         "--engine vllm; see docs/vllm.md)",
         default=DEFAULT_SERVING,
+        setting="serving",
+        parse=parse_serving,
     ),
     Option(
         "--experts-implementation",
@@ -188,6 +264,8 @@ OPTIONS: tuple[Option, ...] = (
         "transformers experts implementation of MoE models for model replay: eager, "
         "batched_mm, grouped_mm",
         default="",
+        setting="experts_implementation",
+        parse=parse_experts_implementation,
     ),
     Option(
         "--cache-implementation",
@@ -196,6 +274,8 @@ OPTIONS: tuple[Option, ...] = (
         + ", ".join(CACHE_IMPLEMENTATIONS)
         + f" (default {','.join(DEFAULT_CACHE_IMPLEMENTATIONS)})",
         default=",".join(DEFAULT_CACHE_IMPLEMENTATIONS),
+        setting="cache_implementations",
+        parse=parse_cache_implementations,
     ),
     Option(
         "--shard",
@@ -203,6 +283,8 @@ OPTIONS: tuple[Option, ...] = (
         "I/N: run only the I-th of N shards of the tests, split by a stable hash of test ids "
         "(join the runs with numalign report merge)",
         default="",
+        setting="shard",
+        parse=parse_shard,
     ),
     Option(
         "--allow-tf32",
@@ -211,6 +293,7 @@ OPTIONS: tuple[Option, ...] = (
         ini_type="bool",
         default=False,
         action="store_true",
+        setting="allow_tf32",
     ),
     Option(
         "--truth-cache",
@@ -218,6 +301,8 @@ OPTIONS: tuple[Option, ...] = (
         "folder of the operator suite's cached float64 truths, relative to the rootdir "
         "(default .numalign-cache/truths, or $NUMALIGN_CACHE/truths); off: no cache",
         default="",
+        setting="truth_cache",
+        parse=optional_path,
     ),
     Option(
         "--truth-cache-size",
@@ -226,6 +311,8 @@ OPTIONS: tuple[Option, ...] = (
         "(4GB, 500MB, 2GiB; 0: no cap; default 4GB)",
         default="4GB",
         metavar="SIZE",
+        setting="truth_cache_max_bytes",
+        parse=lambda text: parse_size(text, "--truth-cache-size"),
     ),
     Option(
         "--keep-runs",
@@ -234,6 +321,8 @@ OPTIONS: tuple[Option, ...] = (
         "never the latest nor the baseline (0: keep every run; default 10)",
         default="10",
         metavar="N",
+        setting="keep_runs",
+        parse=lambda text: parse_count(text, "--keep-runs"),
     ),
     Option(
         "--compile",
@@ -245,6 +334,8 @@ OPTIONS: tuple[Option, ...] = (
         nargs="?",
         const="inductor",
         metavar="BACKEND",
+        setting="compile_backend",
+        parse=optional_text,
     ),
     Option(
         "--compile-mode",
@@ -252,6 +343,8 @@ OPTIONS: tuple[Option, ...] = (
         "torch.compile mode with --compile: default, reduce-overhead, max-autotune, "
         "max-autotune-no-cudagraphs",
         default="",
+        setting="compile_mode",
+        parse=optional_text,
     ),
     Option(
         "--tp",
@@ -261,6 +354,8 @@ OPTIONS: tuple[Option, ...] = (
         "own group of N ranks with torchrun",
         default="1",
         metavar="N",
+        setting="tp",
+        parse=parse_tp,
     ),
     Option(
         "--pp",
@@ -270,6 +365,8 @@ OPTIONS: tuple[Option, ...] = (
         "and timed as --tp's ranks (--tp-launcher, --tp-timeout); see docs/pipeline-parallel.md",
         default="1",
         metavar="N",
+        setting="pp",
+        parse=lambda text: parse_ranks(text, "--pp", "pipeline"),
     ),
     Option(
         "--tp-launcher",
@@ -280,6 +377,8 @@ OPTIONS: tuple[Option, ...] = (
         "--standalone with N processes on this machine",
         default="",
         metavar="COMMAND",
+        setting="tp_launcher",
+        parse=optional_text,
     ),
     Option(
         "--tp-timeout",
@@ -288,6 +387,8 @@ OPTIONS: tuple[Option, ...] = (
         "stopped and its test fails",
         default="600",
         metavar="SECONDS",
+        setting="tp_timeout",
+        parse=lambda text: parse_seconds(text, "--tp-timeout"),
     ),
     Option(
         "--stream",
@@ -299,5 +400,42 @@ OPTIONS: tuple[Option, ...] = (
         ini_type="bool",
         default=False,
         action="store_true",
+        setting="stream",
     ),
 )
+
+
+#: The options by :attr:`Option.name`.
+BY_NAME: Mapping[str, Option] = {option.name: option for option in OPTIONS}
+
+#: Where a command's parser keeps the names of the options :func:`add_to` gave it.
+_ADDED = "suite_options"
+
+
+def add_to(
+    parser: argparse.ArgumentParser,
+    names: Iterable[str],
+    *,
+    defaults: bool = False,
+    **overrides: Any,
+) -> None:
+    """Adds the options ``names`` (:attr:`Option.name`) to a command that hands them on to
+    the suites, as pytest has them: the same flag, help, action, metavar, nargs and const.
+    Not given, each is None, so the suites take their ini key, else the table's default
+    (which the help names); with ``defaults``, the table's default, for a command that reads
+    the value itself. ``overrides`` are argparse keywords of the command's own for every
+    name given (a type, choices, a default or help of its own). :func:`command_values` reads
+    them back."""
+    names = tuple(names)
+    for name in names:
+        option = BY_NAME[name]
+        kwargs = {"help": option.help, **option.argparse_kwargs()}
+        kwargs["default"] = option.default if defaults else None
+        parser.add_argument(option.flag, **(kwargs | overrides))
+    parser.set_defaults(**{_ADDED: (*(parser.get_default(_ADDED) or ()), *names)})
+
+
+def command_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The values of the options :func:`add_to` gave the command ``args`` were parsed by, by
+    :attr:`Option.name`, as ``Settings.from_options`` takes them (None: not given)."""
+    return {name: getattr(args, name) for name in getattr(args, _ADDED, ())}

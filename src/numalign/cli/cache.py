@@ -13,7 +13,7 @@ def _cache(args: argparse.Namespace) -> int:
     """numalign cache info | prune: the operator suite's truth cache."""
     from collections import defaultdict
 
-    from numalign.settings import parse_size
+    from numalign.option_values import parse_size
     from numalign.truths import cache_entries, default_truth_folder, prune_truths
 
     folder = Path(args.cache) if args.cache else default_truth_folder(Path.cwd())

@@ -1,5 +1,5 @@
-"""What every command shares: the help formatter, subparsers, checks of a model folder
-and of dtypes, the suites' options as a command's."""
+"""What every command shares: the help formatter, subparsers, checks of a model folder,
+of dtypes and of the options a command hands on to the suites."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 def check_dtypes(text: str | None, option: str, command: str) -> None:
     """A comma list of dtypes, checked before any work (``--calibrate bf16`` ran a capture,
     then raised AttributeError)."""
-    from numalign.settings import parse_dtypes
+    from numalign.option_values import parse_dtypes
 
     if text:
         try:
@@ -47,29 +47,14 @@ def subparser(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentParse
     return parser
 
 
-def suite_option(parser: argparse.ArgumentParser, flag: str, **overrides: Any) -> None:
-    """A pytest option of the suites (``options.OPTIONS``, the one table) as a command's
-    that hands it to them: its help, metavar, nargs and const from the table; ``overrides``
-    where the command reads it otherwise (a type, choices, its own default). Not given and
-    without a default of the command's, the suites take the table's default, which the help
-    names."""
-    from numalign.options import OPTIONS
-
-    option = next(o for o in OPTIONS if o.flag == flag)
-    kwargs: dict[str, Any] = {"help": option.help, "default": None}
-    for key in ("metavar", "nargs", "const"):
-        if getattr(option, key) is not None:
-            kwargs[key] = getattr(option, key)
-    parser.add_argument(flag, **(kwargs | overrides))
-
-
-def check_run_options(args: argparse.Namespace, command: str, **values: object) -> None:
-    """The options ``run`` and ``nightly`` hand to the suites, validated before any work as
-    the plugin validates them (``Settings.from_options``)."""
+def check_run_options(args: argparse.Namespace, command: str) -> None:
+    """The options ``run`` and ``nightly`` hand to the suites (those ``options.add_to`` gave
+    the command), validated before any work as the plugin validates them
+    (``Settings.from_options``)."""
+    from numalign.options import command_values
     from numalign.settings import Settings
 
-    options = {"device": args.device, "dtype": args.dtype, "tier": args.tier, **values}
     try:
-        Settings.from_options(options)
+        Settings.from_options(command_values(args))
     except ValueError as exc:
         raise SystemExit(f"numalign {command}: {exc}") from None

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from numalign.cli.common import subparser
+from numalign.option_values import DEFAULT_REGRESSION_FACTOR
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -87,7 +88,7 @@ def add_report(commands: Any) -> None:
         "--baseline", help="a run folder or records.jsonl to compare against (none: no diff)"
     )
     report.add_argument(
-        "--factor", type=float, default=2.0,
+        "--factor", type=float, default=DEFAULT_REGRESSION_FACTOR,
         help="a record regresses when its use of budget grows beyond this factor",
     )  # fmt: skip
     report.add_argument(
