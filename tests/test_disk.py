@@ -13,9 +13,9 @@ import torch
 
 from numalign import opcheck
 from numalign.cli import main
+from numalign.option_values import parse_size
 from numalign.registry import OPERATORS, load_catalogue
 from numalign.report.retention import prune_runs, run_folders
-from numalign.settings import parse_size
 from numalign.truths import TruthCache, cache_entries, cache_size, prune_truths
 
 load_catalogue()

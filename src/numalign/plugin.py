@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from numalign.option_values import TIERS
 from numalign.options import OPTIONS
-from numalign.settings import TIERS, Settings, in_shard
+from numalign.settings import Settings, in_shard
 from numalign.testids import parse_replay_group
 from numalign.truths import (
     CacheSecretError,

@@ -16,26 +16,15 @@ from numalign.option_values import (
     DEFAULT_REGRESSION_FACTOR,
     DEFAULT_TIER,
     DEFAULT_VLLM_MEMORY,
-    KV_CACHES,
     TIERS,
-    parse_dtypes,
-    parse_shard,
-    parse_size,
 )
 from numalign.options import BY_NAME, OPTIONS
 from numalign.serving import DEFAULT_SERVING
 
-#: Settings and the checks across options; the rest are re-exported for the modules that
-#: import them from here (their home is ``numalign.option_values``).
 __all__ = [
-    "KV_CACHES",
-    "TIERS",
     "Settings",
     "engine_conflicts",
     "in_shard",
-    "parse_dtypes",
-    "parse_shard",
-    "parse_size",
     "pipeline_conflicts",
     "stream_conflicts",
 ]

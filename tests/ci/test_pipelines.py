@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from numalign.option_values import parse_shard
 from numalign.record import DriftRecord, read_records
-from numalign.settings import in_shard, parse_shard
+from numalign.settings import in_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATORS = ROOT / "suites" / "operators" / "test_operators.py"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.errors import Unsupported
-from numalign.settings import KV_CACHES
+from numalign.option_values import KV_CACHES
 
 if TYPE_CHECKING:
     import torch
@@ -289,7 +289,7 @@ def filled_cache(output: Any, cache: Any) -> Any:
 
 
 def new_cache(model: Any, implementation: str, max_len: int) -> Any:
-    """An empty KV cache of ``implementation`` (one of ``settings.KV_CACHES``, transformers'
+    """An empty KV cache of ``implementation`` (one of ``option_values.KV_CACHES``, transformers'
     ``cache_implementation`` names) for ``model``, holding at least ``max_len`` positions; its
     layers follow the model's config (sliding window, linear attention). None for a model that
     builds its own (``own_cache``) where ``implementation`` is the dynamic one: the prefill
