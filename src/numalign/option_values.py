@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from numalign.compare.tolerances import REGRESSION_FACTOR
 from numalign.dtypes import RUN_DTYPES
 
 #: transformers' attention implementations a model replay can ask for.
@@ -37,8 +38,8 @@ TIERS: tuple[str, ...] = ("smoke", "pr", "nightly")
 DEFAULT_TIER = "pr"
 
 #: A record regresses when its use of budget grows beyond this factor (``--regression-factor``,
-#: ``numalign report --factor``).
-DEFAULT_REGRESSION_FACTOR = 2.0
+#: ``numalign report --factor``; its reason: ``compare.tolerances``).
+DEFAULT_REGRESSION_FACTOR = REGRESSION_FACTOR
 
 
 def optional_text(text: str) -> str | None:
