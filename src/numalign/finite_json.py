@@ -32,6 +32,13 @@ def encode(value: Any) -> Any:
     """``value`` with every non-finite float (a real number of any type: numpy's included)
     replaced by its string in NON_FINITE, through dicts, lists and tuples (tuples become
     lists, as JSON has them)."""
+    kind = type(value)
+    if kind is float:  # the common cases first: numbers.Real's check is slow
+        return value if math.isfinite(value) else _word(value)
+    if kind is dict:
+        return {k: encode(v) for k, v in value.items()}
+    if kind is list:
+        return [encode(v) for v in value]
     if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
         return value
     if isinstance(value, numbers.Integral):

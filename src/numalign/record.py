@@ -21,7 +21,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -197,13 +197,13 @@ class DriftRecord:
         return cls(test_id=test_id, verdict=verdict, **(context_from_test_id(test_id) | context))
 
     def to_dict(self) -> dict[str, Any]:
-        """The record's fields, numbers as they are (NaN included)."""
-        return asdict(self)
+        """The record's fields, numbers as they are (NaN included), dicts and lists copied."""
+        return {name: _copied(getattr(self, name)) for name in _FIELD_NAMES}
 
     def to_json(self) -> dict[str, Any]:
         """The record's fields, JSON-ready: non-finite numbers as ``finite_json`` writes
         them (``from_dict`` reads them back)."""
-        data: dict[str, Any] = finite_json.encode(self.to_dict())
+        data: dict[str, Any] = finite_json.encode({n: getattr(self, n) for n in _FIELD_NAMES})
         return data
 
     def with_fields(self, **changes: Any) -> DriftRecord:
@@ -259,6 +259,18 @@ class DriftRecord:
 
 
 #: The mode of a model-suite test's records, by its test function.
+#: DriftRecord's fields, in order (what to_dict and to_json write).
+_FIELD_NAMES = tuple(f.name for f in fields(DriftRecord))
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with its dicts and lists copied (all a record's fields hold besides scalars:
+    ``dataclasses.asdict``'s generic deep copy would cost many times more)."""
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()}
+    return [_copied(item) for item in value] if isinstance(value, list) else value
+
+
 _MODES = {"test_layer": "isolated", "test_model": "accumulated", "test_decode": "decode"}
 
 
@@ -410,15 +422,6 @@ def new_run_id(now: float | None = None) -> str:
     in the same second must not share a run)."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
     return f"{stamp}-{os.getpid()}-{secrets.token_hex(6)}"
-
-
-def merge_records(runs: Iterable[list[DriftRecord]]) -> list[DriftRecord]:
-    """Records of several runs; a key seen twice keeps the later run's record."""
-    merged: dict[str, DriftRecord] = {}
-    for records in runs:
-        for record in records:
-            merged[record.key] = record
-    return list(merged.values())
 
 
 class NodeRecorder:

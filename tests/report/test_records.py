@@ -146,8 +146,9 @@ def test_a_point_called_twice_in_one_request_keeps_both_records() -> None:
     """A module called twice in one forward (a shared block, a weight-tied layer) gives one
     record per call: their keys differ, so merging runs and diffing against a baseline keep
     both (before calls were counted, one silently replaced the other)."""
-    from numalign.record import DriftRecord, merge_records
+    from numalign.record import DriftRecord
     from numalign.report.baseline import diff_runs
+    from numalign.report.run import merge_records
 
     def record(call: int, used: float) -> DriftRecord:
         return DriftRecord(test_id="suites/models/test_model.py::test_model[shared-float32]",

@@ -5,7 +5,7 @@ divergence and max abs error, over the positions kept. Plain statistics; the mod
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare.tolerances import Thresholds
@@ -37,7 +37,7 @@ class LogitsStats:
     near_tie: float
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def logits_stats(actual: torch.Tensor, expected: torch.Tensor, near_tie: float) -> LogitsStats:

@@ -8,7 +8,7 @@ only at the level of float64 rounding (about 1e-16 relative).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from numalign import dtypes
@@ -97,7 +97,8 @@ class Metrics:
         return cls(numel=numel, **(values | fields))
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        # every field is a number, None or a tuple (immutable): no deep copy to make
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["mismatch_fraction"] = self.mismatch_fraction
         return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,6 @@ from numalign.compare.tolerances import Thresholds
 from numalign.record import (
     DriftRecord,
     count_outcomes,
-    merge_records,
     outcome_of,
     read_records,
     write_records,
@@ -27,6 +27,15 @@ from numalign.report.session import SESSION_FILE, merge_sessions, read_session, 
 from numalign.report.tables import summarize, write_tables
 from numalign.report.variants import compiled_cost, side_by_side
 from numalign.report.verdict import RunVerdict, judge_run
+
+
+def merge_records(runs: Iterable[list[DriftRecord]]) -> list[DriftRecord]:
+    """Records of several runs; a key seen twice keeps the later run's record."""
+    merged: dict[str, DriftRecord] = {}
+    for records in runs:
+        for record in records:
+            merged[record.key] = record
+    return list(merged.values())
 
 
 @dataclass
