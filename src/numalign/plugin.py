@@ -3,6 +3,7 @@ behaviour lives in the library; torch is imported only by fixtures that need it.
 
 from __future__ import annotations
 
+import gc
 import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -210,7 +211,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     it among others that have it skips its tests with the reason). In an xdist worker, which
     has already sent its tests to the controller, a usage error would end its session with
     them unreported (xdist's INTERNALERROR): there each of those tests fails at its setup with
-    the usage error's message instead."""
+    the usage error's message instead.
+
+    What collection imported (torch, transformers, the suites) lives as long as the session:
+    it is moved out of the garbage collector's view (``gc.freeze``), so that the full
+    collections others run (transformers' paged engine at each stop, pytest at exit) scan
+    only what the tests create."""
+    gc.freeze()
     settings = session.config.stash[settings_key]
     if not settings.swaps:
         return
