@@ -15,6 +15,9 @@ the machine's + ATen AVX2 + every core), so that passing is not passing by const
   fused RMSNorm, or a var_mean LayerNorm, swapped into every model that has one (float32
   accumulation in another order than the reference's).
 
+The instruction-set variants run every dtype; the three that reorder a reduction run float32
+and bfloat16.
+
 Variants whose instruction set this CPU lacks are skipped (said in the table). The model
 suites run for every variant, on the zoo and on a sample of the day-0 sweep's types
 (``SWEEP_SAMPLE``, ``--sweep-sample``: built and captured first, as ``numalign zoo sweep``
@@ -55,6 +58,9 @@ class Variant:
     operators: bool = False
 
 
+#: The dtypes of the variants that reorder a reduction (below).
+TWO_DTYPES = ("--dtype", "float32,bfloat16")
+
 VARIANTS = (
     Variant(
         "isa-avx2",
@@ -68,19 +74,29 @@ VARIANTS = (
         needs=("avx512f",),
         operators=True,
     ),
-    Variant("threads-2-sdpa", args=("--attn-implementation", "sdpa"), workers=0),
+    # the variants below change a reduction's order, not the instruction set: float32 and
+    # bfloat16 (the widest and the narrowest mantissa) judge them; float16 runs in the two
+    # instruction-set variants above
+    Variant("threads-2-sdpa", args=("--attn-implementation", "sdpa", *TWO_DTYPES), workers=0),
     # each swap on the models that have its module (one without it would skip with the
     # reason, at a quarter second a test: 900 of them for the LayerNorm swap): BERT, GPT-2
     # and BLOOM have no RMSNorm; of the others only Qwen2-VL's vision tower has LayerNorms
     Variant(
         "swap-fused-rms-norm",
-        args=("--swap", "rms_norm=fused", "-k", "not tiny-bert and not tiny-gpt2 and not bloom"),
+        args=(
+            "--swap",
+            "rms_norm=fused",
+            *TWO_DTYPES,
+            "-k",
+            "not tiny-bert and not tiny-gpt2 and not bloom",
+        ),
     ),
     Variant(
         "swap-var-mean-layer-norm",
         args=(
             "--swap",
             "layer_norm=var_mean",
+            *TWO_DTYPES,
             "-k",
             "tiny-bert or tiny-gpt2 or tiny-qwen2-vl or bloom",
         ),
