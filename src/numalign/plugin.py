@@ -214,9 +214,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     the usage error's message instead.
 
     What collection imported (torch, transformers, the suites) lives as long as the session:
-    it is moved out of the garbage collector's view (``gc.freeze``), so that the full
-    collections others run (transformers' paged engine at each stop, pytest at exit) scan
-    only what the tests create."""
+    once collection's own garbage is collected, it is moved out of the garbage collector's
+    view (``gc.freeze``), so that the full collections others run (transformers' paged
+    engine at each stop, pytest at exit) scan only what the tests create."""
+    gc.collect()
     gc.freeze()
     settings = session.config.stash[settings_key]
     if not settings.swaps:
