@@ -48,6 +48,27 @@ def test_a_path_the_model_cannot_take_skips_without_a_record(exc: Exception) -> 
     assert _ended(exc) == ("Skipped", "no sdpa here", [])
 
 
+def test_a_skip_that_names_a_rule_leaves_a_skipped_record_of_it_with_the_replay_s_fields() -> None:
+    """What the reports must count as not judged (an uncalibrated set, a point an engine has
+    no counterpart for) leaves a ``skipped`` record of the exception's rule; the fields are
+    the guard's (the variant) and the exception's (the engine's replay context)."""
+    from numalign.compare.model_verdict import Uncalibrated
+    from numalign.errors import UNCALIBRATED
+    from numalign.replay.decode import DecodeUnavailable
+    from numalign.replay.engines import NotJudged
+
+    unmapped = NotJudged("unmapped: no module", {"engine": "vllm", "model": "tiny-mistral"})
+    ending, message, (record,) = _ended(unmapped, swap="tp=2")
+    assert (ending, message) == ("Skipped", "unmapped: no module")
+    assert (record.verdict, record.rule, record.reason) == ("skipped", "skipped", message)
+    assert (record.engine, record.model, record.swap) == ("vllm", "tiny-mistral", "tp=2")
+    ending, _, (record,) = _ended(Uncalibrated("captured with --calibrate ''\nsecond line"))
+    assert (ending, record.rule, record.reason) == ("Skipped", UNCALIBRATED, "captured with "
+                                                    "--calibrate ''")  # fmt: skip
+    # a set without decode steps is nothing to count: a skip, no record
+    assert _ended(DecodeUnavailable("tiny-bert has no decode steps"))[2] == []
+
+
 def test_a_compiler_failure_is_an_error_record_with_what_compiling_cost() -> None:
     spent = CompileStats(compile_s=1.25, graph_breaks=2)
     ending, message, (record,) = _ended(

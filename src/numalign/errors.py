@@ -4,7 +4,9 @@ line prints follow from the kind, never from a module's own class list or a mess
 
 - :class:`Unsupported`: a path this model, engine or device cannot take here (transformers
   lacks an implementation, vLLM does not serve the model, a module cannot run alone, no
-  tensor-parallel plan). The test is skipped with the reason; nothing is wrong.
+  tensor-parallel plan, a set without decode steps). The test is skipped with the reason;
+  nothing is wrong. Where the reports must count the skip (its ``rule``), it leaves a
+  ``skipped`` record.
 - :class:`BrokenData`: a golden set, checkpoint or model folder that is missing, stale,
   corrupted or not what it claims. The test fails with a message that says how to fix it;
   the data is never half-written.
@@ -34,8 +36,18 @@ class NumalignError(Exception):
         return {}
 
 
+#: The rule of the record a replay skipped for want of calibration leaves (the reports count
+#: such tests as not judged, never as passed).
+UNCALIBRATED = "uncalibrated"
+
+
 class Unsupported(NumalignError):
-    """A path that cannot be taken here: the test skips with the reason."""
+    """A path that cannot be taken here: the test skips with the reason. A subclass that sets
+    ``rule`` also leaves a ``skipped`` record of that rule (with ``record_fields``), where the
+    reports must count what was not judged (an uncalibrated set, a point an engine has no
+    counterpart for)."""
+
+    rule: str | None = None
 
 
 class BrokenData(NumalignError):

@@ -57,9 +57,6 @@ STATUSES: tuple[str, ...] = OUTCOMES
 FAILING: tuple[str, ...] = ("failed", "error", "crashed", "xpassed")
 #: Model-suite modes that judge the model's end result rather than a capture point.
 END_MODES = ("logits", "continuation", "output")
-#: The rule of the skipped record of a test that was not judged for want of calibration (its
-#: golden set has none of a point in the dtype: captured with ``--calibrate ''``).
-UNCALIBRATED = "uncalibrated"
 #: Fields that hold numbers (or, in ``metrics`` and ``budget``, dicts of them): read back
 #: through ``finite_json.decode``.
 _NUMBERS = (

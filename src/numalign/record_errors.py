@@ -8,10 +8,10 @@ as :func:`outcome_for` says, with its record:
   set's own message (it says how to fix it);
 - a path this model cannot take here (``Unsupported``: transformers lacks it, the serving
   engine does not support the model, no tensor-parallel plan, ...): a skip with its reason,
-  no record;
-- a golden set without calibration of a point in the dtype (``Uncalibrated``: captured with
-  ``--calibrate ''``): a skip with its reason and a ``skipped`` record of rule
-  ``uncalibrated``, so that the reports can tell a run that judged little from a pass;
+  no record; where the exception names a ``rule`` (a golden set without calibration of a
+  point in the dtype, ``Uncalibrated``, rule ``uncalibrated``; a point an engine has no
+  counterpart for, ``NotJudged``), a ``skipped`` record of that rule as well, so that the
+  reports can tell a run that judged little from a pass;
 - a known defect outside the candidate (``KnownDivergence``: an upstream compiler bug under
   ``--compile``): an expected failure (xfail), its ``error`` record kept;
 - what numalign drove failing under it (``Crashed``: a compiler, a tensor-parallel rank, the
@@ -40,7 +40,6 @@ import pytest
 from numalign.errors import BrokenData, Crashed, KnownDivergence, NumalignError, Unsupported
 from numalign.record import (
     TRACEBACK_LINES,
-    UNCALIBRATED,
     USER_PROPERTY,
     DriftRecord,
     crashed_record,
@@ -81,23 +80,20 @@ def outcome_for(exc: BaseException, test_id: str, **context: Any) -> ErrorOutcom
     ``context``: the fields its record carries besides what the test id tells (the
     candidate, device, case, execution variant). None: an exception the policy leaves to
     pytest and the plugin's report hook."""
-    from numalign.compare.model_verdict import Uncalibrated
-
     text = str(exc)
     kind = type(exc).__name__
     if not isinstance(exc, NumalignError):
         return None
     if isinstance(exc, BrokenData):  # the set is broken whatever the variant
         return ErrorOutcome("fail", text, error_record(test_id, kind, text))
-    if isinstance(exc, Uncalibrated):  # not judged: the reports count it apart
-        reason = (text.splitlines() or [""])[0][:500]
-        record = DriftRecord.for_test(
-            test_id, "skipped", rule=UNCALIBRATED, reason=reason, **context
-        )
-        return ErrorOutcome("skip", text, record)
-    if isinstance(exc, Unsupported):
-        return ErrorOutcome("skip", text)
     fields = context | exc.record_fields()
+    if isinstance(exc, Unsupported):
+        if exc.rule is None:
+            return ErrorOutcome("skip", text)
+        # not judged, and the reports count it apart (an uncalibrated set, an unmapped point)
+        reason = (text.splitlines() or [""])[0][:500]
+        record = DriftRecord.for_test(test_id, "skipped", rule=exc.rule, reason=reason, **fields)
+        return ErrorOutcome("skip", text, record)
     if isinstance(exc, KnownDivergence):  # a known defect outside the candidate: recorded
         record = error_record(test_id, kind, text, **fields)
         return ErrorOutcome("xfail", f"known {exc.defect}: {exc.known}\n{exc}", record)

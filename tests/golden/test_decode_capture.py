@@ -18,7 +18,7 @@ from numalign.golden.manifest import FORMAT
 from numalign.golden.reference import load_model
 from numalign.golden.requests import length_boundaries
 from numalign.golden.zoo import ZOO
-from numalign.replay.decode import decode_unavailable
+from numalign.replay.decode import DecodeUnavailable, require_decode_replayable
 from numalign.replay.model import replay_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,8 +119,8 @@ def test_a_format_1_set_loads_replays_and_has_no_decode(tmp_path: Path) -> None:
     (old / "manifest.json").write_text(json.dumps(manifest))
     golden = GoldenSet.open(old)
     assert golden.decode_requests == [] and golden.decode("text-leftpad") is None
-    reason = decode_unavailable(golden, "bfloat16")
-    assert reason is not None and "format 1" in reason and "capture it again" in reason
+    with pytest.raises(DecodeUnavailable, match=r"format 1 .* capture it again"):
+        require_decode_replayable(golden, "bfloat16")
     model = load_model(golden.model_dir, "bfloat16", attn_implementation="eager",
                        trust_remote_code=False)  # fmt: skip
     assert replay_model(golden, model, "bfloat16", torch.device("cpu")).passed

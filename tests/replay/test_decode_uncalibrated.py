@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from numalign.record import UNCALIBRATED, read_records
+from numalign.errors import UNCALIBRATED
+from numalign.record import read_records
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -322,7 +322,7 @@ def test_a_dtype_the_reference_cannot_run_in_skips_with_the_reason(tmp_path: Pat
     subprocess hands its limit back the same way."""
     from numalign.compare.model_verdict import ReplayUnsupported
     from numalign.replay.calibrate import own_failure
-    from numalign.replay.decode import decode_unavailable
+    from numalign.replay.decode import DecodeUnavailable, require_decode_replayable
     from numalign.replay.ensemble import Member, capture_calibrated
     from numalign.replay.model import check_dtype
 
@@ -343,7 +343,8 @@ def test_a_dtype_the_reference_cannot_run_in_skips_with_the_reason(tmp_path: Pat
         check_dtype(golden, "bfloat16")
     check_dtype(golden, "float32")  # replays as before
     # no decode of its own (XLNet takes no cache): the reason it has none stands first
-    assert decode_unavailable(golden, "bfloat16") is not None
+    with pytest.raises(DecodeUnavailable):
+        require_decode_replayable(golden, "bfloat16")
     for dtype, fails in (("float32", False), ("bfloat16", True)):
         model = load_model(golden.model_dir, dtype, attn_implementation=None,
                            trust_remote_code=False)  # fmt: skip

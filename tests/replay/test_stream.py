@@ -77,7 +77,6 @@ def test_streamed_model_and_decode_replays_give_the_unstreamed_records(
     )
     for cache in CACHES:
         plain, streamed = (e.decode(path, "float32", cache, CPU, None) for e in engines)
-        assert plain.verdict is not None, plain.skipped
         assert _fields(records(streamed.verdict, "t", **streamed.context)) == _fields(
             records(plain.verdict, "t", **plain.context)
         ), cache

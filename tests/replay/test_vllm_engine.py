@@ -215,12 +215,15 @@ def test_an_engine_that_fails_to_start_is_an_error_naming_the_set(
 def test_the_compiled_graph_is_judged_by_its_logits(engine: VllmEngine) -> None:
     """--compile serves vLLM's default compiled graph: module hooks do not reach inside it,
     so every point but the head is unmapped with that reason, and the engine's logits (and
-    the lm_head point) are judged."""
+    the lm_head point) are judged; a point's layer replay is not judged, and says why."""
+    from numalign.replay.engines import NotJudged
+
     engine._stop()  # one engine at a time in a process
     compiled = VllmEngine(Settings(engine="vllm", compile_backend="inductor"))
     try:
         replayed = compiled.model(MISTRAL, "float32", torch.device("cpu"), None)
-        layer = compiled.layer(MISTRAL, "model.norm", "float32", torch.device("cpu"), None)
+        with pytest.raises(NotJudged, match="compiled graph") as not_judged:
+            compiled.layer(MISTRAL, "model.norm", "float32", torch.device("cpu"), None)
     finally:
         compiled.close()
     verdict = replayed.verdict
@@ -229,7 +232,8 @@ def test_the_compiled_graph_is_judged_by_its_logits(engine: VllmEngine) -> None:
     assert len(verdict.logits) == 4 and all(lg.values is not None for lg in verdict.logits)
     assert "compiled graph" in verdict.unmapped["model.norm"]
     assert "vllm-graph=compiled" in replayed.context["swap"]
-    assert layer.skipped and "compiled graph" in layer.skipped
+    # the skip's record carries the replay's fields (the reports count it per model and dtype)
+    assert not_judged.value.record_fields()["model"] == "tiny-mistral"
 
 
 def test_memory_the_machine_lacks_is_an_error_saying_what_to_lower(

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from numalign.record import UNCALIBRATED, DriftRecord, read_records, write_records
+from numalign.errors import UNCALIBRATED
+from numalign.record import DriftRecord, read_records, write_records
 from numalign.report.verdict import NOT_JUDGED_SHARE, judge_run
 
 

@@ -25,7 +25,7 @@ from numalign.compare.result import CompareResult
 from numalign.compare.routing import agreeing, judge_flips
 from numalign.compare.spec import CompareSpec
 from numalign.compare.tolerances import FLOAT_FORMATS, Thresholds
-from numalign.errors import Unsupported
+from numalign.errors import UNCALIBRATED, Unsupported
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +40,8 @@ class ReplayUnsupported(Unsupported, RuntimeError):
 class Uncalibrated(ReplayUnsupported):
     """The set has no calibration of a point in the replay's dtype (``--calibrate ''``): the
     replay is skipped with that reason, never judged against a budget of one ulp."""
+
+    rule = UNCALIBRATED
 
 
 # -- judging one point ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from numalign import dtypes
 from numalign.compare.decode_verdict import DecodeVerdict
 from numalign.compare.judge import Judge, Observation
+from numalign.compare.model_verdict import ReplayUnsupported, Uncalibrated
 from numalign.golden.decode import cache_family, step_outputs
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.golden.reference import (
@@ -236,12 +237,10 @@ def decode_calibrated(golden: GoldenSet, dtype: str) -> bool:
     )
 
 
-def decode_unavailable(golden: GoldenSet, dtype: str) -> str | None:
-    """Why a set cannot be decode-replayed in ``dtype`` (None when it can)."""
-    reason = _no_decode_steps(golden, dtype)
-    if reason is None and not decode_calibrated(golden, dtype):
-        return _uncalibrated(golden)
-    return reason
+class DecodeUnavailable(ReplayUnsupported):
+    """The set holds no decode steps the dtype can replay (an encoder, a set captured with
+    ``--decode-steps 0`` or in format 1, a dtype the reference could not run in): decode
+    replay skips with the reason."""
 
 
 def _no_decode_steps(golden: GoldenSet, dtype: str) -> str | None:
@@ -263,12 +262,13 @@ def _uncalibrated(golden: GoldenSet) -> str:
     return f"{golden.name} has no decode calibration: capture it again to replay decode"
 
 
-def require_decode_calibration(golden: GoldenSet, dtype: str) -> None:
-    """Uncalibrated where the set holds decode steps ``dtype`` can replay but no decode
-    calibration for them (captured with ``--calibrate ''``): raised inside the replay guard,
-    the skip leaves a record of rule ``uncalibrated`` that the run's verdict counts (NOT
-    JUDGED)."""
-    from numalign.compare.model_verdict import Uncalibrated
-
-    if _no_decode_steps(golden, dtype) is None and not decode_calibrated(golden, dtype):
+def require_decode_replayable(golden: GoldenSet, dtype: str) -> None:
+    """Raises why the set cannot be decode-replayed in ``dtype``: ``Uncalibrated`` where it
+    holds decode steps ``dtype`` can replay but no decode calibration for them (captured with
+    ``--calibrate ''``: the skip leaves a record of rule ``uncalibrated`` that the run's
+    verdict counts, NOT JUDGED), ``DecodeUnavailable`` where it holds none."""
+    reason = _no_decode_steps(golden, dtype)
+    if reason is not None:
+        raise DecodeUnavailable(reason)
+    if not decode_calibrated(golden, dtype):
         raise Uncalibrated(f"{_uncalibrated(golden)} (--calibrate {dtype})")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from numalign import dtypes
 from numalign.compare.decode_verdict import DecodeVerdict
 from numalign.compare.signature import Signature, unexplained
-from numalign.replay.decode import decode_unavailable, replay_decode
+from numalign.replay.decode import replay_decode, require_decode_replayable
 from numalign.replay.decode_locate import locate_decode
 from numalign.replay.model import ModelCache
 from numalign.replay.paged import PAGED_ATTENTION, PagedUnsupported, paged_divergence
@@ -34,13 +34,12 @@ def decode_replay(
     dtype: str,
     implementation: str,
     policy: Any = None,
-) -> tuple[GoldenSet, Any, DecodeVerdict | None]:
+) -> tuple[GoldenSet, Any, DecodeVerdict]:
     """The set at ``path`` (checked fresh), the model replayed and its decode verdict with
-    ``implementation`` (model and verdict None when the set has no decode steps or no decode
-    calibration: the caller skips with ``decode_unavailable``'s reason)."""
+    ``implementation``; raises why it cannot replay decode (``require_decode_replayable``:
+    no decode steps, or no decode calibration)."""
     golden = open_fresh(path)
-    if decode_unavailable(golden, dtype) is not None:
-        return golden, None, None
+    require_decode_replayable(golden, dtype)
     if implementation != "paged":
         if settings.pp > 1 and (reason := decode_unsupported(golden.model_dir)) is not None:
             raise PipelineUnsupported(reason)

@@ -21,7 +21,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from numalign.record import FAILING, UNCALIBRATED, DriftRecord
+from numalign.errors import UNCALIBRATED
+from numalign.record import FAILING, DriftRecord
 
 __all__ = ["NOT_JUDGED_SHARE", "RUN_VERDICTS", "RunVerdict", "judge_run"]
 

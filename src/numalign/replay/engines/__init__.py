@@ -5,9 +5,11 @@ serving engine's own model code, its modules mapped to the capture points).
 
 A suite asks ``open_engine(settings)`` once per worker for the session's engine and calls
 ``layer``, ``model`` and ``decode``; each returns a ``Replayed``: the set, the verdict, the
-fields every record of the test shares, and (for decode) why a failure is expected or why
-the replay was skipped. Adding an engine is a new module here with these three methods and
-its name in ``settings.ENGINES``; the suites and the reports do not change.
+fields every record of the test shares, and (for decode) why a failure is expected. What
+cannot be replayed here is raised, never returned: an ``Unsupported`` (``NotJudged`` where
+the engine has no counterpart for a point: the skip leaves a record). Adding an engine is a
+new module here with these three methods and its name in ``settings.ENGINES``; the suites
+and the reports do not change.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from numalign.errors import Unsupported
 
 if TYPE_CHECKING:
     import torch
@@ -27,14 +31,27 @@ if TYPE_CHECKING:
 class Replayed:
     """One replay's outcome: the set, the verdict (a list of ``PointResult`` for a layer, a
     ``ModelVerdict``, a ``DecodeVerdict``), the record fields the test's records share, and
-    for decode the reason a failure is expected (``known``) or nothing was judged
-    (``skipped``)."""
+    for decode the reason a failure is expected (``known``)."""
 
     golden: GoldenSet
     verdict: Any
     context: dict[str, Any] = field(default_factory=dict)
     known: str | None = None
-    skipped: str | None = None
+
+
+class NotJudged(Unsupported):
+    """A point this engine cannot judge here (it has no counterpart for it, cannot run it
+    alone, or runs compiled): the test skips with the reason and leaves a ``skipped`` record
+    carrying the replay's record fields, so that the reports count the point per dtype."""
+
+    rule = "skipped"
+
+    def __init__(self, reason: str, fields: dict[str, Any]) -> None:
+        super().__init__(reason)
+        self.fields = dict(fields)
+
+    def record_fields(self) -> dict[str, Any]:
+        return dict(self.fields)
 
 
 class Engine(Protocol):

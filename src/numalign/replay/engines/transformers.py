@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign.replay.decode import decode_unavailable, require_decode_calibration
 from numalign.replay.engines import Replayed
 from numalign.replay.model import ModelCache, replay_layer, replay_model
 from numalign.replay.serving import decode_replay, known_divergence
@@ -71,10 +70,6 @@ class TransformersEngine:
         golden, model, verdict = decode_replay(
             self.cache, path, self.settings, device, dtype, cache, policy
         )
-        if verdict is None:
-            require_decode_calibration(golden, dtype)
-            reason = decode_unavailable(golden, dtype) or "no decode steps"
-            return Replayed(golden, None, skipped=reason)
         context = self._context(golden, device, dtype, model, cache)
         known = None
         if not verdict.passed:

@@ -39,8 +39,8 @@ from numalign.compare.model_verdict import (
 from numalign.compare.routing import ROUTING
 from numalign.golden.manifest import OUTPUT_POINT
 from numalign.golden.requests import unservable
-from numalign.replay.decode import decode_unavailable, require_decode_calibration
-from numalign.replay.engines import Replayed
+from numalign.replay.decode import require_decode_replayable
+from numalign.replay.engines import NotJudged, Replayed
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
 from numalign.replay.engines.vllm_alone import AloneOnVllm, isolated, judge_residuals
 from numalign.replay.engines.vllm_options import (
@@ -173,10 +173,7 @@ class VllmEngine:
         serving: str | None = None,
     ) -> Replayed:
         golden = open_fresh(path)
-        require_decode_calibration(golden, dtype)
-        reason = decode_unavailable(golden, dtype)
-        if reason is not None:
-            return Replayed(golden, None, skipped=reason)
+        require_decode_replayable(golden, dtype)
         arrangement = ARRANGEMENTS[serving or DEFAULT_SERVING]
         running = self._engine(golden, dtype, arrangement)
         served = self._serve(golden, dtype, arrangement)
@@ -220,13 +217,13 @@ class VllmEngine:
         pm = next(m for m in running.mapping if m.point == point)
         context = self._context(golden, running, ARRANGEMENTS[DEFAULT_SERVING])
         if self.settings.compile_backend is not None:
-            return Replayed(golden, [], context, skipped=COMPILED)
+            raise NotJudged(COMPILED, context)
         if pm.module is None:
-            return Replayed(golden, [], context, skipped=f"unmapped: {pm.reason}")
+            raise NotJudged(f"unmapped: {pm.reason}", context)
         try:
             results = isolated(running, golden, golden.point(point), pm.module, dtype, policy)
         except AloneUnsupported as exc:
-            return Replayed(golden, [], context, skipped=str(exc))
+            raise NotJudged(str(exc), context) from exc
         return Replayed(golden, results, context)
 
     def close(self) -> None:
