@@ -255,7 +255,6 @@ class DriftRecord:
         return (self.point or "?").split(".")[0]
 
 
-#: The mode of a model-suite test's records, by its test function.
 #: DriftRecord's fields, in order (what to_dict and to_json write).
 _FIELD_NAMES = tuple(f.name for f in fields(DriftRecord))
 
@@ -268,6 +267,7 @@ def _copied(value: Any) -> Any:
     return [_copied(item) for item in value] if isinstance(value, list) else value
 
 
+#: The mode of a model-suite test's records, by its test function.
 _MODES = {"test_layer": "isolated", "test_model": "accumulated", "test_decode": "decode"}
 
 
