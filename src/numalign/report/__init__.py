@@ -1,6 +1,7 @@
 """Run reports: the controller's record collector, tables, baseline diff, history, HTML."""
 
-from numalign.report.baseline import DEFAULT_REGRESSION_FACTOR, BaselineDiff, diff_runs
+from numalign.option_values import DEFAULT_REGRESSION_FACTOR
+from numalign.report.baseline import BaselineDiff, diff_runs
 from numalign.report.collector import DriftCollector
 from numalign.report.html import render_html
 from numalign.report.run import merge_runs, render_run

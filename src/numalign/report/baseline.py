@@ -7,12 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from numalign.compare import tolerances
+from numalign.option_values import DEFAULT_REGRESSION_FACTOR
 from numalign.record import DriftRecord
 from numalign.report.ratchet import RATCHET_FACTOR, ratchet
 
-#: A record regresses when its budget use grows beyond this factor of the baseline's (its
-#: reason: compare.tolerances).
-DEFAULT_REGRESSION_FACTOR = tolerances.REGRESSION_FACTOR
 #: Growth below this use of the budget is not reported (its reason: compare.tolerances).
 NOISE_FLOOR = tolerances.NOISE_FLOOR
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from numalign import finite_json
 from numalign.compare.tolerances import Thresholds
+from numalign.option_values import DEFAULT_REGRESSION_FACTOR
 from numalign.record import (
     DriftRecord,
     count_outcomes,
@@ -20,7 +21,7 @@ from numalign.record import (
     write_records,
 )
 from numalign.report.atomic import write_text_atomic
-from numalign.report.baseline import DEFAULT_REGRESSION_FACTOR, BaselineDiff, diff_runs
+from numalign.report.baseline import BaselineDiff, diff_runs
 from numalign.report.history import append_history, history_entry, read_history
 from numalign.report.html import write_html
 from numalign.report.session import SESSION_FILE, merge_sessions, read_session, write_session
