@@ -60,8 +60,8 @@ def bench_operator(op_name: str, candidate: str, backend: str, repeat: int) -> d
     """One candidate over its operator's smoke cases in bfloat16, eager and compiled."""
     import torch
 
-    from numalign.opcheck import candidate_function, check_operator
-    from numalign.registry import OPERATORS, candidates, load_catalogue
+    from numalign.ops.check import candidate_function, check_operator
+    from numalign.ops.registry import OPERATORS, candidates, load_catalogue
     from numalign.runtime.compiled import CompileSpec
 
     load_catalogue()

@@ -77,7 +77,7 @@ def main() -> None:
     from numalign.replay.model import ModelCache, discover_sets
     from numalign.replay.paged import PagedUnsupported
     from numalign.replay.serving import _paged_model
-    from numalign.settings import Settings
+    from numalign.session.settings import Settings
 
     torch.set_num_threads(1)
     device, settings, cache = torch.device("cpu"), Settings(), ModelCache()

@@ -36,8 +36,8 @@ def main() -> int:
     from numalign.replay.engines.vllm import VllmEngine
     from numalign.replay.engines.vllm_serving import serve_rows
     from numalign.replay.sets import open_fresh
-    from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING
-    from numalign.settings import Settings
+    from numalign.runtime.serving import ARRANGEMENTS, DEFAULT_SERVING
+    from numalign.session.settings import Settings
 
     engine = VllmEngine(Settings(engine="vllm"))
     print(f"{'set':14} {'arrangement':15} {'start s':>8} {'replay/plain s':>24} {'exercised'}")

@@ -30,7 +30,7 @@ def main() -> None:
     from timing import best_of
 
     from numalign.replay.engines.transformers import TransformersEngine
-    from numalign.settings import Settings
+    from numalign.session.settings import Settings
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--set", default=str(ROOT / "golden" / "sets" / "tiny-deep-llama"))

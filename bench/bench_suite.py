@@ -8,7 +8,7 @@ in one invocation so that the ratios compare like with like on a shared machine:
   and xdist's worker start-up (a one-test file with ``-n 2`` against ``-n 0``);
 - the suite with ``-n 0`` and ``-n 2`` and the truth cache off (every truth computed), with
   the time inside the tests split into phases (inputs, truth, cache, control, candidate,
-  compare, records; summed over the workers) by ``numalign.phases``, which this file reads
+  compare, records; summed over the workers) by ``numalign.ops.phases``, which this file reads
   at the end of each process as a ``-p`` plugin;
 - at pr, with ``-n 2``, a cold run (an empty truth cache, which it fills) and a warm one
   (the same cache again).
@@ -40,7 +40,7 @@ PHASES_ENV = "NUMALIGN_BENCH_PHASES"
 
 
 def pytest_collection_finish(session: Any) -> None:
-    from numalign.truths import active_truth_cache
+    from numalign.ops.truths import active_truth_cache
 
     _threads["collection"] = _torch_threads()
     _cache.append(active_truth_cache())
@@ -76,7 +76,7 @@ def pytest_unconfigure(config: Any) -> None:
     folder = os.environ.get(PHASES_ENV)
     if not folder:
         return
-    from numalign.phases import phase_totals
+    from numalign.ops.phases import phase_totals
 
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     cache = _cache[-1] if _cache else None
@@ -161,7 +161,7 @@ def outside_costs(tiers: Sequence[str], workers: int, scratch: Path) -> dict[str
 
 
 def table(columns: dict[str, dict[str, Any]]) -> str:
-    from numalign.phases import PHASES
+    from numalign.ops.phases import PHASES
 
     names = list(columns)
     lines = [f"| phase (s) | {' | '.join(names)} |", "| --- |" + " ---: |" * len(names)]

@@ -58,7 +58,7 @@ def main() -> None:
     import torch
 
     from numalign.replay.model import ModelCache
-    from numalign.settings import Settings
+    from numalign.session.settings import Settings
 
     torch.set_num_threads(1)
     single = Settings(device="cpu", dtypes=(args.dtype,))

@@ -26,7 +26,7 @@ def main() -> None:
 
     from numalign.golden import store
     from numalign.replay.model import ModelCache, discover_sets, replay_layer
-    from numalign.settings import Settings
+    from numalign.session.settings import Settings
 
     torch.set_num_threads(1)
     device = torch.device("cpu")

@@ -39,7 +39,7 @@ def replay(engine: Any, golden: Any, decode: bool) -> None:
     """The replay's serving: every row, hooks on every mapped point, decode rows forced
     (with ``decode`` False the decode requests' steps are dropped: the prefill alone)."""
     from numalign.replay.engines.vllm_serving import serve_rows
-    from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING
+    from numalign.runtime.serving import ARRANGEMENTS, DEFAULT_SERVING
 
     serve_rows(engine._running, golden, ARRANGEMENTS[DEFAULT_SERVING], decode=decode)
 
@@ -65,7 +65,7 @@ def main() -> int:
 
     from numalign.replay.engines.vllm import VllmEngine
     from numalign.replay.sets import open_fresh
-    from numalign.settings import Settings
+    from numalign.session.settings import Settings
 
     engine = VllmEngine(Settings(engine="vllm"))
     print(f"{'set':16} {'start s':>8} {'prefill replay/plain':>22} {'+decode replay/plain':>22}")

@@ -71,8 +71,8 @@ def causes(
             sys.path.insert(0, str(path))
     import planted_kernels  # noqa: F401  (registers the planted kernels)
 
-    from numalign.opcheck import check_operator
-    from numalign.registry import OPERATORS, candidates
+    from numalign.ops.check import check_operator
+    from numalign.ops.registry import OPERATORS, candidates
 
     out: dict[tuple[str, str], list[tuple[str, str, str, float]]] = {}
     for kernel, operator in planted:

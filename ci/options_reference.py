@@ -1,5 +1,5 @@
 """Writes the reference of numalign's options and commands from the code that defines them:
-docs/reference/options.md from the plugin's option table (``numalign.options.OPTIONS``) and
+docs/reference/options.md from the plugin's option table (``numalign.session.options.OPTIONS``) and
 docs/reference/cli.md from the command line's parser (``numalign.cli.build_parser``).
 
     python ci/options_reference.py          # rewrite both files
@@ -21,7 +21,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from numalign.options import OPTIONS, Option  # noqa: E402
+from numalign.session.options import OPTIONS, Option  # noqa: E402
 
 OPTIONS_MD = ROOT / "docs" / "reference" / "options.md"
 CLI_MD = ROOT / "docs" / "reference" / "cli.md"
@@ -55,15 +55,15 @@ def options_markdown(options: Iterable[Option] = OPTIONS) -> str:
     """docs/reference/options.md: every pytest option of the plugin with its ini key, ini
     type, default and help, in the order ``pytest --help`` lists them."""
     lines = [
-        GENERATED.format(source="numalign.options.OPTIONS"),
+        GENERATED.format(source="numalign.session.options.OPTIONS"),
         "",
         "# pytest options",
         "",
         "Every option also reads from its ini key (`[tool.pytest.ini_options]` in",
         "pyproject.toml, or pytest.ini); the command line wins. Repeatable options take the",
         "ini key as a list (one per line). Values are validated once, by",
-        "`numalign.settings.Settings.from_options`, before any test runs: a bad one is a usage",
-        "error naming the option.",
+        "`numalign.session.settings.Settings.from_options`, before any test runs: a bad one is",
+        "a usage error naming the option.",
         "",
         "| option | ini key | ini type | default | what it does |",
         "| --- | --- | --- | --- | --- |",

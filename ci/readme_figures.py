@@ -63,7 +63,7 @@ def _vllm_tests() -> int:
 def figures() -> list[str]:
     """The block's lines."""
     sys.path.insert(0, str(ROOT / "src"))
-    from numalign.registry import OPERATORS, load_catalogue
+    from numalign.ops.registry import OPERATORS, load_catalogue
 
     load_catalogue()
     models = sorted(p.name for p in (ROOT / "golden" / "models").iterdir() if p.is_dir())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from numalign.cases import Case
+from numalign.ops.cases import Case
 
 
 def acc(x: torch.Tensor) -> torch.dtype:

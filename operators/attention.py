@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from numalign.cases import Case, values
-from numalign.registry import Operator, candidate, register_operator
+from numalign.ops.cases import Case, values
+from numalign.ops.registry import Operator, candidate, register_operator
 from operators._common import divide_or_zero, logit_reach, tier_cases, up
 from operators._tiles import split_softmax
 

@@ -11,7 +11,7 @@
 **Codes are uint8 bit patterns** (``q.view(torch.uint8)``, as vLLM stores FP8 caches): the
 suite casts every floating input to the dtype under test, which would turn float8 storage into
 wider floats, while integer inputs reach the candidate as they are. The quantizer's codes are
-judged by their rounding (``kind="quantized"``, see ``numalign.registry.RoundingRule``): read
+judged by their rounding (``kind="quantized"``, see ``numalign.ops.registry.RoundingRule``): read
 as E4M3 (the declared ``CodeLayout``: bits of another format decode off the grid), scaled by
 the candidate's own block scales over the declared blocks (1x128 or 128x128, the last block
 of a dimension partial), measured in E4M3 steps against the float64 truth: the worst
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from numalign.cases import Case, values
-from numalign.registry import CodeLayout, Operator, Output, candidate, register_operator
+from numalign.ops.cases import Case, values
+from numalign.ops.registry import CodeLayout, Operator, Output, candidate, register_operator
 from operators._common import acc, tier_cases, up
 from operators._tiles import tile_products
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from numalign.cases import Case, values
-from numalign.registry import CodeLayout, Operator, Output, candidate, register_operator
+from numalign.ops.cases import Case, values
+from numalign.ops.registry import CodeLayout, Operator, Output, candidate, register_operator
 from operators._common import acc, divide_or_zero, tier_cases, up
 from operators._tiles import split_softmax
 from operators.attention import attention_mask, masked_softmax

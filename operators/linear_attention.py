@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from numalign.cases import Case, values
 from numalign.compare import Budget
-from numalign.registry import Operator, candidate, register_operator
+from numalign.ops.cases import Case, values
+from numalign.ops.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
 from operators._tiles import tiles, untile
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from numalign.cases import Case, table_ids, values
-from numalign.registry import Operator, Output, candidate, register_operator
+from numalign.ops.cases import Case, table_ids, values
+from numalign.ops.registry import Operator, Output, candidate, register_operator
 from operators._common import tier_cases, up
 from operators._tiles import split_softmax
 

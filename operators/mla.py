@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from numalign.cases import Case, values
-from numalign.registry import Operator, candidate, register_operator
+from numalign.ops.cases import Case, values
+from numalign.ops.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
 from operators.attention import attention_mask, masked_softmax
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from numalign.cases import Case, values
-from numalign.registry import Operator, Output, candidate, register_operator
+from numalign.ops.cases import Case, values
+from numalign.ops.registry import Operator, Output, candidate, register_operator
 from operators._common import tier_cases, up
 
 #: DeepSeek-V3's routing: sigmoid scores, top-8 of 8 groups after the best 4 groups,

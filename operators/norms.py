@@ -11,9 +11,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from numalign.cases import Case, values
 from numalign.compare.tolerances import SWAP_PROBE_EPS
-from numalign.registry import Operator, Output, candidate, register_operator
+from numalign.ops.cases import Case, values
+from numalign.ops.registry import Operator, Output, candidate, register_operator
 from operators._common import tier_cases, up
 
 NORM_CASES = tier_cases(

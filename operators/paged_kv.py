@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from numalign.cases import Case, values
-from numalign.registry import Operator, candidate, register_operator
+from numalign.ops.cases import Case, values
+from numalign.ops.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
 
 #: Page sizes of the built-in candidates: vLLM's default and a large one.

@@ -2,7 +2,7 @@
 
 Quantizers return their values and their scale in the input dtype, and quantize with the
 scale they return (so q * scale is within half a step of x). Quantized values are judged by
-their rounding (``kind="quantized"``, see ``numalign.registry.RoundingRule``), read in their
+their rounding (``kind="quantized"``, see ``numalign.ops.registry.RoundingRule``), read in their
 declared format (``CodeLayout``: int8, float8_e4m3fn): the round trip against the float64
 truth with the candidate's own scale, the share of elements rounded to the farther
 neighbour, and the bias; the scale is judged as a float output."""
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from numalign.cases import Case, values
-from numalign.registry import CodeLayout, Operator, Output, candidate, register_operator
+from numalign.ops.cases import Case, values
+from numalign.ops.registry import CodeLayout, Operator, Output, candidate, register_operator
 from operators._common import tier_cases, up
 
 INT8_MAX = 127.0

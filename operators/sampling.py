@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from numalign.cases import Case, values
-from numalign.registry import Operator, Output, candidate, register_operator
+from numalign.ops.cases import Case, values
+from numalign.ops.registry import Operator, Output, candidate, register_operator
 from operators._common import tier_cases, up
 
 

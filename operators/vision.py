@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from numalign.cases import Case, table_ids, values
-from numalign.registry import Operator, candidate, register_operator
+from numalign.ops.cases import Case, table_ids, values
+from numalign.ops.registry import Operator, candidate, register_operator
 from operators._common import tier_cases, up
 
 PATCH_CASES = tier_cases(

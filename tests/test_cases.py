@@ -2,7 +2,7 @@
 
 import torch
 
-from numalign.cases import Case, generator, noncontiguous, stable_seed, values
+from numalign.ops.cases import Case, generator, noncontiguous, stable_seed, values
 
 
 def test_seeds_are_stable_across_processes_and_python_hash_seeds() -> None:

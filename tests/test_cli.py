@@ -135,7 +135,7 @@ def test_run_passes_the_ranks_and_the_engine_to_the_suites(  # type: ignore[no-u
 ) -> None:
     from pathlib import Path
 
-    from numalign import nightly
+    from numalign.cli import nightly_flow as nightly
 
     root = Path(__file__).resolve().parents[1]
     asked: dict[str, object] = {}
@@ -248,7 +248,7 @@ OWN_HELP = {("nightly", "--tier"), ("nightly", "--compile"), ("nightly", "--repo
 
 def test_run_and_nightly_take_the_suites_options_from_the_one_table() -> None:
     from numalign.cli import build_parser
-    from numalign.options import OPTIONS
+    from numalign.session.options import OPTIONS
 
     pytest_like = argparse.ArgumentParser()  # each option as the plugin gives it to pytest
     table = {o.flag: (o, pytest_like.add_argument(o.flag, **o.argparse_kwargs())) for o in OPTIONS}

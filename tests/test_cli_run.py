@@ -120,7 +120,7 @@ def bert(tmp_path: Path) -> tuple[Path, Path]:
 def test_run_replays_its_own_set_alone_and_its_operators_by_exact_name(
     bert: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from numalign import nightly
+    from numalign.cli import nightly_flow as nightly
 
     model, sets = bert
     asked: dict[str, object] = {}
@@ -175,7 +175,7 @@ def test_two_sets_of_one_name_are_an_error_naming_both(bert: tuple[Path, Path]) 
 
 
 def test_a_run_that_wrote_no_report_names_none(tmp_path: Path) -> None:
-    from numalign.nightly import run_suites
+    from numalign.cli.nightly_flow import run_suites
 
     reports = tmp_path / "reports"
     old = reports / "20200101-000000-1"
@@ -190,7 +190,7 @@ def test_a_run_that_wrote_no_report_names_none(tmp_path: Path) -> None:
 def test_the_nightly_says_what_it_does_with_each_set(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from numalign.nightly import refresh_sets
+    from numalign.cli.nightly_flow import refresh_sets
 
     models, sets = tmp_path / "models", tmp_path / "sets"
     for name in ("tiny-llama", "tiny-gpt2"):

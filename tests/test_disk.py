@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from numalign import opcheck
 from numalign.cli import main
-from numalign.option_values import parse_size
-from numalign.registry import OPERATORS, load_catalogue
+from numalign.ops import check as opcheck
+from numalign.ops.registry import OPERATORS, load_catalogue
+from numalign.ops.truths import TruthCache, cache_entries, cache_size, prune_truths
 from numalign.report.retention import prune_runs, run_folders
-from numalign.truths import TruthCache, cache_entries, cache_size, prune_truths
+from numalign.session.option_values import parse_size
 
 load_catalogue()
 RMS = OPERATORS["rms_norm"]

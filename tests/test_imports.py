@@ -86,64 +86,65 @@ def test_no_import_cycle_in_the_engine() -> None:
     assert found == [], "\n".join(" -> ".join(c) for c in found)
 
 
-def test_the_golden_package_does_not_import_replay() -> None:
-    """Capture records; replay compares: golden sits below replay, never the reverse."""
-    graph = import_graph()
-    golden = {m: deps for m, deps in graph.items() if m.startswith("numalign.golden")}
-    assert all(not d.startswith("numalign.replay") for deps in golden.values() for d in deps)
+#: The packages in the order a newcomer reads them, bottom-up along the pipeline
+#: (docs/design.md): each imports only its own layer and those before it. ``numalign`` is the
+#: package's ``__init__`` (its public names), ``plugin`` the pytest entry point.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("core",),  # errors, dtypes, names, finite JSON: no numalign import at all
+    ("compare",),  # the judge: plain functions of tensors and data
+    ("runtime",),  # device policy, compilation, the variant, serving arrangements
+    ("records",),  # drift records, the exception policy, test ids
+    ("session",),  # option values, the option table, settings
+    ("ops", "numalign"),  # the operator engine, and the public names
+    ("golden",),  # the reference runner and the golden sets
+    ("replay",),  # calibration and the engines
+    ("report",),  # tables, drift.html, baselines, Allure
+    ("plugin", "plan", "sweep"),  # the pytest plugin, `numalign plan`, the day-0 sweep
+    ("cli",),  # the command line
+)
 
 
-#: The operator engine: operator specs, cases, truths, one operator case run.
-OPERATOR_ENGINE = ("numalign.opcheck", "numalign.truths", "numalign.cases", "numalign.registry")
-#: What the runtime package sits below: none of it may be imported from it.
-ABOVE_RUNTIME = ("replay", "golden", "record", "report", "plugin")
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    name = parts[1] if len(parts) > 1 else parts[0]
+    for level, names in enumerate(LAYERS):
+        if name in names:
+            return level
+    raise AssertionError(f"{module} belongs to no layer of LAYERS: place it there")
 
 
-def reached(graph: dict[str, set[str]], starts: tuple[str, ...]) -> set[str]:
-    """Every package module ``starts`` import, directly or through other modules."""
-    seen: set[str] = set()
-    stack = list(starts)
-    while stack:
-        for dep in graph[stack.pop()]:
-            if dep not in seen:
-                seen.add(dep)
-                stack.append(dep)
-    return seen
-
-
-def _within(module: str, packages: tuple[str, ...]) -> bool:
-    return any(module == f"numalign.{p}" or module.startswith(f"numalign.{p}.") for p in packages)
-
-
-def test_the_operator_engine_never_imports_replay() -> None:
-    """Operators run on the runtime (device policy, compilation), not on the replays: nothing
-    the operator engine imports, directly or not, is a module of ``numalign.replay``."""
-    graph = import_graph()
-    assert all(m in graph for m in OPERATOR_ENGINE)
-    found = sorted(m for m in reached(graph, OPERATOR_ENGINE) if _within(m, ("replay",)))
-    assert found == []
-    assert "numalign.runtime.compiled" in reached(graph, ("numalign.opcheck",))
-
-
-def test_the_runtime_imports_nothing_above_it() -> None:
-    """``numalign.runtime`` is used by the operator engine and the replays and runs no import
-    of replay, golden, record, report or plugin, directly or not (its type hints name the
-    settings, which validate a baseline's records: for type checkers only)."""
+def test_every_package_imports_only_its_layer_and_those_below() -> None:
+    """What runs (type checkers' imports aside: the runtime's hints name the settings) never
+    imports back up the pipeline: golden never imports replay, the operator engine never
+    imports replay, compare and the runtime import nothing above them."""
     graph = import_graph(typing=False)
-    runtime = tuple(m for m in graph if _within(m, ("runtime",)))
-    assert {"numalign.runtime.devices", "numalign.runtime.compiled"} <= set(runtime)
-    found = sorted(m for m in reached(graph, runtime) if _within(m, ABOVE_RUNTIME))
-    assert found == []
+    assert "numalign.golden.reference" in graph  # the graph covers the package
+    upward = sorted(
+        f"{m} -> {d}" for m, deps in graph.items() for d in deps if layer_of(d) > layer_of(m)
+    )
+    assert upward == [], "\n".join(upward)
 
 
-def test_a_module_reached_through_another_is_found(tmp_path: Path) -> None:
-    package = tmp_path / "pkg"
-    package.mkdir()
+def test_no_module_is_left_loose_at_the_package_root() -> None:
+    """Every module lives in its room; at the root only the public names and the plugin."""
+    loose = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert loose == ["__init__.py", "plugin.py"], loose
+
+
+def test_an_upward_import_is_found(tmp_path: Path) -> None:
+    package = tmp_path / "numalign"
+    (package / "core").mkdir(parents=True)
     (package / "__init__.py").write_text("")
-    (package / "a.py").write_text("def f():\n    from pkg import b\n")
-    (package / "b.py").write_text("import pkg.c\n")
-    (package / "c.py").write_text("")
-    assert reached(import_graph(package), ("pkg.a",)) == {"pkg.b", "pkg.c"}
+    (package / "core" / "__init__.py").write_text("")
+    (package / "core" / "a.py").write_text("def f():\n    from numalign.cli import b\n")
+    (package / "cli").mkdir()
+    (package / "cli" / "__init__.py").write_text("")
+    (package / "cli" / "b.py").write_text("")
+    graph = import_graph(package)
+    # ``from numalign.cli import b`` imports the package and its module
+    assert sorted(
+        (m, d) for m, deps in graph.items() for d in deps if layer_of(d) > layer_of(m)
+    ) == [("numalign.core.a", "numalign.cli"), ("numalign.core.a", "numalign.cli.b")]
 
 
 def test_a_cycle_is_found(tmp_path: Path) -> None:
@@ -153,25 +154,3 @@ def test_a_cycle_is_found(tmp_path: Path) -> None:
     (package / "a.py").write_text("def f():\n    from pkg import b\n")
     (package / "b.py").write_text("from pkg.a import f\n")
     assert cycles(import_graph(package)) == [["pkg.a", "pkg.b", "pkg.a"]]
-
-
-#: What compare sits below: the engine's upper rooms, which may import compare, never the
-#: reverse (docs/design.md): the verdict rules are plain functions of tensors and data.
-ABOVE_COMPARE = (
-    "numalign.replay", "numalign.golden", "numalign.record", "numalign.report",
-    "numalign.plugin", "numalign.settings", "numalign.cli", "numalign.opcheck",
-    "numalign.registry",
-)  # fmt: skip
-
-
-def test_compare_imports_nothing_above_it() -> None:
-    graph = import_graph()
-    compare = {m: deps for m, deps in graph.items() if m.startswith("numalign.compare")}
-    assert "numalign.compare.rounding" in compare  # the graph covers the package
-    above = {
-        (m, d)
-        for m, deps in compare.items()
-        for d in deps
-        if any(d == a or d.startswith(a + ".") for a in ABOVE_COMPARE)
-    }
-    assert above == set(), sorted(above)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from numalign.inventory import inventory
-from numalign.registry import OPERATORS, load_catalogue
+from numalign.ops.inventory import inventory
+from numalign.ops.registry import OPERATORS, load_catalogue
 
 QWEN3_NEXT = Path(__file__).resolve().parents[1] / "golden" / "models" / "tiny-qwen3-next"
 

@@ -1,4 +1,4 @@
-"""The operator engine (``numalign.opcheck``) on its own, without the suite: one case's
+"""The operator engine (``numalign.ops.check``) on its own, without the suite: one case's
 truth, control and candidate, each output judged by its kind, the verdict object the suite
 records and fails through, and the per-worker caches of truths and controls."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from numalign import opcheck
-from numalign.opcheck import OperatorVerdict, check_operator, inputs_and_truth
-from numalign.registry import OPERATORS, Candidate, Operator, candidates, load_catalogue
+from numalign.ops import check as opcheck
+from numalign.ops.check import OperatorVerdict, check_operator, inputs_and_truth
+from numalign.ops.registry import OPERATORS, Candidate, Operator, candidates, load_catalogue
 
 load_catalogue()
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""The option table (numalign.options), the one place every option is declared, and its one
+"""The option table (numalign.session.options), the one place every option is declared, and its one
 validation (Settings.from_options), shared by the plugin and the CLI's run and nightly."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from numalign.option_values import DEFAULT_CACHE_IMPLEMENTATIONS
-from numalign.options import BY_NAME, INI_TYPES, OPTIONS, Option, add_to, command_values
-from numalign.settings import Settings
+from numalign.session.option_values import DEFAULT_CACHE_IMPLEMENTATIONS
+from numalign.session.options import BY_NAME, INI_TYPES, OPTIONS, Option, add_to, command_values
+from numalign.session.settings import Settings
 
 
 def test_every_option_of_the_table_is_validated_and_its_default_is_valid() -> None:

@@ -216,7 +216,7 @@ def test_engine_option_is_validated_before_any_test(pytester: pytest.Pytester) -
 
 
 def test_transformers_variants_conflict_with_a_serving_engine() -> None:
-    from numalign.settings import Settings, engine_conflicts
+    from numalign.session.settings import Settings, engine_conflicts
 
     assert engine_conflicts(Settings(engine="transformers", tp=2)) is None
     assert engine_conflicts(Settings(engine="vllm")) is None
@@ -227,8 +227,8 @@ def test_transformers_variants_conflict_with_a_serving_engine() -> None:
 def test_serving_arrangements_are_known_names_for_a_serving_engine(
     pytester: pytest.Pytester,
 ) -> None:
-    from numalign.serving import ARRANGEMENTS, parse_serving
-    from numalign.settings import Settings, engine_conflicts
+    from numalign.runtime.serving import ARRANGEMENTS, parse_serving
+    from numalign.session.settings import Settings, engine_conflicts
 
     pytester.makepyfile(USES_DTYPE)
     unknown = pytester.runpytest("--serving", "alone,prefix-cache")

@@ -1,4 +1,4 @@
-"""numalign's one exception policy (numalign.record_errors): what each exception of a test
+"""numalign's one exception policy (numalign.records.outcomes): what each exception of a test
 becomes, its record's fields, and that an exception the policy does not know propagates."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from numalign.golden import GoldenSetError
-from numalign.record import USER_PROPERTY, DriftRecord, NodeRecorder, records_of
-from numalign.record_errors import error_property_for, outcome_for, recorded_errors
+from numalign.records.drift import USER_PROPERTY, DriftRecord, NodeRecorder, records_of
+from numalign.records.outcomes import error_property_for, outcome_for, recorded_errors
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
 from numalign.replay.model import ReplayUnsupported
 from numalign.replay.tensor_parallel import RankCrashed, RankFailed, TensorParallelUsageError
@@ -53,7 +53,7 @@ def test_a_skip_that_names_a_rule_leaves_a_skipped_record_of_it_with_the_replay_
     no counterpart for) leaves a ``skipped`` record of the exception's rule; the fields are
     the guard's (the variant) and the exception's (the engine's replay context)."""
     from numalign.compare.model_verdict import Uncalibrated
-    from numalign.errors import UNCALIBRATED
+    from numalign.core.errors import UNCALIBRATED
     from numalign.replay.decode import DecodeUnavailable
     from numalign.replay.engines import NotJudged
 
@@ -166,19 +166,19 @@ def _numalign_exceptions() -> list[type[BaseException]]:
 
 
 def test_every_exception_numalign_defines_is_one_of_the_five_kinds() -> None:
-    from numalign import errors
+    from numalign.core import errors
 
     kinds = (errors.Unsupported, errors.BrokenData, errors.Crashed, errors.KnownDivergence,
              errors.UsageError)  # fmt: skip
     exceptions = [c for c in _numalign_exceptions() if not issubclass(c, Warning)]
     assert len(exceptions) > 25  # the walk reached the packages' modules
     strays = [c.__qualname__ for c in exceptions
-              if c.__module__ != "numalign.errors" and not issubclass(c, kinds)]  # fmt: skip
+              if c.__module__ != "numalign.core.errors" and not issubclass(c, kinds)]  # fmt: skip
     assert strays == []
 
 
 def test_each_kind_ends_the_test_its_own_way() -> None:
-    from numalign import errors
+    from numalign.core import errors
 
     ending, _, records = _ended(errors.Unsupported("no SDPA path"))
     assert (ending, records) == ("Skipped", [])

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import numalign
-from numalign.cases import Case
-from numalign.registry import OPERATORS, RegistryError, candidates, load_catalogue
+from numalign.ops.cases import Case
+from numalign.ops.registry import OPERATORS, RegistryError, candidates, load_catalogue
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +84,7 @@ def test_entry_point_candidates_are_loaded(tmp_path: Path) -> None:
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vendor-ep\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[numalign.candidates]\nvendor = vendor_ep_kernels\n")
-    code = "from numalign.registry import candidates; print('vendor_ep' in candidates('silu'))"
+    code = "from numalign.ops.registry import candidates; print('vendor_ep' in candidates('silu'))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"},
@@ -138,7 +138,7 @@ def test_a_failing_catalogue_module_is_named_taken_back_and_retried(tmp_path: Pa
     code = textwrap.dedent(
         """
         import os, pathlib, sys
-        from numalign.registry import RegistryError, candidates
+        from numalign.ops.registry import RegistryError, candidates
         try:
             candidates("silu")
         except RegistryError as exc:

@@ -1,13 +1,13 @@
-"""The suites' test-id grammar (numalign.testids): every kind formats and parses back, and
+"""The suites' test-id grammar (numalign.records.testids): every kind formats and parses back, and
 today's ids stay byte-identical (baselines match records by test id)."""
 
 from __future__ import annotations
 
 import pytest
 
-from numalign import testids
-from numalign.record import context_from_test_id
-from numalign.testids import Param, ReplayCase, TestId, parse, parse_replay_group
+from numalign.records import testids
+from numalign.records.drift import context_from_test_id
+from numalign.records.testids import Param, ReplayCase, TestId, parse, parse_replay_group
 
 OPS = "suites/operators/test_operators.py"
 LAYERS = "suites/models/test_layers.py"

@@ -1,4 +1,4 @@
-"""The on-disk cache of float64 truths (numalign.truths): bit-identical hits, misses on any
+"""The on-disk cache of float64 truths (numalign.ops.truths): bit-identical hits, misses on any
 change of what decides the values, damaged entries recomputed, and the plugin's option."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from numalign import opcheck
-from numalign.registry import OPERATORS, candidates, load_catalogue
-from numalign.truths import (
+from numalign.ops import check as opcheck
+from numalign.ops.registry import OPERATORS, candidates, load_catalogue
+from numalign.ops.truths import (
     TruthCache,
     active_truth_cache,
     restore_truth_cache,
@@ -171,7 +171,7 @@ def test_writes_are_atomic(cache: TruthCache, monkeypatch: pytest.MonkeyPatch) -
 
 
 SHOWS_CACHE = """
-from numalign.truths import active_truth_cache
+from numalign.ops.truths import active_truth_cache
 
 def test_cache():
     cache = active_truth_cache()
@@ -222,8 +222,8 @@ def test_the_suite_fills_the_cache_and_off_leaves_none(pytester: pytest.Pytester
     pytester.makepyfile(
         """
         import torch
-        from numalign.opcheck import check_operator, _truths
-        from numalign.registry import OPERATORS, candidates, load_catalogue
+        from numalign.ops.check import check_operator, _truths
+        from numalign.ops.registry import OPERATORS, candidates, load_catalogue
 
         def test_one(numalign_device):
             load_catalogue()
@@ -250,7 +250,7 @@ def _forge(cache: TruthCache, scale: float, secret: bytes | None) -> None:
 
     from safetensors.torch import load, save_file
 
-    from numalign import truths
+    from numalign.ops import truths
 
     key = cache.key(RMS, CASE, torch.bfloat16)
     assert key is not None
@@ -337,7 +337,7 @@ def test_with_home_empty_the_secret_goes_to_the_user_s_own_home(
     """Issue 42, item 14: with HOME empty the secret was written to /.cache/numalign."""
     import pwd
 
-    from numalign.truths import cache_secret
+    from numalign.ops.truths import cache_secret
 
     monkeypatch.setattr(pwd, "getpwuid", lambda uid: _Account(str(tmp_path / "home")))
     secret = cache_secret()
@@ -354,7 +354,7 @@ def test_with_no_home_at_all_the_cache_refuses_saying_what_to_set(
 ) -> None:
     import pwd
 
-    from numalign.truths import CacheSecretError, cache_secret
+    from numalign.ops.truths import CacheSecretError, cache_secret
 
     monkeypatch.setattr(pwd, "getpwuid", lambda uid: _Account(account))
     message = (

@@ -15,7 +15,7 @@ from numalign.compare import (
     compare,
     load_policy,
 )
-from numalign.registry import candidate
+from numalign.ops.registry import candidate
 
 try:
     __version__ = version("numalign")

@@ -10,23 +10,23 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from numalign.option_values import TIERS
-from numalign.options import OPTIONS
-from numalign.settings import Settings, in_shard
-from numalign.testids import parse_replay_group
-from numalign.truths import (
+from numalign.ops.truths import (
     CacheSecretError,
     TruthCache,
     resolve_truth_folder,
     restore_truth_cache,
     use_truth_cache,
 )
+from numalign.records.testids import parse_replay_group
+from numalign.session.option_values import TIERS
+from numalign.session.options import OPTIONS
+from numalign.session.settings import Settings, in_shard
 
 if TYPE_CHECKING:
     import torch
 
     from numalign.compare import TolerancePolicy
-    from numalign.record import NodeRecorder
+    from numalign.records.drift import NodeRecorder
 
 settings_key = pytest.StashKey[Settings]()
 previous_truth_cache_key = pytest.StashKey[TruthCache | None]()
@@ -51,7 +51,7 @@ MARKERS = {
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """Registers every option of ``numalign.options`` with its ini key."""
+    """Registers every option of ``numalign.session.options`` with its ini key."""
     group = parser.getgroup("numalign", "numalign: numerical alignment of models and operators")
     for opt in OPTIONS:
         group.addoption(
@@ -117,7 +117,7 @@ def pytest_configure(config: pytest.Config) -> None:
             "eager (--tp N), and compiled on one process (--compile)"
         )
     if settings.swaps:
-        from numalign.registry import RegistryError
+        from numalign.ops.registry import RegistryError
         from numalign.replay.swap import SwapError, parse_swaps
 
         try:
@@ -126,7 +126,7 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"numalign: {exc}") from None
     if not hasattr(config, "workerinput"):  # the xdist controller, or a plain session
         from numalign.report import DriftCollector
-        from numalign.selection import RanNothingGuard
+        from numalign.session.selection import RanNothingGuard
 
         collector = DriftCollector(settings)
         config.stash[collector_key] = collector
@@ -173,7 +173,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def release_records(config: pytest.Config) -> None:
     """Drops the session's records from the heap once every report is written: the
     collector's, and the drift records among the test reports' user properties."""
-    from numalign.record import USER_PROPERTY
+    from numalign.records.drift import USER_PROPERTY
 
     collector = config.stash.get(collector_key, None)
     if collector is not None:
@@ -260,7 +260,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     ``error``: a candidate, a model or a replay that broke is in the report, never missing."""
     report = yield
     if report.failed and report.when in ("setup", "call") and _records_drift(item):
-        from numalign.record_errors import error_property_for
+        from numalign.records.outcomes import error_property_for
 
         record = error_property_for(
             item.nodeid, call.excinfo, report.user_properties,
@@ -293,7 +293,7 @@ def numalign_device(numalign_settings: Settings) -> torch.device:
 @pytest.fixture
 def numalign_dtype(request: pytest.FixtureRequest) -> torch.dtype:
     """One of the session's dtypes (tests using it are parametrized over ``--dtype``)."""
-    from numalign.dtypes import torch_dtype
+    from numalign.core.dtypes import torch_dtype
 
     return torch_dtype(request.param)
 
@@ -302,7 +302,7 @@ def numalign_dtype(request: pytest.FixtureRequest) -> torch.dtype:
 def record_drift(request: pytest.FixtureRequest) -> NodeRecorder:
     """Records a comparison of this test: ``record_drift(result, suite=..., candidate=...,
     device=..., case=...)``; the controller writes it to the run's records.jsonl."""
-    from numalign.record import NodeRecorder
+    from numalign.records.drift import NodeRecorder
 
     allure_on = bool(request.config.getoption("allure_report_dir", None))
     annotate = _allure_annotate() if allure_on else None

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from numalign.golden import GoldenSetError
-from numalign.record import NodeRecorder
-from numalign.record_errors import recorded_errors
+from numalign.records.drift import NodeRecorder
+from numalign.records.outcomes import recorded_errors
+from numalign.records.testids import Param
 from numalign.replay.engines import Engine, open_engine
 from numalign.replay.sets import unusable_sets
 from numalign.runtime.variant import Variant
-from numalign.testids import Param
 
 #: The parameters of the model suites' tests, each a ``testids.Param`` whose values are a
 #: ``testids.ReplayCase`` (test_layers, test_model, test_decode).
@@ -68,7 +68,7 @@ def replay_guard(
     request: pytest.FixtureRequest, record_drift: NodeRecorder, numalign_settings: Any
 ) -> Callable[[], AbstractContextManager[None]]:
     """The guard every replay runs in: what its failures become is numalign's one exception
-    policy (``numalign.record_errors``: stale or broken golden data, a compiler's failure, a
+    policy (``numalign.records.outcomes``: stale or broken golden data, a compiler's failure, a
     tensor-parallel rank or the serving engine that raised or died, a path the model cannot
     take here); records carry the session's execution variant. A test of a set replay cannot
     use, other than its first selected test, fails in it at once with the set's error."""

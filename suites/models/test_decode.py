@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import torch
 
-from numalign import testids
 from numalign.plugin import settings_key
-from numalign.record import NodeRecorder
+from numalign.records import testids
+from numalign.records.drift import NodeRecorder
+from numalign.records.testids import ReplayCase, replay_param
 from numalign.replay.engines import Engine, decode_caches
 from numalign.replay.sets import suite_sets
 from numalign.replay.verdict import records
 from numalign.runtime.compiled import GraphBreakWarning
-from numalign.testids import ReplayCase, replay_param
 
 ROOT = Path(__file__).resolve().parents[2]
 # Graph breaks under --compile are reported, not failures (as in test_model).

@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 import torch
 
-from numalign import testids
 from numalign.compare.model_verdict import layer_message
 from numalign.golden import GoldenSet, GoldenSetError
 from numalign.plugin import settings_key
-from numalign.record import NodeRecorder
+from numalign.records import testids
+from numalign.records.drift import NodeRecorder
+from numalign.records.testids import ReplayCase, replay_param
 from numalign.replay.engines import Engine
 from numalign.replay.sets import suite_sets
 from numalign.replay.verdict import point_record
 from numalign.runtime.compiled import GraphBreakWarning
-from numalign.testids import ReplayCase, replay_param
 
 ROOT = Path(__file__).resolve().parents[2]
 # Graph breaks under --compile are reported (a warning with Dynamo's reasons, and the

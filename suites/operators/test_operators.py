@@ -18,17 +18,17 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from numalign import testids
-from numalign.dtypes import torch_dtype
-from numalign.opcheck import OperatorVerdict, candidate_function, check_operator
-from numalign.phases import phase
-from numalign.record import NodeRecorder
-from numalign.record_errors import recorded_errors
-from numalign.registry import OPERATORS, Operator, candidates, load_catalogue
+from numalign.core.dtypes import torch_dtype
+from numalign.ops.check import OperatorVerdict, candidate_function, check_operator
+from numalign.ops.phases import phase
+from numalign.ops.registry import OPERATORS, Operator, candidates, load_catalogue
+from numalign.records import testids
+from numalign.records.drift import NodeRecorder
+from numalign.records.outcomes import recorded_errors
 from numalign.runtime import threads_per_worker
 from numalign.runtime.compiled import GraphBreakWarning
 from numalign.runtime.variant import Variant
-from numalign.settings import Settings
+from numalign.session.settings import Settings
 
 load_catalogue()
 # One torch thread per core share from collection on (numalign_device sets it up again with

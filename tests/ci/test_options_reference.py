@@ -32,7 +32,7 @@ def test_the_reference_is_the_option_table_and_the_parser(
 
 def test_every_option_and_command_is_in_the_reference() -> None:
     from numalign.cli import build_parser
-    from numalign.options import OPTIONS
+    from numalign.session.options import OPTIONS
 
     script = _script()
     options = script.options_markdown()
@@ -47,7 +47,7 @@ def test_every_option_and_command_is_in_the_reference() -> None:
 def test_a_changed_option_makes_the_reference_stale(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from numalign.options import OPTIONS
+    from numalign.session.options import OPTIONS
 
     script = _script()
     written = tmp_path / "options.md"

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from numalign.option_values import parse_shard
-from numalign.record import DriftRecord, read_records
-from numalign.settings import in_shard
+from numalign.records.drift import DriftRecord, read_records
+from numalign.session.option_values import parse_shard
+from numalign.session.settings import in_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATORS = ROOT / "suites" / "operators" / "test_operators.py"
@@ -222,7 +222,7 @@ def test_the_honest_matrix_swaps_reach_every_swept_sample_type_with_the_module()
     from _pytest.mark.expression import Expression
     from transformers import AutoModelForCausalLM
 
-    from numalign.registry import OPERATORS, load_catalogue
+    from numalign.ops.registry import OPERATORS, load_catalogue
     from numalign.sweep.build import causal_lm_types, tiny_config
 
     matrix = _honest_matrix()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from numalign.compare import CompareSpec, compare
-from numalign.record import DriftRecord
+from numalign.records.drift import DriftRecord
 
 BF = torch.bfloat16
 #: The least confidence a planted case of a label's own kind must get.

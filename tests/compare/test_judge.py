@@ -13,7 +13,7 @@ from numalign.compare.locate import UPSTREAM_POINTS, locate, locate_logits
 from numalign.compare.model_verdict import PointResult
 from numalign.compare.output_kind import TENSOR
 from numalign.compare.pooled import POOLED
-from numalign.errors import Unsupported
+from numalign.core.errors import Unsupported
 
 #: the control's errors: every point errs by at most 1e-3 (max abs) and 1e-3 relative L2 in
 #: bfloat16; an error 0.1 in every element leaves them by 100x, whatever the rule

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from numalign.compare import CompareSpec, compare
-from numalign.opcheck import check_operator
-from numalign.registry import OPERATORS, Candidate, load_catalogue
+from numalign.ops.check import check_operator
+from numalign.ops.registry import OPERATORS, Candidate, load_catalogue
 
 CPU = torch.device("cpu")
 

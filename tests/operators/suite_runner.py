@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from numalign.record import DriftRecord, read_records
+from numalign.records.drift import DriftRecord, read_records
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT / "suites" / "operators"

@@ -21,8 +21,8 @@ import honest_kernels
 import pytest
 import torch
 
-from numalign.opcheck import check_operator
-from numalign.registry import OPERATORS, candidates
+from numalign.ops.check import check_operator
+from numalign.ops.registry import OPERATORS, candidates
 
 #: At least 5 redrawn seeds (the report's count), more where the nightly asks for more.
 SEEDS = range(0, max(5, int(os.environ.get("NUMALIGN_RESEEDS", "5"))) + 1)

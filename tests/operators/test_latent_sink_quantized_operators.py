@@ -14,9 +14,9 @@ import pytest
 import torch
 from suite_runner import assert_passes_in_every_dtype, run_operator_suite
 
-from numalign.cases import Case
-from numalign.record import DriftRecord
-from numalign.registry import OPERATORS, candidates
+from numalign.ops.cases import Case
+from numalign.ops.registry import OPERATORS, candidates
+from numalign.records.drift import DriftRecord
 from operators import fp8_block, int4, kv_quant, mla, sinks
 
 #: wrong kernel -> (operator, the case that must expose it, a case where the bug is invisible

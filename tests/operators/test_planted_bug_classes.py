@@ -9,7 +9,7 @@ import re
 import pytest
 from suite_runner import assert_passes_in_every_dtype, run_operator_suite
 
-from numalign.record import DriftRecord
+from numalign.records.drift import DriftRecord
 
 #: wrong kernel -> (operator, a case that must expose it)
 WRONG = {

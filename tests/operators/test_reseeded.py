@@ -21,8 +21,8 @@ import os
 import pytest
 import torch
 
-from numalign.opcheck import check_operator
-from numalign.registry import OPERATORS, candidates, load_catalogue
+from numalign.ops.check import check_operator
+from numalign.ops.registry import OPERATORS, candidates, load_catalogue
 
 #: Operators whose max-abs budgets rest on heavy-tailed worst elements, and normalizations
 #: whose errors share a normalizer.

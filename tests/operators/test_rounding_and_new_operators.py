@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from numalign.cases import Case, generator
 from numalign.compare.rounding import ROUND_TO_NEAREST, expand_scale, judge_rounding
-from numalign.inventory import aten_to_operators
-from numalign.opcheck import make_inputs
-from numalign.registry import OPERATORS, CodeLayout, Output, load_catalogue
+from numalign.ops.cases import Case, generator
+from numalign.ops.check import make_inputs
+from numalign.ops.inventory import aten_to_operators
+from numalign.ops.registry import OPERATORS, CodeLayout, Output, load_catalogue
 
 Q = Output("q", kind="quantized", quantized_from="x", scale_from="scale")
 RULE, LAYOUT = Q.rounding, Q.layout_for(None)

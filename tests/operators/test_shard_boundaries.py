@@ -1,6 +1,6 @@
 """Shard boundaries in the case grid: every input that indexes a table of V rows (an
 embedding's token ids, a loss's labels) holds the ids where tensor- and vocabulary-parallel
-ranks split the table (``numalign.cases.boundary_ids``), at every tier, smoke included.
+ranks split the table (``numalign.ops.cases.boundary_ids``), at every tier, smoke included.
 
 A rank's range test off by one (``id <= end`` for ``id < end``) reads the boundary id from two
 shards, and only that id: with ids drawn at random from a vocabulary of thousands, no case
@@ -17,9 +17,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from numalign.cases import ID16_LIMIT, boundary_ids, generator, table_ids
-from numalign.opcheck import check_operator
-from numalign.registry import OPERATORS, Candidate, load_catalogue
+from numalign.ops.cases import ID16_LIMIT, boundary_ids, generator, table_ids
+from numalign.ops.check import check_operator
+from numalign.ops.registry import OPERATORS, Candidate, load_catalogue
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SHARDS = (2, 4, 8)
@@ -140,7 +140,7 @@ def test_table_ids_put_the_boundaries_first_and_draw_the_rest_in_range() -> None
 def test_some_smoke_case_of_each_table_operator_holds_every_boundary(operator: str) -> None:
     """The mechanism reaches the operators: a smoke case whose ids hold all the boundaries of
     its table (the 16-bit limit included), so no boundary depends on the draw."""
-    from numalign.opcheck import make_inputs
+    from numalign.ops.check import make_inputs
 
     load_catalogue()
     op = OPERATORS[operator]

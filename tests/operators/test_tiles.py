@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from numalign.cases import Case
-from numalign.registry import OPERATORS, candidates, load_catalogue
+from numalign.ops.cases import Case
+from numalign.ops.registry import OPERATORS, candidates, load_catalogue
 from numalign.runtime.compiled import CompileSpec, compiled_function
 from operators._tiles import split_softmax, tiles, untile
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from numalign.record import DriftRecord, read_records
+from numalign.records.drift import DriftRecord, read_records
 
 ROOT = Path(__file__).resolve().parents[2]
 

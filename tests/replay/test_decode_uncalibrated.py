@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from numalign.errors import UNCALIBRATED
-from numalign.record import read_records
+from numalign.core.errors import UNCALIBRATED
+from numalign.records.drift import read_records
 
 ROOT = Path(__file__).resolve().parents[2]
 

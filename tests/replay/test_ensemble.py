@@ -140,7 +140,7 @@ def test_a_member_running_other_code_than_the_capture_s_is_an_error(tmp_path: Pa
 
     changed = tmp_path / "changed"
     shutil.copytree(ROOT / "src" / "numalign", changed / "numalign")
-    with (changed / "numalign" / "cases.py").open("a", encoding="utf-8") as file:
+    with (changed / "numalign" / "ops" / "cases.py").open("a", encoding="utf-8") as file:
         file.write("# a commit merged while the capture ran\n")
     model = tmp_path / "tiny-llama"
     shutil.copytree(ROOT / "golden" / "models" / "tiny-llama", model)

@@ -44,7 +44,7 @@ def test_a_wrong_rms_norm_fails_at_the_mapped_modules_and_is_the_first_divergenc
     } | {"model.norm"}
     blocks = {"model.layers.0", "model.layers.1"}  # they contain the swapped norms
     assert failed == norms | blocks, result.stdout.str()[-3000:]
-    from numalign.record import read_records
+    from numalign.records.drift import read_records
 
     records = read_records(pytester.path / "reports" / "latest")
     located = [r.first_divergence for r in records if r.first_divergence and r.mode != "decode"]
@@ -70,7 +70,7 @@ def test_a_wrong_rotary_fails_at_the_attention_modules_and_is_the_first_divergen
     )
     attention = {"model.layers.0.self_attn", "model.layers.1.self_attn"}
     assert failed == attention | {"model.layers.0", "model.layers.1"}, result.stdout.str()[-3000:]
-    from numalign.record import read_records
+    from numalign.records.drift import read_records
 
     records = read_records(pytester.path / "reports" / "latest")
     prefill = [r for r in records if r.first_divergence and r.mode != "decode"]
@@ -90,7 +90,7 @@ def test_a_correct_swap_passes(pytester: pytest.Pytester, on_path: None) -> None
         "tiny-llama",
     )
     assert result.ret == 0, result.stdout.str()[-3000:]
-    from numalign.record import read_records
+    from numalign.records.drift import read_records
 
     # every record of a run has a key of its own (layer, model and decode replay, every
     # cache): a collision would make merging and the baseline diff drop one silently; tiny-llama
@@ -134,7 +134,7 @@ def test_a_changed_model_fails_with_the_stale_message(
 def test_the_deep_model_and_the_encoder_replay_in_every_dtype_with_no_false_alarm(
     pytester: pytest.Pytester, on_path: None
 ) -> None:
-    from numalign.record import read_records
+    from numalign.records.drift import read_records
 
     result = run_suite(pytester, "-k", "tiny-deep-llama or tiny-bert")
     assert result.ret == 0, result.stdout.str()[-3000:]
@@ -180,7 +180,7 @@ def test_a_one_percent_scaled_rms_norm_fails_at_the_norms_of_the_deep_model(
         for norm in ("input_layernorm", "post_attention_layernorm")
     } | {"model.norm"}
     assert failed == norms, result.stdout.str()[-3000:]
-    from numalign.record import read_records
+    from numalign.records.drift import read_records
 
     records = read_records(pytester.path / "reports" / "latest")
     located = [r.first_divergence for r in records if r.first_divergence]
@@ -196,7 +196,7 @@ def test_a_corrupted_golden_tensor_is_an_error_naming_the_shard(
 ) -> None:
     import json
 
-    from numalign.record import read_records
+    from numalign.records.drift import read_records
 
     sets = pytester.path / "sets"
     shutil.copytree(ROOT / "golden" / "sets" / "tiny-llama", sets / "flipped-llama")
@@ -224,7 +224,7 @@ def test_a_corrupted_golden_tensor_is_an_error_naming_the_shard(
 def test_a_broken_manifest_is_one_error_record_and_the_other_sets_replay(
     pytester: pytest.Pytester, on_path: None
 ) -> None:
-    from numalign.record import read_records
+    from numalign.records.drift import read_records
 
     sets = pytester.path / "sets"
     (sets / "broken-llama").mkdir(parents=True)

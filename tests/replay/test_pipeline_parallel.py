@@ -24,7 +24,7 @@ from numalign.replay.pipeline import (
     split_layers,
 )
 from numalign.replay.wire import digest
-from numalign.settings import Settings, pipeline_conflicts
+from numalign.session.settings import Settings, pipeline_conflicts
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "golden" / "models"

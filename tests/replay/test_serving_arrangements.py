@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from numalign.replay.engines.vllm_serving import KV_BLOCK, Exercised
-from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING
+from numalign.runtime.serving import ARRANGEMENTS, DEFAULT_SERVING
 
 
 def _step(scheduled: dict[str, int], new: list[tuple[str, int, int]] = (),

@@ -22,7 +22,7 @@ from numalign.replay.engines.transformers import TransformersEngine
 from numalign.replay.sets import open_fresh
 from numalign.replay.verdict import point_record, records
 from numalign.runtime.variant import Variant
-from numalign.settings import Settings
+from numalign.session.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 SETS = ROOT / "golden" / "sets"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from numalign.golden.zoo import rescale
-from numalign.registry import OPERATORS, load_catalogue
+from numalign.ops.registry import OPERATORS, load_catalogue
 from numalign.replay.swap import SwappedModule, apply_swaps, unmatched_message
 from numalign.sweep.build import tiny_config
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from numalign.record import read_records
+from numalign.records.drift import read_records
 from numalign.replay.swap import SwapError, parse_swaps
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ from numalign.replay.tensor_parallel import (
     TensorParallelUsageError,
     check_shardable,
 )
-from numalign.settings import Settings
+from numalign.session.settings import Settings
 
 ZOO = Path(__file__).resolve().parents[2] / "golden" / "models"
 #: Seconds a call may run in the hang test: long enough for two ranks to answer a barrier
@@ -52,7 +52,7 @@ def test_a_rank_that_raises_fails_the_call_with_its_error(group: RankGroup) -> N
 
 
 def test_numalign_s_own_errors_reach_the_test_as_themselves(group: RankGroup) -> None:
-    from numalign.errors import Unsupported
+    from numalign.core.errors import Unsupported
 
     pids = group.call(tp_calls.rank_pids)
     # raised on every rank: the test skips as on one process, and the group, idle, goes on

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from numalign.record import read_records
+from numalign.records.drift import read_records
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITES = ROOT / "suites" / "models"

@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here (CI runs this in 
 import torch
 
 from numalign.replay.engines.vllm import VllmEngine
-from numalign.settings import Settings
+from numalign.session.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 MISTRAL = ROOT / "golden" / "sets" / "tiny-mistral"
@@ -194,7 +194,7 @@ def test_an_engine_that_fails_to_start_is_an_error_naming_the_set(
 
     from numalign.replay.engines.errors import EngineError
     from numalign.replay.sets import open_fresh
-    from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING
+    from numalign.runtime.serving import ARRANGEMENTS, DEFAULT_SERVING
 
     golden = open_fresh(MISTRAL)
     broken = tmp_path / "tiny-mistral"
@@ -268,7 +268,7 @@ def test_vllm_runs_with_onednn_and_aten_capped_below_amx(tmp_path: Path) -> None
     script = (
         "import torch\n"
         "from numalign.replay.engines.vllm import VllmEngine\n"
-        "from numalign.settings import Settings\n"
+        "from numalign.session.settings import Settings\n"
         "engine = VllmEngine(Settings(engine='vllm'))\n"
         f"verdict = engine.model({str(MISTRAL)!r}, 'bfloat16', torch.device('cpu'), None).verdict\n"
         "engine.close()\n"

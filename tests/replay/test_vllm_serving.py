@@ -23,8 +23,8 @@ import torch
 from numalign.replay.engines.errors import EngineUnsupported
 from numalign.replay.engines.vllm import VllmEngine
 from numalign.replay.engines.vllm_serving import KV_BLOCK
-from numalign.serving import ARRANGEMENTS
-from numalign.settings import Settings
+from numalign.runtime.serving import ARRANGEMENTS
+from numalign.session.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 MISTRAL = ROOT / "golden" / "sets" / "tiny-mistral"

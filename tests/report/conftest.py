@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from numalign.compare import CompareSpec, compare
-from numalign.record import DriftRecord
+from numalign.records.drift import DriftRecord
 
 #: Layers of the synthetic deep model: more than 30, where a chart per point is unreadable.
 DEEP_LAYERS = 32

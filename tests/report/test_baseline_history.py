@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from numalign.record import DriftRecord, read_records, write_records
+from numalign.records.drift import DriftRecord, read_records, write_records
 from numalign.report import diff_runs, merge_runs, render_run
 from numalign.report.history import read_history
 

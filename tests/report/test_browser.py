@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from numalign.record import DriftRecord, write_records
+from numalign.records.drift import DriftRecord, write_records
 from numalign.report import render_run
 
 CHROMIUM = "/usr/bin/chromium"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from numalign.record import DriftRecord
+from numalign.records.drift import DriftRecord
 from numalign.report.html import render_html
 from numalign.report.variants import compile_label, compile_label_of_swap, side_by_side
 

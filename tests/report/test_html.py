@@ -8,8 +8,8 @@ import re
 from html.parser import HTMLParser
 from typing import Any
 
-from numalign import testids
-from numalign.record import DriftRecord
+from numalign.records import testids
+from numalign.records.drift import DriftRecord
 from numalign.report.html import point_place, render_html
 
 HEADER = {

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from numalign.record import read_records
+from numalign.records.drift import read_records
 
 OUTCOMES = """
 import pytest
@@ -166,7 +166,7 @@ def test_drift_html_shows_an_expected_failure_as_expected(
 
 
 def test_an_expected_failure_is_not_a_regression() -> None:
-    from numalign.record import DriftRecord
+    from numalign.records.drift import DriftRecord
     from numalign.report.baseline import diff_runs
 
     before = DriftRecord("t::test_paged", point="p", verdict="passed", budget_used=0.2)
@@ -180,7 +180,7 @@ def test_an_int64_output_of_a_bfloat16_test_is_counted_under_bfloat16() -> None:
     import torch
 
     from numalign.compare import CompareSpec, compare
-    from numalign.record import DriftRecord
+    from numalign.records.drift import DriftRecord
     from numalign.report.html import render_html
     from numalign.report.tables import summarize
 

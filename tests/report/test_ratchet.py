@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from numalign.cli.nightly_flow import ratchet_lines
 from numalign.compare import CompareSpec, compare
 from numalign.compare.tolerances import Budget
-from numalign.nightly import ratchet_lines
-from numalign.record import DriftRecord, write_records
+from numalign.records.drift import DriftRecord, write_records
 from numalign.report import diff_runs, render_run
 from numalign.report.ratchet import RATCHET_FACTOR, ratchet
 

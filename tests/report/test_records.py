@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from numalign.record import DriftRecord, read_records
+from numalign.records.drift import DriftRecord, read_records
 
 COMPARISONS = """
 import os
@@ -124,7 +124,7 @@ def test_an_exception_becomes_an_error_record_with_its_type_and_message(
 
 
 def test_records_without_a_comparison_keep_what_the_test_id_tells() -> None:
-    from numalign.record import context_from_test_id, crashed_record
+    from numalign.records.drift import context_from_test_id, crashed_record
 
     op = crashed_record(
         "suites/operators/test_operators.py::test_rms_norm[my-fused-bfloat16-unaligned-33x4097]",
@@ -146,7 +146,7 @@ def test_a_point_called_twice_in_one_request_keeps_both_records() -> None:
     """A module called twice in one forward (a shared block, a weight-tied layer) gives one
     record per call: their keys differ, so merging runs and diffing against a baseline keep
     both (before calls were counted, one silently replaced the other)."""
-    from numalign.record import DriftRecord
+    from numalign.records.drift import DriftRecord
     from numalign.report.baseline import diff_runs
     from numalign.report.run import merge_records
 
@@ -171,7 +171,7 @@ def test_run_ids_differ_in_one_second_and_one_pid_namespace() -> None:
     shared one run folder; the random suffix tells them apart, and ids still sort by time."""
     from unittest import mock
 
-    from numalign.record import new_run_id
+    from numalign.records.drift import new_run_id
 
     with mock.patch("os.getpid", return_value=1):
         ids = {new_run_id(now=1.7e9) for _ in range(50)}
@@ -220,7 +220,7 @@ def test_records_of_schemas_1_2_and_3_are_read_with_their_keys(tmp_path) -> None
 def test_a_record_is_written_in_schema_6_and_keeps_its_schema_when_rewritten(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """New records say schema 6; an old record merged into a new file stays what it was (its
     fields were never filled), and a record without the field is schema 1."""
-    from numalign.record import SCHEMA_VERSION, DriftRecord, write_records
+    from numalign.records.drift import SCHEMA_VERSION, DriftRecord, write_records
 
     assert SCHEMA_VERSION == 6 and DriftRecord(test_id="t").to_dict()["schema"] == 6
     old = DriftRecord.from_dict(_OLD_RECORDS[1])
@@ -238,7 +238,7 @@ def test_power_is_written_finite_json_safe_and_older_records_read_without_it(tmp
     a record of schema 4 has none."""
     import math
 
-    from numalign.record import write_records
+    from numalign.records.drift import write_records
 
     record = DriftRecord(test_id="t", detectable={"scale": math.inf, "bias": 0.0125})
     write_records(tmp_path / "records.jsonl", [record])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from numalign.record import RecordWriter, read_records
+from numalign.records.drift import RecordWriter, read_records
 
 COMPARISONS = """
 import pytest

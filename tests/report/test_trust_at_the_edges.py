@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from numalign.errors import UNCALIBRATED
-from numalign.record import DriftRecord, read_records, write_records
+from numalign.core.errors import UNCALIBRATED
+from numalign.records.drift import DriftRecord, read_records, write_records
 from numalign.report.verdict import NOT_JUDGED_SHARE, judge_run
 
 
@@ -37,7 +37,7 @@ NAN_TESTS = """
 import pytest
 import torch
 from numalign.compare import CompareSpec, compare
-from numalign.record import DriftRecord
+from numalign.records.drift import DriftRecord
 
 @pytest.mark.parametrize("i", range(5))
 def test_compare(i, record_drift):
@@ -101,7 +101,7 @@ def test_a_record_json_has_no_form_for_is_an_error_record_not_an_abort(
     pytester.makepyfile(
         """
 import torch
-from numalign.record import DriftRecord
+from numalign.records.drift import DriftRecord
 
 def test_tensor_metric(record_drift):
     record_drift.add(DriftRecord(test_id="t", metrics={"max_abs": torch.tensor(1.0)}))
@@ -214,7 +214,7 @@ def test_a_rebuilt_report_of_a_session_that_never_wrote_its_end_is_incomplete(
     of 2 tests; now it reads INCOMPLETE against the 10 tests the session selected."""
     import numalign.report.collector as collector
     from numalign.cli import main
-    from numalign.record import RecordWriter
+    from numalign.records.drift import RecordWriter
 
     real = RecordWriter.write
 
@@ -332,7 +332,7 @@ def test_a_set_mostly_skipped_for_want_of_calibration_is_not_judged() -> None:
 
 def test_an_uncalibrated_skip_leaves_a_record_that_says_so() -> None:
     from numalign.compare.model_verdict import Uncalibrated
-    from numalign.record_errors import outcome_for
+    from numalign.records.outcomes import outcome_for
 
     test_id = "suites/models/test_layers.py::test_layer[bare/model.layers.0.mlp-bfloat16]"
     outcome = outcome_for(Uncalibrated("model.layers.0.mlp: no calibration"), test_id, tp=1)

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from numalign.record import DriftRecord
+from numalign.records.drift import DriftRecord
 from numalign.report.variants import compile_label
 from numalign.runtime.compiled import CompileSpec
 from numalign.runtime.variant import Variant
-from numalign.settings import Settings
+from numalign.session.settings import Settings
 
 #: Every variant option of the model suites at once.
 ALL = Settings(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from numalign.record import DriftRecord, write_records
+from numalign.records.drift import DriftRecord, write_records
 from numalign.sweep import one
 from numalign.sweep.table import SweepRow
 

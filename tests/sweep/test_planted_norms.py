@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from numalign.registry import load_catalogue
+from numalign.ops.registry import load_catalogue
 from numalign.sweep import one
 from numalign.sweep.build import build_tiny
 from numalign.sweep.table import SweepRow

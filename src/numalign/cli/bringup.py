@@ -7,12 +7,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from numalign import options
 from numalign.cli.common import check_dtypes, check_model, check_run_options, subparser
 from numalign.golden.decode import DEFAULT_DECODE_STEPS
 from numalign.golden.requests import FAR_LENGTH
 from numalign.golden.store import DEFAULT_SETS
-from numalign.option_values import ENGINES, TIERS
+from numalign.session import options
+from numalign.session.option_values import ENGINES, TIERS
 
 #: Where ``numalign run`` keeps the sets it captures: outside the tracked golden/sets (which
 #: every ``pytest suites/`` replays), git-ignored.
@@ -20,7 +20,7 @@ RUN_SETS = Path(".numalign") / "sets"
 
 
 def _inventory(args: argparse.Namespace) -> int:
-    from numalign.inventory import inventory
+    from numalign.ops.inventory import inventory
 
     check_model(args.model_dir, "inventory")
 
@@ -31,8 +31,8 @@ def _inventory(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """numalign plan MODEL_DIR: what a capture and a replay will take (numalign.plan)."""
-    from numalign.option_values import parse_size
     from numalign.plan import plan
+    from numalign.session.option_values import parse_size
 
     check_model(args.model_dir, "plan")
     check_dtypes(args.dtype, "--dtype", "plan")
@@ -52,7 +52,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _nightly(args: argparse.Namespace) -> int:
-    from numalign.nightly import nightly
+    from numalign.cli.nightly_flow import nightly
 
     check_run_options(args, "nightly")
     if not Path(args.models).is_dir():
@@ -69,7 +69,7 @@ def _nightly(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from numalign.nightly import bring_up
+    from numalign.cli.nightly_flow import bring_up
 
     check_model(args.model_dir, "run")
     check_run_options(args, "run")

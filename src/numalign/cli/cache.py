@@ -13,8 +13,8 @@ def _cache(args: argparse.Namespace) -> int:
     """numalign cache info | prune: the operator suite's truth cache."""
     from collections import defaultdict
 
-    from numalign.option_values import parse_size
-    from numalign.truths import cache_entries, default_truth_folder, prune_truths
+    from numalign.ops.truths import cache_entries, default_truth_folder, prune_truths
+    from numalign.session.option_values import parse_size
 
     folder = Path(args.cache) if args.cache else default_truth_folder(Path.cwd())
     if args.action == "prune":

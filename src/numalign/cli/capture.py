@@ -11,7 +11,7 @@ from numalign.cli.common import check_dtypes, check_model, subparser
 from numalign.golden.capture_spec import DEFAULT_CONTINUATION, CaptureSpec
 from numalign.golden.decode import DEFAULT_DECODE_STEPS
 from numalign.golden.requests import FAR_LENGTH
-from numalign.option_values import ATTN_IMPLEMENTATIONS
+from numalign.session.option_values import ATTN_IMPLEMENTATIONS
 
 
 def _capture(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 def check_dtypes(text: str | None, option: str, command: str) -> None:
     """A comma list of dtypes, checked before any work (``--calibrate bf16`` ran a capture,
     then raised AttributeError)."""
-    from numalign.option_values import parse_dtypes
+    from numalign.session.option_values import parse_dtypes
 
     if text:
         try:
@@ -51,8 +51,8 @@ def check_run_options(args: argparse.Namespace, command: str) -> None:
     """The options ``run`` and ``nightly`` hand to the suites (those ``options.add_to`` gave
     the command), validated before any work as the plugin validates them
     (``Settings.from_options``)."""
-    from numalign.options import command_values
-    from numalign.settings import Settings
+    from numalign.session.options import command_values
+    from numalign.session.settings import Settings
 
     try:
         Settings.from_options(command_values(args))

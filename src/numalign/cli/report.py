@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from numalign.cli.common import subparser
-from numalign.option_values import DEFAULT_REGRESSION_FACTOR
+from numalign.session.option_values import DEFAULT_REGRESSION_FACTOR
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ from numalign.compare.power import Detectable, detectable
 from numalign.compare.result import CompareResult
 from numalign.compare.spec import CompareSpec
 from numalign.compare.tolerances import FLOAT_FORMATS, Budget, Tolerance
-from numalign.dtypes import dtype_name
+from numalign.core.dtypes import dtype_name
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ from numalign.compare.cause import Cause
 from numalign.compare.metrics import Metrics, compute_metrics
 from numalign.compare.result import CompareResult
 from numalign.compare.tolerances import DTYPE_TOLERANCES, Tolerance
-from numalign.dtypes import dtype_name
+from numalign.core.dtypes import dtype_name
 
 if TYPE_CHECKING:
     import torch

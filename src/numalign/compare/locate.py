@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from numalign.compare.calibration import OUTPUT_POINT
 from numalign.compare.model_verdict import Divergence, LogitsResult, PointResult, first_divergence
 from numalign.compare.pooled import POOLED
-from numalign.errors import Unsupported
+from numalign.core.errors import Unsupported
 
 #: How many points before an accumulated divergence are replayed alone to find the one that
 #: errs itself: a block's worth (norms, attention, MLP) and the block before it.
@@ -28,7 +28,7 @@ class Alone(Protocol):
 
     def replay_alone(self, point: str) -> list[PointResult]:
         """Every recorded call of ``point`` replayed alone on the golden inputs, judged in
-        mode ``isolated``; ``numalign.errors.Unsupported`` saying why where it cannot run
+        mode ``isolated``; ``numalign.core.errors.Unsupported`` saying why where it cannot run
         alone (or the set has no such point)."""
         ...
 

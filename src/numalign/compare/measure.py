@@ -11,7 +11,7 @@ from numalign.compare.budgets import ControlBudget, ToleranceBudget
 from numalign.compare.metrics import ControlErrors, Metrics, compute_metrics, error_tail
 from numalign.compare.policy import DEFAULT_POLICY, TolerancePolicy
 from numalign.compare.tolerances import FLOAT_FORMATS, Budget, Tolerance
-from numalign.dtypes import dtype_name
+from numalign.core.dtypes import dtype_name
 
 if TYPE_CHECKING:
     import torch

@@ -11,13 +11,13 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from numalign import dtypes
 from numalign.compare.tolerances import (
     FLOAT_FORMATS,
     TAIL_EXCEEDANCE,
     TAIL_ORDER_STATISTICS,
     Tolerance,
 )
+from numalign.core import dtypes
 
 if TYPE_CHECKING:
     import torch

@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from numalign import dtypes
 from numalign.compare.calibration import Control
 from numalign.compare.core import compare
 from numalign.compare.logits import LogitsStats, kl_budget, logits_stats, near_tie
@@ -25,7 +24,8 @@ from numalign.compare.result import CompareResult
 from numalign.compare.routing import agreeing, judge_flips
 from numalign.compare.spec import CompareSpec
 from numalign.compare.tolerances import FLOAT_FORMATS, Thresholds
-from numalign.errors import UNCALIBRATED, Unsupported
+from numalign.core import dtypes
+from numalign.core.errors import UNCALIBRATED, Unsupported
 
 if TYPE_CHECKING:
     import torch

@@ -8,7 +8,6 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from numalign import dtypes
 from numalign.compare.budgets import Decision, RoundingBudget
 from numalign.compare.metrics import Metrics, compute_metrics
 from numalign.compare.policy import DEFAULT_POLICY, TolerancePolicy
@@ -20,7 +19,8 @@ from numalign.compare.tolerances import (
     ROUNDING_OFF_BY_ONE_SHARE,
     ROUNDING_TIE_BAND,
 )
-from numalign.dtypes import dtype_name
+from numalign.core import dtypes
+from numalign.core.dtypes import dtype_name
 
 if TYPE_CHECKING:
     import torch

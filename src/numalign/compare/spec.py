@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from numalign.compare.tolerances import OP_CLASSES
-from numalign.names import did_you_mean
+from numalign.core.names import did_you_mean
 
 if TYPE_CHECKING:
     import torch

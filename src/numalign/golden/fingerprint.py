@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from numalign.errors import Crashed
+from numalign.core.errors import Crashed
 
 #: A file modified less than this many seconds ago is hashed on every call, never trusted
 #: from its stat: filesystem timestamps are coarse (a few milliseconds on Linux, 2 s on FAT),

@@ -8,7 +8,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from numalign.errors import UsageError
+from numalign.core.errors import UsageError
 from numalign.golden.requests import long_length, max_positions
 
 #: Rows of the long requests (``long_requests``: the length and three quarters of it), the

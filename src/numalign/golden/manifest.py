@@ -27,9 +27,9 @@ from numalign.compare.calibration import OUTPUT_POINT as OUTPUT_POINT
 from numalign.compare.calibration import Calibration as Calibration
 from numalign.compare.calibration import ControlStats as ControlStats
 from numalign.compare.output_kind import check_kind, kind_of
-from numalign.errors import BrokenData
-from numalign.finite_json import decode as _decode_finite
-from numalign.finite_json import encode as _encode_finite
+from numalign.core.errors import BrokenData
+from numalign.core.finite_json import decode as _decode_finite
+from numalign.core.finite_json import encode as _encode_finite
 
 FORMAT = "numalign.golden/4"
 #: Formats this numalign reads: format 1 sets have no decode steps, format 1 and 2 sets a
@@ -256,7 +256,7 @@ def _object(value: Any) -> dict[str, Any]:
 #: A set's power as JSON holds it (``replay.set_power``): {dtype: {point: {output path:
 #: {mode: {"scale": s, "bias": b}}}}}, the smallest relative scale and additive bias (in
 #: units of the truth's RMS) a pass there would catch (``compare.power.Detectable``);
-#: infinity, written "Infinity" (``numalign.finite_json``), where none would.
+#: infinity, written "Infinity" (``numalign.core.finite_json``), where none would.
 PowerJson = dict[str, dict[str, dict[str, dict[str, dict[str, float]]]]]
 
 

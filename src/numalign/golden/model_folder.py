@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from numalign.errors import BrokenData
+from numalign.core.errors import BrokenData
 
 
 class ModelFolderError(BrokenData, ValueError):

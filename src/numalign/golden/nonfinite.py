@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from numalign.errors import BrokenData
+from numalign.core.errors import BrokenData
 
 #: Where a reference first holds NaN or Inf: (request, point, output path, non-finite count,
 #: element count).

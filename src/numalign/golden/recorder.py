@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from numalign.compare.output_kind import kind_of
-from numalign.dtypes import dtype_name
+from numalign.core.dtypes import dtype_name
 from numalign.golden.manifest import Call, KeyTree
 from numalign.golden.nonfinite import NonFinite, count_nonfinite
 from numalign.golden.reference import flatten, jsonable

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign.errors import Unsupported
-from numalign.option_values import KV_CACHES
+from numalign.core.errors import Unsupported
+from numalign.session.option_values import KV_CACHES
 
 if TYPE_CHECKING:
     import torch
@@ -77,7 +77,7 @@ def load_model(
     ``placement``, placed and offloaded by accelerate (``Placement``)."""
     import transformers
 
-    from numalign.dtypes import torch_dtype
+    from numalign.core.dtypes import torch_dtype
 
     transformers.utils.logging.disable_progress_bar()
     _, cls = model_class(model_dir, trust_remote_code)

@@ -118,7 +118,7 @@ def far_request(
             ids += tok(DEFAULT_PROMPTS[0], add_special_tokens=not ids)["input_ids"]
         row = torch.tensor(ids[:length])
     else:
-        from numalign.cases import generator
+        from numalign.ops.cases import generator
 
         vocab = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
         row = torch.randint(1, vocab, (length,), generator=generator("numalign.capture", "far"))
@@ -156,7 +156,7 @@ def text_requests(
             enc = tok(list(prompts), return_tensors="pt", padding=True)
             inputs = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
         else:
-            from numalign.cases import generator
+            from numalign.ops.cases import generator
 
             vocab = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
             gen = generator("numalign.capture", "text")
@@ -174,7 +174,7 @@ def long_requests(
     tokenizer, seeded token ids otherwise."""
     import torch
 
-    from numalign.cases import generator
+    from numalign.ops.cases import generator
 
     tok = _tokenizer(model_dir, trust_remote_code)
     lengths = (length, max(1, length * 3 // 4))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign import dtypes
+from numalign.core import dtypes
 from numalign.golden.manifest import Manifest, ShardInfo, TensorInfo
 
 if TYPE_CHECKING:

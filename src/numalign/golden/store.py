@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare.output_kind import TENSOR
+from numalign.core.names import did_you_mean
 from numalign.golden.fingerprint import changed_files, fingerprint, settled_stat
 from numalign.golden.folders import MARKER, mark, marked, remove_abandoned, remove_written
 from numalign.golden.manifest import (
@@ -40,7 +41,6 @@ from numalign.golden.manifest import (
     TensorInfo,
 )
 from numalign.golden.shards import sha256_file
-from numalign.names import did_you_mean
 
 if TYPE_CHECKING:
     import torch

@@ -285,7 +285,7 @@ def load_streamed(
     from transformers.initialization import no_init_weights
     from transformers.modeling_utils import LoadStateDictConfig
 
-    from numalign.dtypes import torch_dtype
+    from numalign.core.dtypes import torch_dtype
 
     folder = check_model_dir(model_dir)
     files = checkpoint_files(folder)

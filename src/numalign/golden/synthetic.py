@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from numalign.cases import stable_seed
+from numalign.ops.cases import stable_seed
 
 
 def write_synthetic(config: Any, out: str | Path, *, seed: str = "numalign.synthetic") -> Path:

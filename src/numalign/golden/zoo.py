@@ -255,7 +255,7 @@ def build_model(spec: ZooModel, out_dir: Path) -> Path:
     import torch
     import transformers
 
-    from numalign.cases import stable_seed
+    from numalign.ops.cases import stable_seed
 
     transformers.utils.logging.disable_progress_bar()
     config = getattr(transformers, spec.config_class)(**spec.config)

@@ -24,7 +24,6 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign import dtypes
 from numalign.compare import compute_metrics
 from numalign.compare.calibration import (
     ERROR_STATISTICS,
@@ -35,7 +34,8 @@ from numalign.compare.lean import LeanSums
 from numalign.compare.logits import logits_stats
 from numalign.compare.output_kind import CALIBRATED_KINDS, ROUTING_KIND, TENSOR
 from numalign.compare.routing import agreeing
-from numalign.errors import Unsupported
+from numalign.core import dtypes
+from numalign.core.errors import Unsupported
 from numalign.golden.decode import REFERENCE_CACHE, limit_message
 from numalign.golden.loading import load_reference
 from numalign.golden.manifest import OUTPUT_POINT, CalibrationJson

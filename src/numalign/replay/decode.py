@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from numalign import dtypes
 from numalign.compare.decode_verdict import DecodeVerdict
 from numalign.compare.judge import Judge, Observation
 from numalign.compare.model_verdict import ReplayUnsupported, Uncalibrated
+from numalign.core import dtypes
 from numalign.golden.decode import cache_family, step_outputs
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.golden.reference import (

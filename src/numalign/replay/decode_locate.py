@@ -22,9 +22,9 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from numalign import dtypes
 from numalign.compare.judge import Judge
 from numalign.compare.model_verdict import DecodeLocation
+from numalign.core import dtypes
 from numalign.golden.decode import step_outputs
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.replay.decode import run_decode

@@ -36,11 +36,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from numalign.compare.calibration import merge_statistics
-from numalign.errors import Crashed
+from numalign.core.errors import Crashed
 from numalign.golden.capture import capture, resolve_stream
 from numalign.golden.capture_spec import CaptureSpec
 from numalign.golden.manifest import CalibrationJson, calibration_from_json
-from numalign.option_values import parse_dtypes
 from numalign.replay.ensemble_member import (
     CODE_CHANGED,
     MemberResult,
@@ -50,6 +49,7 @@ from numalign.replay.ensemble_member import (
     member_environment,
 )
 from numalign.replay.set_power import model_config, power_line, set_power
+from numalign.session.option_values import parse_dtypes
 
 if TYPE_CHECKING:
     from numalign.golden.reference import Placement

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare.exact import LeftOut, fill_faults
-from numalign.errors import Unsupported
+from numalign.core.errors import Unsupported
 from numalign.golden.reference import hooks, jsonable
 from numalign.golden.routing import point_tensors
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from numalign import dtypes
 from numalign.compare import CompareResult
 from numalign.compare.exact import LeftOut
 from numalign.compare.judge import Judge, Observation
@@ -25,6 +24,7 @@ from numalign.compare.model_verdict import (
     ReplayUnsupported,
 )
 from numalign.compare.policy import thresholds_of
+from numalign.core import dtypes
 from numalign.golden.manifest import LOGIT_TRANSFORM, OUTPUT_POINT, Continuation
 from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
 from numalign.replay.inputs import fed_inputs, input_at_fault
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
     from numalign.golden.store import GoldenSet, Point
     from numalign.replay.tensor_parallel import RankGroup, ShardedModel
-    from numalign.settings import Settings
+    from numalign.session.settings import Settings
 
 T = TypeVar("T")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare.routing import ROUTING
-from numalign.errors import Crashed, Unsupported
+from numalign.core.errors import Crashed, Unsupported
 from numalign.golden.manifest import OUTPUT_POINT
 from numalign.golden.reference import hooks, own_cache
 from numalign.golden.requests import REPLAY_PAGE_SIZE, unservable

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from numalign.compare.calibration import CACHE_POINT, OUTPUT_POINT
 from numalign.compare.model_verdict import ReplayUnsupported
-from numalign.errors import UsageError
+from numalign.core.errors import UsageError
 from numalign.replay.wire import broadcast_tensor, digest, receive_tensor, send_tensor
 
 if TYPE_CHECKING:

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign import dtypes
 from numalign.compare.decode_verdict import DecodeVerdict
 from numalign.compare.signature import Signature, unexplained
+from numalign.core import dtypes
 from numalign.replay.decode import replay_decode, require_decode_replayable
 from numalign.replay.decode_locate import locate_decode
 from numalign.replay.model import ModelCache
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from numalign.golden.store import GoldenSet
-    from numalign.settings import Settings
+    from numalign.session.settings import Settings
 
 __all__ = ["PagedUnsupported", "decode_replay", "known_divergence"]
 

@@ -26,10 +26,10 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign import dtypes
 from numalign.compare.judge import Judge
 from numalign.compare.model_verdict import Uncalibrated
 from numalign.compare.output_kind import CALIBRATED_KINDS
+from numalign.core import dtypes
 from numalign.golden.manifest import PROBE_REQUEST, PowerJson
 from numalign.replay.layer import kept_positions, request_mask
 from numalign.replay.model import hidden_and_depth

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from numalign.compare.tolerances import SWAP_PROBE_EPS
-from numalign.errors import UsageError
-from numalign.registry import OPERATORS, Candidate, Operator, candidates, load_catalogue
+from numalign.core.errors import UsageError
+from numalign.ops.registry import OPERATORS, Candidate, Operator, candidates, load_catalogue
 
 
 class SwapError(UsageError, ValueError):

@@ -39,7 +39,7 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign.errors import Crashed, Unsupported, UsageError
+from numalign.core.errors import Crashed, Unsupported, UsageError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     import torch
 
     from numalign.golden.store import GoldenSet
-    from numalign.settings import Settings
+    from numalign.session.settings import Settings
 
 #: Seconds the ranks may take to start (import torch and transformers, rendezvous) and
 #: connect back.

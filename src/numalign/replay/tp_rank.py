@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from numalign.replay.tensor_parallel import AUTHKEY_ENV, BACKENDS, RANK, rank_device, receive, send
 
 if TYPE_CHECKING:
-    from numalign.settings import Settings
+    from numalign.session.settings import Settings
 
 
 def _serve(connection: Any, rank: int) -> None:
@@ -54,7 +54,7 @@ def _rebuilds(exc: BaseException) -> bool:
     """Whether ``exc`` goes back to the controller as itself: one of numalign's errors (a
     set not calibrated, a path not supported, a usage error) that its arguments rebuild, as
     the controller's unpickling does; any other goes back as its traceback's text."""
-    from numalign.errors import NumalignError
+    from numalign.core.errors import NumalignError
 
     if not isinstance(exc, NumalignError):
         return False

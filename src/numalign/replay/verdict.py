@@ -18,7 +18,7 @@ from numalign.compare.model_verdict import (
     ModelVerdict,
     PointResult,
 )
-from numalign.record import DriftRecord
+from numalign.records.drift import DriftRecord
 
 
 def records(

@@ -8,8 +8,8 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from numalign import finite_json
-from numalign.record import DriftRecord
+from numalign.core import finite_json
+from numalign.records.drift import DriftRecord
 
 #: Histogram image size in pixels.
 _WIDTH, _HEIGHT = 560, 240

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from numalign.compare import tolerances
-from numalign.option_values import DEFAULT_REGRESSION_FACTOR
-from numalign.record import DriftRecord
+from numalign.records.drift import DriftRecord
 from numalign.report.ratchet import RATCHET_FACTOR, ratchet
+from numalign.session.option_values import DEFAULT_REGRESSION_FACTOR
 
 #: Growth below this use of the budget is not reported (its reason: compare.tolerances).
 NOISE_FLOOR = tolerances.NOISE_FLOOR

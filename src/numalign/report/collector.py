@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from numalign.compare.policy import load_policy
-from numalign.record import (
+from numalign.records.drift import (
     FAILING,
     DriftRecord,
     RecordWriter,
@@ -36,7 +36,7 @@ from numalign.report.run import render_run
 from numalign.report.session import write_session
 from numalign.report.tables import power_by_dtype, power_lines
 from numalign.report.verdict import RunVerdict
-from numalign.settings import Settings
+from numalign.session.settings import Settings
 
 #: How many of the worst records the terminal summary names.
 WORST_SHOWN = 5

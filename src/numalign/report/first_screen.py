@@ -8,7 +8,7 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from numalign.record import DriftRecord, outcome_of
+from numalign.records.drift import DriftRecord, outcome_of
 from numalign.report.ratchet import growth_text
 from numalign.report.tables import power_by_dtype
 

@@ -7,8 +7,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from numalign import finite_json
-from numalign.record import DriftRecord
+from numalign.core import finite_json
+from numalign.records.drift import DriftRecord
 
 #: The history file's name inside the report folder when --history does not name one.
 HISTORY_FILE = "history.jsonl"

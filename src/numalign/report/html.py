@@ -8,8 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from numalign import finite_json
-from numalign.record import END_MODES, FAILING, STATUSES, DriftRecord
+from numalign.core import finite_json
+from numalign.records.drift import END_MODES, FAILING, STATUSES, DriftRecord
 from numalign.report.charts import PALETTE, Series, budget_color, line_chart
 from numalign.report.first_screen import (
     cause_text,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from numalign.compare import tolerances
-from numalign.record import DriftRecord
+from numalign.records.drift import DriftRecord
 
 #: A budget or a power figure moved beyond this factor is reported (its reason there).
 RATCHET_FACTOR = tolerances.RATCHET_FACTOR

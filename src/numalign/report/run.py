@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from numalign import finite_json
 from numalign.compare.tolerances import Thresholds
-from numalign.option_values import DEFAULT_REGRESSION_FACTOR
-from numalign.record import (
+from numalign.core import finite_json
+from numalign.records.drift import (
     DriftRecord,
     count_outcomes,
     outcome_of,
@@ -28,6 +27,7 @@ from numalign.report.session import SESSION_FILE, merge_sessions, read_session, 
 from numalign.report.tables import summarize, write_tables
 from numalign.report.variants import compiled_cost, side_by_side
 from numalign.report.verdict import RunVerdict, judge_run
+from numalign.session.option_values import DEFAULT_REGRESSION_FACTOR
 
 
 def merge_records(runs: Iterable[list[DriftRecord]]) -> list[DriftRecord]:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from numalign import testids
-from numalign.record import STATUSES, DriftRecord
-from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING
+from numalign.records import testids
+from numalign.records.drift import STATUSES, DriftRecord
+from numalign.runtime.serving import ARRANGEMENTS, DEFAULT_SERVING
 
 #: A cell's verdict, worst first: the records' own order (``record.STATUSES``), except that
 #: a skipped record (a point the engine has no module for) never outranks a judged one.

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from numalign import finite_json
+from numalign.core import finite_json
 from numalign.report.atomic import write_text_atomic
 
 __all__ = ["SESSION_FILE", "merge_sessions", "read_session", "write_session"]

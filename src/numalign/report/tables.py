@@ -9,8 +9,8 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign import finite_json
-from numalign.record import DriftRecord, count_outcomes
+from numalign.core import finite_json
+from numalign.records.drift import DriftRecord, count_outcomes
 from numalign.report.atomic import write_atomic, write_text_atomic
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from numalign.record import DriftRecord
+from numalign.records.drift import DriftRecord
 from numalign.runtime.compiled import CompileSpec
 
 #: What marks a compiled variant in a record's ``swap`` (``compile=inductor``).

@@ -21,8 +21,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from numalign.errors import UNCALIBRATED
-from numalign.record import FAILING, DriftRecord
+from numalign.core.errors import UNCALIBRATED
+from numalign.records.drift import FAILING, DriftRecord
 
 __all__ = ["NOT_JUDGED_SHARE", "RUN_VERDICTS", "RunVerdict", "judge_run"]
 

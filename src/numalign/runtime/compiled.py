@@ -55,12 +55,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from numalign.errors import Crashed, KnownDivergence
+from numalign.core.errors import Crashed, KnownDivergence
 
 if TYPE_CHECKING:
     import torch
 
-    from numalign.settings import Settings
+    from numalign.session.settings import Settings
 
 #: Backend used by ``--compile`` without a value.
 DEFAULT_BACKEND = "inductor"

@@ -10,7 +10,7 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-from numalign.errors import UsageError
+from numalign.core.errors import UsageError
 
 if TYPE_CHECKING:
     import torch

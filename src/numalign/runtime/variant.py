@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from numalign.runtime.compiled import CompileSpec, compile_spec
 
 if TYPE_CHECKING:
-    from numalign.settings import Settings
+    from numalign.session.settings import Settings
 
 
 @dataclass(frozen=True)

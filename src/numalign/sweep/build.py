@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from numalign.errors import Crashed
+from numalign.core.errors import Crashed
 from numalign.sweep.shrink import shrink
 
 #: Tokens of the forward a built model must run (batch 1).
@@ -75,8 +75,8 @@ def build_tiny(model_type: str, out_dir: Path) -> Path:
     import torch
     import transformers
 
-    from numalign.cases import stable_seed
     from numalign.golden.zoo import rescale
+    from numalign.ops.cases import stable_seed
 
     transformers.utils.logging.disable_progress_bar()
     config = tiny_config(model_type)

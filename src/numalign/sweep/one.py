@@ -55,7 +55,7 @@ def _pytest(suites: Path, golden: Path, reports: Path, *args: str) -> tuple[int,
 def _outcomes(reports: Path) -> dict[str, str]:
     """test id -> its outcome as pytest counted it (``record.outcome_of``: an expected
     failure, such as a known divergence of the paged engine, is ``xfailed``, never failed)."""
-    from numalign.record import outcome_of, read_records
+    from numalign.records.drift import outcome_of, read_records
 
     latest = reports / "latest"
     if not (latest / "records.jsonl").is_file():
@@ -88,7 +88,7 @@ def planted(row: SweepRow, suites: Path, golden: Path, reports: Path, model_dir:
     replay (under xdist, ``PLANTED_WORKERS``), named a norm or not by the captured point's
     module type."""
     from numalign.golden import GoldenSet
-    from numalign.registry import load_catalogue
+    from numalign.ops.registry import load_catalogue
 
     load_catalogue()
     # by what the modules compute, not their names (CpmAnt's "LayerNorm" is an RMSNorm), and
@@ -108,7 +108,7 @@ def planted(row: SweepRow, suites: Path, golden: Path, reports: Path, model_dir:
     if code not in (0, 1):
         row.planted = "no: " + _short(output.strip().splitlines()[-1] if output.strip() else "")
         return
-    from numalign.record import read_records
+    from numalign.records.drift import read_records
 
     points = {p.name: p.type for p in GoldenSet.open(golden).points}
     records = read_records(reports / "latest")
@@ -146,7 +146,7 @@ def norm_names(model_dir: Path, operator: str, *, readable: bool = False) -> lis
 
 def _norms(model: Any, operator: str, *, readable: bool = False) -> list[str]:
     """``norm_names`` of a model already built."""
-    from numalign.registry import OPERATORS
+    from numalign.ops.registry import OPERATORS
     from numalign.replay.swap import adapts
 
     op = OPERATORS[operator]

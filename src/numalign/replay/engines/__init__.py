@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from numalign.errors import Unsupported
+from numalign.core.errors import Unsupported
 
 if TYPE_CHECKING:
     import torch
 
     from numalign.golden.store import GoldenSet
-    from numalign.settings import Settings
+    from numalign.session.settings import Settings
 
 
 @dataclass
@@ -74,7 +74,8 @@ class Engine(Protocol):
         serving: str | None = None,
     ) -> Replayed:
         """The whole model on every golden request, every point and the logits judged;
-        ``serving``: a serving engine's arrangement (``numalign.serving``; None: its default)."""
+        ``serving``: a serving engine's arrangement (``numalign.runtime.serving``; None: its
+        default)."""
         ...
 
     def decode(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from numalign.errors import Crashed, Unsupported
+from numalign.core.errors import Crashed, Unsupported
 
 
 class EngineUnsupported(Unsupported, RuntimeError):

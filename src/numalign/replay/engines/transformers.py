@@ -15,7 +15,7 @@ from numalign.runtime.variant import Variant
 if TYPE_CHECKING:
     import torch
 
-    from numalign.settings import Settings
+    from numalign.session.settings import Settings
 
 
 class TransformersEngine:

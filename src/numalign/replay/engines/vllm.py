@@ -26,7 +26,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign import dtypes
 from numalign.compare.decode_verdict import DecodeVerdict
 from numalign.compare.judge import Judge, Observation
 from numalign.compare.locate import locate
@@ -37,6 +36,7 @@ from numalign.compare.model_verdict import (
     label,
 )
 from numalign.compare.routing import ROUTING
+from numalign.core import dtypes
 from numalign.golden.manifest import OUTPUT_POINT
 from numalign.golden.requests import unservable
 from numalign.replay.decode import require_decode_replayable
@@ -69,14 +69,14 @@ from numalign.replay.engines.vllm_serving import (
 )
 from numalign.replay.layer import AloneUnsupported, kept_positions, request_mask
 from numalign.replay.sets import open_fresh
+from numalign.runtime.serving import ARRANGEMENTS, DEFAULT_SERVING, Arrangement
 from numalign.runtime.variant import Variant
-from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING, Arrangement
 
 if TYPE_CHECKING:
     import torch
 
     from numalign.golden.store import GoldenSet
-    from numalign.settings import Settings
+    from numalign.session.settings import Settings
 
 #: vLLM's messages for a model or configuration it does not serve (the test skips with it).
 UNSUPPORTED = ("Unsupported CPU attention", "not supported", "There is no module or parameter",

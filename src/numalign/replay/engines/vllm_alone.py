@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from numalign import dtypes
 from numalign.compare.judge import Judge, Observation
 from numalign.compare.model_verdict import (
     PointResult,
 )
+from numalign.core import dtypes
 from numalign.replay.engines.vllm_points import (
     LM_HEAD,
     RESIDUAL,

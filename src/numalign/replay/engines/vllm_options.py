@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from numalign import dtypes
+from numalign.core import dtypes
 from numalign.replay.engines.vllm_drafts import GOLDEN_DRAFTS
 from numalign.replay.engines.vllm_serving import (
     KV_BLOCK,
@@ -21,7 +21,7 @@ from numalign.replay.engines.vllm_serving import (
 
 if TYPE_CHECKING:
     from numalign.golden.store import GoldenSet
-    from numalign.serving import Arrangement
+    from numalign.runtime.serving import Arrangement
 
 #: vLLM in this process (its engine core in-process: hooks reach the model, nothing is
 #: pickled) and its CPU threads left where the worker put them (xdist workers share cores).

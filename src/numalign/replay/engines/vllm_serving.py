@@ -2,7 +2,7 @@
 its real tokens, decode rows teacher-forced with the golden tokens (a logits processor), and
 hooks that read each row's positions of every mapped module's output and the logits out of
 vLLM's flattened batches (``Served``), in one of the serving arrangements
-(``numalign.serving``), with what the scheduler was seen doing (``Exercised``)."""
+(``numalign.runtime.serving``), with what the scheduler was seen doing (``Exercised``)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from numalign.replay.engines.vllm_points import (
 )
 from numalign.replay.layer import request_mask
 from numalign.replay.model import hidden_and_depth
-from numalign.serving import CROWD_ROWS, Arrangement
+from numalign.runtime.serving import CROWD_ROWS, Arrangement
 
 if TYPE_CHECKING:
     import torch

@@ -9,7 +9,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from numalign.cases import Case, generator, noncontiguous
 from numalign.compare import (
     CompareResult,
     CompareSpec,
@@ -18,10 +17,11 @@ from numalign.compare import (
     compare,
 )
 from numalign.compare.rounding import judge_rounding
-from numalign.phases import add_phase, phase
-from numalign.record import DriftRecord
-from numalign.registry import Candidate, Operator, Output
-from numalign.truths import active_truth_cache
+from numalign.ops.cases import Case, generator, noncontiguous
+from numalign.ops.phases import add_phase, phase
+from numalign.ops.registry import Candidate, Operator, Output
+from numalign.ops.truths import active_truth_cache
+from numalign.records.drift import DriftRecord
 
 if TYPE_CHECKING:
     import torch

@@ -9,7 +9,7 @@ the test id tells of the test (suite, operator or point, candidate, dtype, case)
 
 Every reader (tables, baseline diff, merge, history, Allure, drift.html) takes
 :class:`DriftRecord`; :func:`read_records` reads schema versions 1 to 6. A non-finite number
-is written as a string (``numalign.finite_json``) and read back as its float: a NaN metric is
+is written as a string (``numalign.core.finite_json``) and read back as its float: a NaN metric is
 a finding, never a record lost or a session aborted.
 """
 
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import IO, Any
 
-from numalign import finite_json
 from numalign.compare import CompareResult
-from numalign.testids import parse as parse_test_id
+from numalign.core import finite_json
+from numalign.records.testids import parse as parse_test_id
 
 #: Version of the record schema; bump it when a field changes meaning or goes away.
 #: 2: request, output, step and error fields; the key holds request, output and step;
@@ -272,7 +272,7 @@ _MODES = {"test_layer": "isolated", "test_model": "accumulated", "test_decode": 
 
 
 def context_from_test_id(test_id: str) -> dict[str, Any]:
-    """What a numalign suite's test id says of its test (``numalign.testids``), as record
+    """What a numalign suite's test id says of its test (``numalign.records.testids``), as record
     fields, for records written without a comparison (a test that raised, a worker that
     crashed). Other ids give what they can (nothing, for a test outside the suites)."""
     parsed = parse_test_id(test_id)

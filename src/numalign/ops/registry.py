@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
-from numalign.cases import Case
 from numalign.compare import OP_CLASSES, Budget
 
 # the rounding judge's data, at home in compare.rounding: catalogue modules import it from here
 from numalign.compare.rounding import DEFAULT_LAYOUT, ROUND_TO_NEAREST, CodeLayout, RoundingRule
-from numalign.errors import UsageError
-from numalign.names import did_you_mean
+from numalign.core.errors import UsageError
+from numalign.core.names import did_you_mean
+from numalign.ops.cases import Case
 
 #: The built-in catalogue: one module per operator family.
 CATALOGUE: tuple[str, ...] = (

@@ -21,7 +21,7 @@ as :func:`outcome_for` says, with its record:
 - options or inputs that cannot work together (``UsageError``: a model that does not split
   over ``--tp`` ranks, say): an ``error`` record and a failure.
 
-The policy dispatches on the kinds of ``numalign.errors``, never on a module's classes. Any
+The policy dispatches on the kinds of ``numalign.core.errors``, never on a module's classes. Any
 other exception propagates: pytest reports it, and the plugin's report hook gives the
 test an ``error`` record with the exception's type, message and the last lines of its
 traceback (:func:`error_property_for`), unless the test's own records already tell its
@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
-from numalign.errors import BrokenData, Crashed, KnownDivergence, NumalignError, Unsupported
-from numalign.record import (
+from numalign.core.errors import BrokenData, Crashed, KnownDivergence, NumalignError, Unsupported
+from numalign.records.drift import (
     TRACEBACK_LINES,
     USER_PROPERTY,
     DriftRecord,
@@ -48,7 +48,7 @@ from numalign.record import (
 )
 
 if TYPE_CHECKING:
-    from numalign.record import NodeRecorder
+    from numalign.records.drift import NodeRecorder
 
 #: How a test that raised ends.
 ENDINGS: tuple[str, ...] = ("fail", "skip", "xfail")

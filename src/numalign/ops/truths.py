@@ -11,7 +11,7 @@ An entry is found by a sha256 over everything that decides its values:
 - the operator's name, and the source (``inspect.getsource``) of its reference and its
   inputs builder, of the modules defining them (their helpers and constants) and of the
   modules of the same package those take names from (``operators._common``), and of
-  ``numalign.cases`` (the seeded draws);
+  ``numalign.ops.cases`` (the seeded draws);
 - the case: name, parameters and value regime;
 - the dtype the inputs were rounded to;
 - the torch version (another version is a miss: never trusted without recomputing).
@@ -68,13 +68,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from numalign.errors import UsageError
+from numalign.core.errors import UsageError
 
 if TYPE_CHECKING:
     import torch
 
-    from numalign.cases import Case
-    from numalign.registry import Operator
+    from numalign.ops.cases import Case
+    from numalign.ops.registry import Operator
 
 #: Format tag of an entry's metadata; a different tag is a miss.
 FORMAT = "numalign.truth/2"
@@ -131,7 +131,7 @@ def _helper_modules(module: ModuleType) -> list[str]:
 @functools.cache
 def _source_digest(*functions: Callable[..., Any]) -> str | None:
     """sha256 over the source of ``functions``, of the modules defining them and the
-    modules of their package those import from, and of ``numalign.cases``; None when a
+    modules of their package those import from, and of ``numalign.ops.cases``; None when a
     source cannot be read."""
     digest = hashlib.sha256()
     try:
@@ -141,7 +141,7 @@ def _source_digest(*functions: Callable[..., Any]) -> str | None:
             module = inspect.getmodule(target)
             for name in _helper_modules(module) if module is not None else []:
                 digest.update(inspect.getsource(sys.modules[name]).encode())
-        digest.update(inspect.getsource(sys.modules["numalign.cases"]).encode())
+        digest.update(inspect.getsource(sys.modules["numalign.ops.cases"]).encode())
     except (OSError, TypeError):
         return None
     return digest.hexdigest()

@@ -13,7 +13,9 @@ from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
-from numalign.option_values import (
+from numalign.runtime.devices import validate_device
+from numalign.runtime.serving import ARRANGEMENTS, DEFAULT_SERVING, parse_serving
+from numalign.session.option_values import (
     ATTN_IMPLEMENTATIONS,
     CACHE_IMPLEMENTATIONS,
     DEFAULT_CACHE_IMPLEMENTATIONS,
@@ -40,8 +42,6 @@ from numalign.option_values import (
     parse_tier,
     parse_tp,
 )
-from numalign.runtime.devices import validate_device
-from numalign.serving import ARRANGEMENTS, DEFAULT_SERVING, parse_serving
 
 #: pytest's ini types an option's ini key may have.
 INI_TYPES: tuple[str, ...] = ("string", "linelist", "paths", "bool")

@@ -1,8 +1,8 @@
 """How numalign's option values are read and checked, without torch: the names and defaults
-the options allow, and the parsers the option table (``numalign.options``) gives each option.
-A parser takes the option's text and returns its ``Settings`` value, or raises ValueError
-saying which option is wrong and how to write it. ``numalign.settings`` re-exports the names
-other modules import from there."""
+the options allow, and the parsers the option table (``numalign.session.options``) gives each
+option. A parser takes the option's text and returns its ``Settings`` value, or raises
+ValueError saying which option is wrong and how to write it. ``numalign.session.settings``
+re-exports the names other modules import from there."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from numalign.compare.tolerances import REGRESSION_FACTOR
-from numalign.dtypes import RUN_DTYPES
+from numalign.core.dtypes import RUN_DTYPES
 
 #: transformers' attention implementations a model replay can ask for.
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("eager", "sdpa", "flex_attention")

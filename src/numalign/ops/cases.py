@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from numalign.option_values import TIERS
+from numalign.session.option_values import TIERS
 
 if TYPE_CHECKING:
     import torch

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from numalign import finite_json
+from numalign.core import finite_json
 from numalign.golden import GoldenSet, GoldenSetError
 from numalign.golden.capture_spec import CaptureSpec
 from numalign.replay.ensemble import DEFAULT_CALIBRATION, capture_calibrated
@@ -235,7 +235,7 @@ def run_compiled(
 def operator_tests(suites_root: Path, operators: Sequence[str]) -> list[str]:
     """The node ids of the operator suite's tests of ``operators`` (exact names: never a
     substring, which made ``-k test_attention`` also run ``test_attention_sinks``)."""
-    from numalign.registry import OPERATORS, load_catalogue
+    from numalign.ops.registry import OPERATORS, load_catalogue
 
     load_catalogue()
     module = suites_root / "operators" / "test_operators.py"
@@ -278,7 +278,7 @@ def bring_up(
     operators the inventory maps this model to that have candidates, by exact test name. The
     report path printed is this run's, and only when the run wrote one."""
     from numalign.golden.model_folder import check_model_dir
-    from numalign.inventory import inventory
+    from numalign.ops.inventory import inventory
 
     model_dir = check_model_dir(model_dir).resolve()
     suites_root = Path(suites_root)

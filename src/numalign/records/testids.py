@@ -14,7 +14,7 @@ The ids (pytest's node id is ``PATH::FUNCTION[PARAMS]``):
   ``test_decode[SET-DTYPE-CACHE-SERVING]`` likewise (a cache name holds no hyphen)
 - replay groups (the ``replay_group`` mark of a model-suite test): ``SET_PATH-DTYPE``
 
-Parameters are split at their first dtype name (``numalign.dtypes.NAMES``): a candidate, a
+Parameters are split at their first dtype name (``numalign.core.dtypes.NAMES``): a candidate, a
 set or a point may hold hyphens, a dtype name never appears before the dtype.
 
 A suite's parameter is a :class:`Param`: the text pytest and Allure show (as before), with
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from numalign.dtypes import NAMES
+from numalign.core.dtypes import NAMES
 
 #: The layer case of a set whose manifest cannot be read: its points are unknown.
 UNREADABLE = "(unreadable)"
@@ -62,7 +62,7 @@ def format_decode(set_name: str, dtype: str, cache: str, serving: str | None = N
 
 
 def _serving(serving: str | None) -> str:
-    from numalign.serving import DEFAULT_SERVING
+    from numalign.runtime.serving import DEFAULT_SERVING
 
     return "" if serving in (None, DEFAULT_SERVING) else f"-{serving}"
 

@@ -79,7 +79,7 @@ def inventory(model_dir: str | Path, *, trust_remote_code: bool = False) -> Inve
     """The operators the model in ``model_dir`` uses (built on the meta device: no weights
     load), by module type and by the aten ops of one traced forward, each with where it is
     used and whether the catalogue covers it, and what no operator stands for."""
-    from numalign.registry import load_catalogue
+    from numalign.ops.registry import load_catalogue
 
     load_catalogue()
     folder = Path(model_dir)
@@ -150,7 +150,7 @@ def _rows(model: Any, types: dict[str, list[str]], counts: dict[str, int]) -> li
     """The inventory's rows: each catalogue operator the model uses (by module or by aten op)
     with where and its coverage, then the module types with parameters and the aten ops that
     no operator stands for."""
-    from numalign.registry import OPERATORS, candidates
+    from numalign.ops.registry import OPERATORS, candidates
 
     rows: list[dict[str, Any]] = []
     where: dict[str, set[str]] = defaultdict(set)
@@ -200,7 +200,7 @@ def natural_sorted(names: Iterable[str]) -> list[str]:
 def _missing(kind: str) -> str:
     """A module type no operator stands for: ``missing``, naming the operators it is a form
     of that they lack (a gated RMSNorm is a form of ``rms_norm`` with a silu(gate) factor)."""
-    from numalign.registry import OPERATORS
+    from numalign.ops.registry import OPERATORS
 
     forms = sorted(op.name for op in OPERATORS.values() if op.extended_by(kind))
     if not forms:
@@ -218,7 +218,7 @@ def _variant(name: str, kwargs: dict[str, Any]) -> str:
 
 def aten_to_operators() -> dict[str, tuple[str, ...]]:
     """aten operators -> the catalogue operators that declare them (``Operator.aten``)."""
-    from numalign.registry import OPERATORS, load_catalogue
+    from numalign.ops.registry import OPERATORS, load_catalogue
 
     load_catalogue()
     table: dict[str, tuple[str, ...]] = {}
@@ -229,6 +229,6 @@ def aten_to_operators() -> dict[str, tuple[str, ...]]:
 
 
 def op_covers(op_name: str, module_type: str) -> bool:
-    from numalign.registry import OPERATORS
+    from numalign.ops.registry import OPERATORS
 
     return OPERATORS[op_name].stands_for(module_type)

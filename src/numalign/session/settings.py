@@ -1,6 +1,6 @@
 """The session settings shared by the pytest plugin and the CLI, validated without torch: a
-frozen :class:`Settings`, built from option values by the option table (``numalign.options``),
-and the checks across options."""
+frozen :class:`Settings`, built from option values by the option table
+(``numalign.session.options``), and the checks across options."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from numalign.option_values import (
+from numalign.runtime.serving import DEFAULT_SERVING
+from numalign.session.option_values import (
     DEFAULT_CACHE_IMPLEMENTATIONS,
     DEFAULT_DTYPES,
     DEFAULT_ENGINE,
@@ -18,8 +19,7 @@ from numalign.option_values import (
     DEFAULT_VLLM_MEMORY,
     TIERS,
 )
-from numalign.options import BY_NAME, OPTIONS
-from numalign.serving import DEFAULT_SERVING
+from numalign.session.options import BY_NAME, OPTIONS
 
 __all__ = [
     "Settings",
@@ -54,7 +54,7 @@ class Settings:
     attn_implementation: str | None = None
     experts_implementation: str | None = None
     allow_tf32: bool = False
-    #: Where the operator suite keeps its float64 truths (``numalign.truths``); None: off.
+    #: Where the operator suite keeps its float64 truths (``numalign.ops.truths``); None: off.
     #: A session's is the rootdir's unless --truth-cache says otherwise: the plugin resolves
     #: the folder against the rootdir before ``from_options``.
     truth_cache: Path | None = None
@@ -87,7 +87,7 @@ class Settings:
     #: vLLM's memory share for its KV cache (--vllm-memory), in (0, 1).
     vllm_memory: float = DEFAULT_VLLM_MEMORY
     #: How a serving engine serves the golden requests (--serving): arrangements of
-    #: ``numalign.serving``, one model and decode test each.
+    #: ``numalign.runtime.serving``, one model and decode test each.
     serving: tuple[str, ...] = (DEFAULT_SERVING,)
     #: The model suites stream each model's weights from its checkpoint, one unit (a
     #: decoder layer, the embedding, the head) on the device at a time (--stream).
@@ -98,10 +98,10 @@ class Settings:
 
     @classmethod
     def from_options(cls, values: Mapping[str, object]) -> Settings:
-        """Validated settings from option values by option name (``numalign.options``:
+        """Validated settings from option values by option name (``numalign.session.options``:
         ``dtype`` for ``--dtype``, ``tp_timeout`` for ``--tp-timeout``), as pytest and the
         CLI read them: strings, lists of strings for repeatable options, booleans for
-        switches; ``truth_cache`` is the folder already resolved (``numalign.truths``). Each
+        switches; ``truth_cache`` is the folder already resolved (``numalign.ops.truths``). Each
         option reads its value into the field it sets (``Option.read``), in the table's
         order; a name absent or None keeps the field's default. The one validation of the
         plugin and the CLI's ``run`` and ``nightly``: ValueError with the message of the bad
@@ -145,7 +145,7 @@ def _check_baseline(path: Path) -> None:
     """The baseline is a run's records, read now and whole (a torn or empty file would count
     its missing records as new, never as regressions): a wrong path fails before the first
     test, not after the whole run."""
-    from numalign.record import read_records
+    from numalign.records.drift import read_records
 
     if not path.exists():
         raise ValueError(f"--drift-baseline {path}: no such run folder or records file")
