@@ -158,12 +158,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if previous_truth_cache_key in config.stash:  # an in-process run leaves the outer one's
         restore_truth_cache(config.stash[previous_truth_cache_key])
     # After the last hook, pytest's unraisable-exception cleanup collects garbage five times
-    # over the whole heap. The controller's heap held every record twice or three times
-    # over (the collector's, and each phase's report's user properties: 2.6 million objects
-    # after the main job, 1.9 million of them lists, 1.4 s a collection), and the process
-    # ran 15.6 s after pytest's last line with no word (26 s on a loaded machine). Every
-    # report is written by now: the records leave the heap. An in-process run inside
-    # another session (pytester) leaves the outer one's reports alone.
+    # over the whole heap, where the controller holds every record two or three times over
+    # (the collector's, and each phase's report's user properties): seconds of silence after
+    # pytest's last line in a large run (docs/measurements.md). Every report is written by
+    # now: the records leave the heap. An in-process run inside another session (pytester)
+    # leaves the outer one's reports alone.
     global _sessions
     _sessions -= 1
     if _sessions == 0:

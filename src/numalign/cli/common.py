@@ -8,8 +8,8 @@ from typing import Any
 
 
 def check_dtypes(text: str | None, option: str, command: str) -> None:
-    """A comma list of dtypes, checked before any work (``--calibrate bf16`` ran a capture,
-    then raised AttributeError)."""
+    """A comma list of dtypes, checked before any work: an unknown name (``bf16``) exits
+    with the option's message, never after a capture has run."""
     from numalign.session.option_values import parse_dtypes
 
     if text:

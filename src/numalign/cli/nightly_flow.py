@@ -35,9 +35,8 @@ from numalign.replay.ensemble import DEFAULT_CALIBRATION, capture_calibrated
 VERSIONS = ".versions"
 #: Suite files a compiled nightly run covers: layer, full-model and decode replay (decode with
 #: the KV caches; the paged engine runs its own forward). The operator suite compiled costs a
-#: compilation per candidate, dtype and case configuration (about 45 minutes at tier pr on 2
-#: CPU cores; not yet run at tier nightly): run it by hand or at a PR
-#: (``pytest suites/operators --compile``).
+#: compilation per candidate, dtype and case configuration (its time: docs/compiled.md): run
+#: it by hand or at a PR (``pytest suites/operators --compile``).
 COMPILED_SUITE_FILES = ("test_layers.py", "test_model.py", "test_decode.py")
 #: Folder of the compiled runs under the nightly report folder.
 COMPILED_DIR = "compiled"
@@ -234,7 +233,7 @@ def run_compiled(
 
 def operator_tests(suites_root: Path, operators: Sequence[str]) -> list[str]:
     """The node ids of the operator suite's tests of ``operators`` (exact names: never a
-    substring, which made ``-k test_attention`` also run ``test_attention_sinks``)."""
+    substring: ``-k test_attention`` would also select ``test_attention_sinks``)."""
     from numalign.ops.registry import OPERATORS, load_catalogue
 
     load_catalogue()

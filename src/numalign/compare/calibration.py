@@ -245,15 +245,14 @@ def control_for(
     norm ratio's deviation from 1 by s, 1 - cosine and KL, quadratic in the error, by s**2.
     The ensemble samples the kernels it can select (instruction sets, threads, attention);
     the scaled bound covers an implementation that reorders every reduction, which no member
-    does (an honest fused RMSNorm swapped into tiny-qwen3-next in float32 erred 8.7x the
-    ensemble's worst).
+    does (an honest fused RMSNorm errs several times the ensemble's worst in float32:
+    docs/golden-sets.md).
 
     An output the ensemble cannot measure in ``dtype`` (attention weights: the float32
     members run SDPA, which returns none) borrows alone, raised by how far the point's other
     outputs calibrated in ``dtype`` exceed their own borrowed estimate (``_own_excess``): the
-    same upstream error reaches every output of a point. An honest fused RMSNorm swapped into
-    tiny-qwen3-next erred 4.6x the borrowed control at layer 1's float32 attention weights,
-    in the whole model, where the point's output measured 1.5x its borrowed estimate."""
+    same upstream error reaches every output of a point, so an output the ensemble cannot
+    measure exceeds its borrowed estimate as the point's measured outputs do."""
     propagated = mode in ("accumulated", "output", "decode")
     reduction = hidden * (depth if propagated else 1)
     own = _calibration(golden, dtype, point, path, mode)
@@ -300,7 +299,7 @@ def _borrowed(
         stats = _calibration(golden, source, point, path, mode)
         if stats is not None:
             roundoff = 2.0 ** (FLOAT_FORMATS[source][0] - FLOAT_FORMATS[dtype][0])
-            # sqrt(hidden) ** 1.0 is sqrt(hidden) exactly: the default walk rounds as before
+            # sqrt(hidden) ** 1.0 is sqrt(hidden) exactly: the default walk adds no rounding
             walk = math.sqrt(hidden) ** (2 * power)
             return stats, (roundoff * walk if roundoff < 1 else roundoff)
     return None

@@ -1,4 +1,4 @@
-"""The likely cause of a failing comparison, read from its error's signature (issue 43).
+"""The likely cause of a failing comparison, read from its error's signature.
 
 A failure says the candidate is off; ``find_cause`` says what kind of off, from the error
 ``d = actual - expected`` against the truth and, where there is one, the control's error

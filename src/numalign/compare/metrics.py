@@ -419,6 +419,6 @@ def error_tail(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def signed_percent(fraction: float, digits: int = 3) -> str:
     """``fraction`` as a signed percentage with ``digits`` significant digits: a lean of
-    1.3e-8 reads ``+1.3e-06%``, never ``+0.000%`` (fixed decimals hid the leans that the
-    float32 rules judge)."""
+    1.3e-8 reads ``+1.3e-06%``, never ``+0.000%`` (fixed decimals would hide the leans that
+    the float32 rules judge)."""
     return f"{100.0 * fraction:+.{digits}g}%"

@@ -1,4 +1,4 @@
-"""Power: the smallest systematic error a verdict would have caught (issue 43).
+"""Power: the smallest systematic error a verdict would have caught.
 
 A pass says the candidate is within its budget; what the pass is worth is how small an error
 the same rules would still have failed. Two errors stand for the systematic kind, each

@@ -7,10 +7,11 @@ Format 2 adds ``decode``: per request, the cached decode the reference ran after
 the members' descriptions; each statistic the ensemble's worst, with ``<stat>_spread`` and
 ``members`` beside it). A point's ``calls`` may hold calls under ``probe``
 (``PROBE_REQUEST``), which is no request: inputs of the point alone that no request makes
-(``golden.probes``); sets without it are read as before. Format 1 and 2 sets are read as
+(``golden.probes``); sets without it have no probe calls. Format 1 and 2 sets are read as
 they are: they have no decode steps (1), their calibration is one member's (1, 2), and they
-are judged as before. Any format may hold ``power``: per dtype, point, output and mode,
-what a pass would catch (``PowerJson``, ``replay.set_power``); sets before it have none.
+are judged against that one member. Any format may hold ``power``: per dtype, point, output
+and mode, what a pass would catch (``PowerJson``, ``replay.set_power``); sets before it have
+none.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A transformers model builds its attention masks (one per layer type: full, slidi
 an encoder's bidirectional one, a linear attention's padding rows) by calling functions of
 ``transformers.masking_utils`` (``create_causal_mask``, ``create_sliding_window_causal_mask``
 ...) from its forward. A function is not a module, so no hook sees it: a mask built wrong
-used to be judged only where an attention consumed it. ``attach_mask_points`` gives each such
+would be judged only where an attention consumes it. ``attach_mask_points`` gives each such
 function a module, a ``MaskFunction`` under the model that calls it
 (``model.create_causal_mask``), and routes the model's calls of the function through it.
 Hooks then record and replay it like any point: its inputs are the embeddings (for their

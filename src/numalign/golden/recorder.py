@@ -108,10 +108,10 @@ def key_tree(value: Any, put: Callable[[str, Any], str]) -> KeyTree | None:
 
 
 def _positional_keys(value: Any, key: str, put: Callable[[str, Any], str]) -> KeyTree | None:
-    """A positional input's tensors in its own shape (``key_tree``), as keyword inputs are
-    (Qwen4-Exp's attention takes its rotary tables as a positional tuple, which was kept as
-    JSON, an object, and fed back as None): a plain tensor under ``key``, as sets always
-    had it, the tensors of a tuple, list or dict under ``key/PATH``."""
+    """A positional input's tensors in its own shape (``key_tree``), as keyword inputs are,
+    never as JSON, which would feed them back as None (Qwen4-Exp's attention takes its rotary
+    tables as a positional tuple): a plain tensor under ``key``, as every set format holds
+    it, the tensors of a tuple, list or dict under ``key/PATH``."""
     import torch
 
     if isinstance(value, torch.Tensor):

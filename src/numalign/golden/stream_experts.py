@@ -16,7 +16,7 @@ the unstreamed ones (tests/golden/test_streamed_capture.py, tests/replay/test_st
 
 An experts module is streamed this way where its checkpoint holds one tensor per expert
 (``.experts.{i}.``); a checkpoint that stores the experts already fused loads them whole with
-the rest of its layer, as before.
+the rest of its layer.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ ZOO: tuple[ZooModel, ...] = (
     }, "LayerNorm and GELU (GPT-2)"),
     # 24 layers of hidden 32: residual activations grow past 1e3 in the late layers (growth
     # 1.4 per layer) and two channels carry massive activations from layer 1 on, the regime
-    # of 30-layer pretrained checkpoints where a fixed distribution threshold gave false alarms
+    # of 30-layer pretrained checkpoints, where a fixed distribution threshold false-alarms
     ZooModel("tiny-deep-llama", "LlamaConfig", {
         "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 24,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,

@@ -3,9 +3,9 @@ parts in forward order (``Part``: the embedding, each decoder layer, the final n
 head), each with its parameter count, its routed experts and the values per token its
 capture points output.
 
-The parts come from the model built on the meta device (no tensor holds memory; a
-671B-parameter DeepSeek-V3 builds in about 2 s, its experts being three fused tensors per
-layer); where that build fails (a model type transformers lacks, remote code not trusted),
+The parts come from the model built on the meta device (no tensor holds memory, whatever
+the model's size: docs/plan.md); where that build fails (a model type transformers lacks,
+remote code not trusted),
 from config arithmetic (``_from_config``), and the plan says which.
 """
 

@@ -34,7 +34,7 @@ from numalign.records.testids import parse as parse_test_id
 #: verdict "error". 3: the execution variant as structured fields (engine, attention,
 #: experts, swaps, compile_backend, compile_mode, tp, cache, engine_variant), ``swap``
 #: still holding its label; keys unchanged. 4: a non-finite number is the string "NaN",
-#: "Infinity" or "-Infinity" (``finite_json``; it was null, or aborted the session); rule
+#: "Infinity" or "-Infinity" (``finite_json``; null in earlier schemas); rule
 #: ``uncalibrated`` for a test skipped for want of calibration. 5: ``detectable``, the
 #: verdict's power (``compare.power``: the smallest scale and bias its rules would have
 #: caught; absent, read as None, before). 6: ``cause``, a failure's likely cause
@@ -211,8 +211,8 @@ class DriftRecord:
     def key(self) -> str:
         """Everything that tells two records of one test apart: test id, point, request,
         output path, decode step and the point's call after its first. Unique within a run;
-        matches records across runs (a first call's key is the same as before calls were
-        counted, so older baselines still match)."""
+        matches records across runs (a first call's key carries no call number, so it
+        matches a baseline whose records do not count calls)."""
         parts = [self.test_id, self.point or "", self.request or "", self.output or ""]
         if self.step is not None:
             parts.append(f"step{self.step}")

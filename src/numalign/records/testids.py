@@ -17,7 +17,7 @@ The ids (pytest's node id is ``PATH::FUNCTION[PARAMS]``):
 Parameters are split at their first dtype name (``numalign.core.dtypes.NAMES``): a candidate, a
 set or a point may hold hyphens, a dtype name never appears before the dtype.
 
-A suite's parameter is a :class:`Param`: the text pytest and Allure show (as before), with
+A suite's parameter is a :class:`Param`: the text pytest and Allure show (a ``str``), with
 the structured values behind it, so a test reads its values and never re-parses its id.
 """
 
@@ -131,8 +131,8 @@ def _suite(path: str) -> str | None:
 
 
 class Param(str):
-    """A suite test's parameter: the text pytest and Allure show (a ``str``, as before the
-    values travelled with it), and ``values``, the structured values behind it (an
+    """A suite test's parameter: the text pytest and Allure show (a ``str``, the id's
+    parameter as ``format`` writes it), and ``values``, the structured values behind it (an
     operator's candidate, dtype and case; a replay's set folder, dtype, point, cache)."""
 
     values: Any

@@ -67,9 +67,9 @@ ONEDNN_ISAS = (
 )
 #: ATen's CPU capabilities, lowest first, with the CPU flag each needs.
 ATEN_CAPABILITIES = (("default", ""), ("avx2", "avx2"), ("avx512", "avx512f"))
-#: numalign's code as this process loaded it: a member in a subprocess must run the same
-#: (a sweep run from a checkout that a merge changed under it had its members write another
-#: numalign's results, which this one misread: ``KeyError: 'tables'``).
+#: numalign's code as this process loaded it: a member in a subprocess must run the same, or
+#: it exits with ``CODE_CHANGED`` and the capture stops (another numalign's results are in a
+#: format this one may misread).
 _CODE = code_fingerprint()
 #: Member keys that are not environment variables.
 _KEYS = ("onednn", "aten", "threads", "attn", "dtypes")
@@ -171,22 +171,20 @@ def default_members(
 
     - ``low``: oneDNN at AVX2, ATen's scalar kernels, MKL's generic code path
       (``MKL_CBWR=COMPATIBLE``), one thread, the other attention; float32 only (ATen's
-      scalar kernels emulate 16-bit arithmetic: float16 took 79 s where float32 took 17 s on
-      SmolLM2-135M);
+      scalar kernels emulate 16-bit arithmetic, several times slower than float32);
     - ``mid``: oneDNN one level below the machine's own (where there is one), ATen at AVX2,
       MKL's AVX2 code path (``MKL_CBWR=AVX2``, where the CPU has AVX2), every core, the other
       attention; every dtype (on a CPU without a lower level or AVX2 it runs in process,
       threads and attention only).
 
     MKL computes torch's float32 matrix products on x86 and picks its kernel by the CPU, not
-    by oneDNN's or ATen's settings: the zoo captured on an Intel CPU with AVX-512 (MKL's
-    AVX-512 path) failed tiny-qwen3-next's linear attention alone in float32 at 1.07 of its
-    budget on an AMD EPYC with AVX-512, where MKL takes its AVX2 path (the same result as
-    ``MKL_CBWR=AVX2`` there; ``COMPATIBLE`` gave 0.60), under every oneDNN and ATen setting.
+    by oneDNN's or ATen's settings: only ``MKL_CBWR`` moves it, so a machine whose MKL takes
+    another code path than the capture's is covered only by members on the other paths
+    (docs/golden-sets.md).
 
     So float32 has two members besides the reference (which is exact there: the golden set is
-    the reference in float32) and the 16-bit dtypes have the reference and ``mid``; the
-    capture of SmolLM2-135M costs 2.9x one control's (``bench/bench_ensemble.py``). On an
+    the reference in float32) and the 16-bit dtypes have the reference and ``mid``; what
+    they cost: docs/measurements.md (``bench/bench_ensemble.py``). On an
     accelerator the environment does not select kernels: the other attention implementation,
     in process."""
     members = [Member("reference")]
@@ -308,7 +306,7 @@ def run_members(
 ) -> list[tuple[Member, MemberResult]]:
     """Each (member, dtypes)'s calibrations, in order, one member at a time: members use
     every core they are given (torch's threads), and members run side by side oversubscribe
-    them (measured on 2 cores: 3.7x slower than one after another); with ``stream``, each
+    them (docs/golden-sets.md); with ``stream``, each
     member's model streamed unit by unit (``golden.stream``). A member that fails raises
     EnsembleError."""
     results: list[tuple[Member, MemberResult]] = []

@@ -81,9 +81,9 @@ def fed_dtypes(module: torch.nn.Module, dtype: torch.dtype) -> list[torch.dtype]
     refused. The model feeds a module what it takes: HY-V4's float32 head cannot take
     bfloat16 (``expected m1 and m2 to have the same dtype``), so its model feeds it float32;
     DeepSeek-V3's router casts its input to float32 itself, and its model feeds it the
-    hidden states in the run's dtype (on transformers 5.19 its weight is not kept in float32
-    at all: fed float32 alone, its isolated budget was float32's, which 5.19's honest
-    bfloat16 router exceeded 2000-fold)."""
+    hidden states in the run's dtype, which layer replay tries first (fed float32, its
+    isolated budget would be float32's, far below what an honest router in the run's dtype
+    errs)."""
     kept = input_dtype(module, dtype)
     return [dtype] if kept == dtype else [dtype, kept]
 

@@ -431,8 +431,8 @@ def continuation_agreement(
     budget is the larger of the prompt's (``logits_budget``) and, at the differing step,
     ``later_budget(its logits, the golden ones)``: the calibrated budget of positions after
     the prompt (the set's decode calibration), since a step's logits are a position the
-    prompt's calibration never saw (bfloat16 errs there up to 17 times more: flex_olmo's
-    tiny checkpoint, 0.18 in the prompt and 3.1 in decode)."""
+    prompt's calibration never saw (bfloat16 may err there an order of magnitude more:
+    docs/sweep.md)."""
     import torch
 
     tokens = golden.tensor(continuation.tokens)

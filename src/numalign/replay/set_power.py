@@ -1,4 +1,4 @@
-"""A golden set's power per point (issue 43): what a pass at each capture point would catch,
+"""A golden set's power per point: what a pass at each capture point would catch,
 stored in the set's manifest (``Manifest.power``) so that a user reading a set knows, before
 any replay, how small a systematic error its budgets can see there.
 

@@ -124,8 +124,8 @@ class KnownCompilerBug:
         return re.search(self.pattern, text) is not None
 
 
-#: Compiler bugs met on the zoo. Each is an expected failure while it lasts; once the
-#: compiler is fixed the test passes as any other.
+#: Upstream compiler bugs, known by their error text. Each is an expected failure while it lasts;
+#: once the compiler is fixed the test passes as any other.
 KNOWN_COMPILER_BUGS: tuple[KnownCompilerBug, ...] = (
     KnownCompilerBug(
         # gcc's message on Inductor's generated kernel: the variable is quoted with typographic

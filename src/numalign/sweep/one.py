@@ -21,15 +21,15 @@ from typing import Any
 
 from numalign.sweep.table import SweepRow
 
-#: The honest replay: both dtypes the issue names, every decode cache.
+#: The honest replay's dtypes, and every decode cache it replays.
 HONEST_DTYPES = "float32,bfloat16"
 CACHES = "dynamic,static,offloaded,offloaded_static,paged"
 #: A planted norm is looked for in float32, where honest rounding is smallest.
 PLANTED_DTYPE = "float32"
 #: xdist workers of the planted replay: its swap runs as users run one (``pytest -n auto``),
-#: the controller apart from the workers that load and swap the model (a swap's usage error
-#: raised in the workers aborted such sessions, which a plain session did not show); 2, the
-#: fewest that make it such a session, on machines the sweep shares.
+#: the controller apart from the workers that load and swap the model, so that what fails
+#: only in a worker (a swap's usage error) fails here too; 2, the fewest that make it such a
+#: session, on machines the sweep shares.
 PLANTED_WORKERS = 2
 #: The operators a planted norm is swapped for, in order of preference.
 NORM_OPERATORS = ("rms_norm", "layer_norm")

@@ -18,7 +18,7 @@ from pathlib import Path
 from numalign.sweep.table import SweepRow, append_row, markdown, read_rows
 
 #: Seconds one type may take (build, capture, both replays) before it is stopped and listed
-#: as a crash: swept types took 33 to 315 s on 2 CPU cores shared with other work.
+#: as a crash: about twice the slowest swept type on 2 shared CPU cores (docs/sweep.md).
 TYPE_TIMEOUT_S = 600.0
 
 

@@ -118,7 +118,8 @@ class VllmEngine:
         running = self._engine(golden, dtype, arrangement)
         served = self._serve(golden, dtype, arrangement)
         unmapped = _unmapped(running.mapping)
-        # the engine's model replay pools no leans (as before the one judge; see docs/vllm.md)
+        # the engine's model replay pools no leans: whether vLLM's honest kernels pass them is
+        # not measured (docs/design.md)
         judge = Judge.of_set(golden, dtype, "accumulated", hidden_and_depth_of(running), policy,
                          leans=False)  # fmt: skip
         verdict = ModelVerdict(points=judge.points, logits=judge.logits)
