@@ -247,26 +247,30 @@ def test_serving_arrangements_are_known_names_for_a_serving_engine(
 def test_attention_and_experts_implementations_are_the_ones_transformers_offers(
     pytester: pytest.Pytester,
 ) -> None:
-    """Issue 27, item 4: an implementation name is checked against transformers' attention
-    interface before the first test (a typo used to pass validation only by a fixed list)."""
-    pytester.makepyfile(USES_DTYPE)
-    # in subprocesses: pytester's in-process runs import transformers afresh each time, and
-    # torch warns (an error here) when its operators register twice
-    typo = pytester.runpytest_subprocess("--attn-implementation", "sdpa-attention")
-    assert typo.ret == pytest.ExitCode.USAGE_ERROR
-    typo.stderr.fnmatch_lines(
-        ["*unknown --attn-implementation 'sdpa-attention'; transformers offers: eager, *sdpa*"]
+    """An implementation name is checked against transformers' attention and experts
+    interfaces (not a fixed list), with the near name suggested, before the first test: an
+    experts typo would otherwise skip every MoE test and exit 0."""
+    from numalign.session.option_values import (
+        parse_attn_implementation,
+        parse_experts_implementation,
     )
-    near = pytester.runpytest_subprocess("--attn-implementation", "flash-attention-2")
-    near.stderr.fnmatch_lines(["*Did you mean 'flash_attention_2'?*"])
-    # issue 27: an experts typo skipped every MoE test and exited 0
+
+    with pytest.raises(ValueError, match=r"unknown --attn-implementation 'sdpa-attention'; "
+                       r"transformers offers: eager, .*sdpa"):  # fmt: skip
+        parse_attn_implementation("sdpa-attention")
+    with pytest.raises(ValueError, match=r"Did you mean 'flash_attention_2'\?"):
+        parse_attn_implementation("flash-attention-2")
+    # a name transformers knows passes validation (whether a model loads with it is the
+    # replay's to say: it skips with transformers' reason)
+    assert parse_attn_implementation("flash_attention_2") == "flash_attention_2"
+    assert parse_experts_implementation("grouped_mm") == "grouped_mm"
+    # in a session, a usage error before any test; in a subprocess: pytester's in-process
+    # runs import transformers afresh each time, and torch warns (an error here) when its
+    # operators register twice
+    pytester.makepyfile(USES_DTYPE)
     experts = pytester.runpytest_subprocess("--experts-implementation", "grouped-mm")
     assert experts.ret == pytest.ExitCode.USAGE_ERROR
     experts.stderr.fnmatch_lines([
         "*unknown --experts-implementation 'grouped-mm'; transformers offers: eager, *"
         "grouped_mm*Did you mean 'grouped_mm'?*"
     ])  # fmt: skip
-    # a name transformers knows passes validation (whether a model loads with it is the
-    # replay's to say: it skips with transformers' reason)
-    known = pytester.runpytest_subprocess("--attn-implementation", "flash_attention_2", "-q")
-    assert known.ret == pytest.ExitCode.OK

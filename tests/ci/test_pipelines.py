@@ -89,59 +89,49 @@ def test_shards_merged_give_the_records_of_the_unsharded_run(tmp_path: Path) -> 
 def test_nightly_recaptures_only_changed_models_and_compares_with_the_last_run(
     tmp_path: Path,
 ) -> None:
+    import json
+
     from safetensors.torch import load_file, save_file
 
     models, sets, reports = tmp_path / "models", tmp_path / "sets", tmp_path / "reports"
     for name in ("tiny-llama", "tiny-gpt2"):
         shutil.copytree(ROOT / "golden" / "models" / name, models / f"nightly-{name}")
+    # tiny-llama's set is the zoo's (its model unchanged: fresh); tiny-gpt2 has none yet
+    shutil.copytree(ROOT / "golden" / "sets" / "tiny-llama", sets / "nightly-tiny-llama")
+    manifest_path = sets / "nightly-tiny-llama" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["model"]["path"] = str(models / "nightly-tiny-llama")
+    manifest_path.write_text(json.dumps(manifest))
     select = ["-k", "nightly-"]  # only the copies, not the repository's own sets
 
     def nightly() -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "numalign.cli",
-                "nightly",
-                "--models",
-                str(models),
-                "--sets",
-                str(sets),
+                sys.executable, "-m", "numalign.cli", "nightly", "--models", str(models),
+                "--sets", str(sets),
                 # the whole-model suite in one dtype: this test's subject is what the nightly
                 # recaptures and compares, not the suites (CI's nightly smoke runs them all)
-                "--suites",
-                str(ROOT / "suites" / "models" / "test_model.py"),
-                "--report-dir",
-                str(reports),
-                "--tier",
-                "smoke",
-                "--dtype",
-                "float32",
-                "--",
-                "-n",
-                "0",
-                *select,
+                "--suites", str(ROOT / "suites" / "models" / "test_model.py"),
+                "--report-dir", str(reports), "--tier", "smoke", "--dtype", "float32", "--",
+                "-n", "0", *select,
             ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        )
+            cwd=ROOT, capture_output=True, text=True,
+        )  # fmt: skip
 
     first = nightly()
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    assert "recaptured nightly-tiny-gpt2, nightly-tiny-llama" in first.stdout
+    # a model without a set is captured, one whose set matches its files is not
+    assert "recaptured nightly-tiny-gpt2; fresh: nightly-tiny-llama" in first.stdout
     assert "first run: no baseline" in first.stdout
-    second = nightly()
-    assert second.returncode == 0, second.stdout[-2000:]
-    assert "recaptured nothing" in second.stdout and "(baseline " in second.stdout
+    assert not (sets / ".versions").exists()  # nothing replaced
 
     weights = models / "nightly-tiny-gpt2" / "model.safetensors"
     tensors = load_file(str(weights))
     tensors["transformer.ln_f.weight"] = tensors["transformer.ln_f.weight"] * 1.25
     save_file(tensors, str(weights), metadata={"format": "pt"})
-    third = nightly()
-    assert "recaptured nightly-tiny-gpt2;" in third.stdout
-    assert "fresh: nightly-tiny-llama" in third.stdout
+    second = nightly()
+    assert "recaptured nightly-tiny-gpt2; fresh: nightly-tiny-llama" in second.stdout
+    assert "(baseline " in second.stdout  # against the first run
     kept = list((sets / ".versions" / "nightly-tiny-gpt2").iterdir())
     assert len(kept) == 1 and (kept[0] / "manifest.json").is_file()  # the previous version
     regressions = (reports / "latest" / "regressions.json").read_text()

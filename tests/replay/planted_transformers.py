@@ -1,12 +1,11 @@
-"""Model bugs planted into transformers itself, in the replay process only (a pytest plugin:
-``-p planted_transformers`` with ``NUMALIGN_PLANT`` naming the bug), for bug classes that
-live outside any swappable module: how the model builds its masks, its rotary angles, what it
-does to its logits after the LM head. The golden sets were captured without them."""
+"""Model bugs planted into transformers itself for the length of one test (``plant``), for
+bug classes that live outside any swappable module: how the model builds its masks, its
+rotary angles, what it does to its logits after the LM head. The golden sets were captured
+without them."""
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 from transformers import activations, masking_utils
 from transformers.models.deepseek_v3 import modeling_deepseek_v3
@@ -15,8 +14,6 @@ from transformers.models.llama import modeling_llama
 from transformers.models.mixtral import modeling_mixtral
 from transformers.models.qwen2_vl import modeling_qwen2_vl
 from transformers.models.qwen3_next import modeling_qwen3_next
-
-PLANT = os.environ.get("NUMALIGN_PLANT", "")
 
 
 def _padding_attended(padding_mask: torch.Tensor):
@@ -210,8 +207,9 @@ PLANTS = {
                                _routed_scaling_ignored),
 }  # fmt: skip
 
-if PLANT:
-    if PLANT not in PLANTS:
-        raise ValueError(f"NUMALIGN_PLANT={PLANT!r}: no such planted bug; one of {sorted(PLANTS)}")
-    owner, attribute, replacement = PLANTS[PLANT]
-    setattr(owner, attribute, replacement)
+
+def plant(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plants the bug ``name`` of ``PLANTS`` until ``monkeypatch`` undoes it (the test's end);
+    a model loaded after this call is built and runs with it."""
+    owner, attribute, replacement = PLANTS[name]
+    monkeypatch.setattr(owner, attribute, replacement)

@@ -136,7 +136,9 @@ def test_the_deep_model_and_the_encoder_replay_in_every_dtype_with_no_false_alar
 ) -> None:
     from numalign.records.drift import read_records
 
-    result = run_suite(pytester, "-k", "tiny-deep-llama or tiny-bert")
+    # the whole model and decode, where the deep model's residuals grow: its points alone
+    # (test_layer) replay in CI's nightly smoke and honest matrix, every dtype
+    result = run_suite(pytester, "-k", "(tiny-deep-llama or tiny-bert) and not test_layer")
     assert result.ret == 0, result.stdout.str()[-3000:]
     records = read_records(pytester.path / "reports" / "latest")
     skipped = [r for r in records if r.verdict != "passed"]

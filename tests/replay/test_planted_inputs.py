@@ -1,7 +1,8 @@
-"""Bugs where no capture point used to look, planted into transformers in the replay process
-(``planted_transformers``, a pytest plugin) or swapped in: each is caught at the module where
-it lives, with the right label, in float32 and bfloat16 (the suites run for real, pytester in
-a subprocess, on the zoo's sets)."""
+"""Bugs where no capture point used to look, planted into transformers (``planted_transformers``)
+or swapped in: each is caught at the module where it lives, with the right label, in float32
+and bfloat16. The planted bugs replay the zoo's sets in this process (``replays``: the
+suites' engine, judge and records, the tests a ``-k`` would select); the swap runs the suites
+themselves (pytester, in a subprocess), as a user's ``--swap`` does."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
+from planted_transformers import plant
+from replays import replay_records
 
 from numalign.records.drift import read_records
 
@@ -17,22 +20,15 @@ SUITES = ROOT / "suites" / "models"
 HERE = Path(__file__).parent
 
 
-def run_planted(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, plant: str, *args: str
-) -> list:
-    """The model suites with ``plant`` (a bug of planted_transformers, or "" for none) and the
-    planted candidates; the run's records."""
-    pytester.makepyfile(
-        planted_transformers=(HERE / "planted_transformers.py").read_text(encoding="utf-8"),
-        planted_candidates=(HERE / "planted_models.py").read_text(encoding="utf-8"),
-    )
-    monkeypatch.setenv("NUMALIGN_PLANT", plant)
+def run_swapped(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str) -> list:
+    """The model suites with the planted candidates (``--swap`` one of them); the records."""
+    pytester.makepyfile(planted_candidates=(HERE / "planted_models.py").read_text(encoding="utf-8"))
     path = [str(pytester.path), str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, path)))
     pytester.runpytest_subprocess(
-        str(SUITES), "--rootdir", str(ROOT), "-p", "no:cacheprovider", "-p",
-        "planted_transformers", "--candidates", "planted_candidates", "--report-dir",
-        str(pytester.path / "reports"), "-q", "--dtype", "float32,bfloat16", *args,
+        str(SUITES), "--rootdir", str(ROOT), "-p", "no:cacheprovider", "--candidates",
+        "planted_candidates", "--report-dir", str(pytester.path / "reports"), "-q", "--dtype",
+        "float32,bfloat16", *args,
     )  # fmt: skip
     return read_records(pytester.path / "reports" / "latest")
 
@@ -52,14 +48,15 @@ def failed_alone(records: list) -> list:
 
 
 @pytest.mark.parametrize(
-    ("plant", "model", "point"),
+    ("bug", "model", "point"),
     [("padding_attended", "tiny-llama", "model.create_causal_mask"),
      ("window_one_wider", "tiny-mistral", "model.create_sliding_window_causal_mask")],
 )  # fmt: skip
 def test_a_mask_the_model_builds_wrong_fails_at_its_mask_point(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, plant: str, model: str, point: str
+    monkeypatch: pytest.MonkeyPatch, bug: str, model: str, point: str
 ) -> None:
-    records = run_planted(pytester, monkeypatch, plant, "-k", f"{model} and (test_model or mask)")
+    plant(bug, monkeypatch)
+    records = replay_records(model, points=("mask",), model=True)
     found = divergences(records)
     expected = {"point": point, "kind": "local", "request": "text-leftpad"}
     assert found == {"float32": expected, "bfloat16": expected}, found
@@ -73,13 +70,10 @@ def test_a_mask_the_model_builds_wrong_fails_at_its_mask_point(
 
 
 def test_rotary_angles_in_bfloat16_fail_at_the_rotary_module(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    records = run_planted(
-        pytester, monkeypatch, "rotary_bfloat16", "-k",
-        "tiny-llama and (test_model or rotary or test_decode)", "--cache-implementation",
-        "dynamic",
-    )  # fmt: skip
+    plant("rotary_bfloat16", monkeypatch)
+    records = replay_records("tiny-llama", points=("rotary",), model=True, caches=("dynamic",))
     found = divergences(records)
     assert {d: (v["point"], v["kind"]) for d, v in found.items()} == dict.fromkeys(
         ("float32", "bfloat16"), ("model.rotary_emb", "local")
@@ -96,10 +90,10 @@ def test_rotary_angles_in_bfloat16_fail_at_the_rotary_module(
 
 
 def test_soft_capping_left_out_fails_at_the_logit_transform(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    records = run_planted(pytester, monkeypatch, "no_softcap", "-k",
-                          "gemma2 and (test_model or logit_transform)")  # fmt: skip
+    plant("no_softcap", monkeypatch)
+    records = replay_records("tiny-gemma2", points=("logit_transform",), model=True)
     found = divergences(records)
     expected = {"point": "logit_transform", "kind": "local", "request": "text-leftpad"}
     assert found == {"float32": expected, "bfloat16": expected}, found
@@ -115,8 +109,8 @@ def test_soft_capping_left_out_fails_at_the_logit_transform(
 def test_a_scale_below_one_bfloat16_rounding_is_caught_at_its_norm(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    records = run_planted(
-        pytester, monkeypatch, "", "--swap", "rms_norm=scaled_03pct", "-k",
+    records = run_swapped(
+        pytester, monkeypatch, "--swap", "rms_norm=scaled_03pct", "-k",
         "tiny-llama and (test_model or layers.0.input_layernorm)",
     )  # fmt: skip
     alone = [r for r in records if r.dtype == "bfloat16" and r.verdict == "failed" and
@@ -144,16 +138,12 @@ def test_a_scale_below_one_bfloat16_rounding_is_caught_at_its_norm(
                                 "request": "text-leftpad"}, found  # fmt: skip
 
 
-def test_a_decode_divergence_is_located_at_its_step(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_decode_divergence_is_located_at_its_step(monkeypatch: pytest.MonkeyPatch) -> None:
     # an RMSNorm whose 16-bit path errs by 2%: in the paged engine's decode (whose cache is
     # not compared) the norm at step 1 is the first divergence, and run again in float32 on
     # the input it was fed it is beyond its own budget: local
-    records = run_planted(
-        pytester, monkeypatch, "norm_low_precision_path", "-k",
-        "tiny-llama and test_decode and paged",
-    )  # fmt: skip
+    plant("norm_low_precision_path", monkeypatch)
+    records = replay_records("tiny-llama", caches=("paged",))
     found = {r.dtype: r.first_divergence for r in records if r.first_divergence}
     assert "float32" not in found  # the float32 path is right
     assert found["bfloat16"] == {"point": "model.layers.0.input_layernorm", "step": 1,
@@ -162,12 +152,10 @@ def test_a_decode_divergence_is_located_at_its_step(
 
 
 def test_mrope_sections_swapped_fail_at_the_rotary_module_on_image_tokens(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    records = run_planted(
-        pytester, monkeypatch, "mrope_sections_swapped", "-k",
-        "tiny-qwen2-vl and (test_model or rotary)",
-    )  # fmt: skip
+    plant("mrope_sections_swapped", monkeypatch)
+    records = replay_records("tiny-qwen2-vl", points=("rotary",), model=True)
     expected = {"point": "model.language_model.rotary_emb", "kind": "local", "request": "image"}
     assert divergences(records) == {"float32": expected, "bfloat16": expected}
     alone = {(r.dtype, r.request) for r in failed_alone(records)}
@@ -176,12 +164,10 @@ def test_mrope_sections_swapped_fail_at_the_rotary_module_on_image_tokens(
 
 
 def test_attention_soft_capping_left_out_fails_at_the_attention(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    records = run_planted(
-        pytester, monkeypatch, "no_attention_softcap", "-k", "tiny-gemma2 and (test_model or "
-        "self_attn)",
-    )  # fmt: skip
+    plant("no_attention_softcap", monkeypatch)
+    records = replay_records("tiny-gemma2", points=("self_attn",), model=True)
     found = divergences(records)
     assert found["float32"] == {"point": "model.layers.0.self_attn", "kind": "local",
                                 "request": "text-leftpad"}, found  # fmt: skip
@@ -200,15 +186,13 @@ def test_attention_soft_capping_left_out_fails_at_the_attention(
 
 
 def test_an_epsilon_a_port_hard_codes_fails_at_every_norm_on_its_probe(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # RMSNorm built with 1e-5 where the config says 1e-6: on the requests' rows (mean square
     # near one) the output moves by 5e-6, below bfloat16's rounding; on the probe's rows,
     # whose variance is the config's epsilon, by tens of percent
-    records = run_planted(
-        pytester, monkeypatch, "norm_epsilon_1e5", "-k",
-        "tiny-llama and (test_layer and norm or test_model)",
-    )  # fmt: skip
+    plant("norm_epsilon_1e5", monkeypatch)
+    records = replay_records("tiny-llama", points=("norm",), model=True)
     norms = {"model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
              "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm",
              "model.norm"}  # fmt: skip
@@ -228,13 +212,12 @@ def test_an_epsilon_a_port_hard_codes_fails_at_every_norm_on_its_probe(
 
 
 def test_exact_gelu_for_the_tanh_form_fails_at_the_activation(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # the forms differ by at most 4.7e-4 (an eighth of a bfloat16 rounding); in the gating
     # tail the activation's probe feeds (-4 to -1) by up to 10% of the output, all one way
-    records = run_planted(
-        pytester, monkeypatch, "gelu_exact", "-k", "tiny-gemma2 and test_layer and mlp"
-    )  # fmt: skip
+    plant("gelu_exact", monkeypatch)
+    records = replay_records("tiny-gemma2", points=("mlp",))
     alone = {(r.dtype, r.point) for r in failed_alone(records)}
     assert ("bfloat16", "model.layers.0.mlp.act_fn") in alone, alone
     # bfloat16 fails at the activation only, on its probe's pooled mean error (an offset of
@@ -248,13 +231,12 @@ def test_exact_gelu_for_the_tanh_form_fails_at_the_activation(
 
 
 def test_a_linear_attention_state_wrong_across_chunks_fails_on_the_long_requests(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    records = run_planted(
-        pytester, monkeypatch, "linear_attention_state_decay", "-k",
-        "tiny-qwen3-next and (test_model or linear_attn or test_decode)",
-        "--cache-implementation", "dynamic",
-    )  # fmt: skip
+    plant("linear_attention_state_decay", monkeypatch)
+    records = replay_records(
+        "tiny-qwen3-next", points=("linear_attn",), model=True, caches=("dynamic",)
+    )
     found = divergences(records)
     expected = {"point": "model.layers.0.linear_attn", "kind": "local", "request": "long-leftpad"}
     assert found["bfloat16"] == expected, found
@@ -272,12 +254,10 @@ def test_a_linear_attention_state_wrong_across_chunks_fails_on_the_long_requests
 
 
 def test_a_router_softmax_in_bfloat16_fails_at_the_router_in_bfloat16(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    records = run_planted(
-        pytester, monkeypatch, "router_softmax_low_precision", "-k",
-        "tiny-mixtral and (test_model or mlp)",
-    )  # fmt: skip
+    plant("router_softmax_low_precision", monkeypatch)
+    records = replay_records("tiny-mixtral", points=("mlp",), model=True)
     found = divergences(records)
     # the float32 path is right; in bfloat16 each weight rounds once more (0.4% of a weight
     # against the honest router's 0.1%, ``compare.routing``) and near ties choose another
@@ -293,15 +273,13 @@ def test_a_router_softmax_in_bfloat16_fails_at_the_router_in_bfloat16(
 
 
 def test_a_routing_bias_in_the_combine_weights_fails_at_the_router(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # DeepSeek-V3's router weighs its chosen experts by the bias-corrected scores (the zoo's
     # correction bias: std 0.02, a few percent of a sigmoid score); its routing's weights
     # move by up to 4% against the honest router's 0.05% (float32 inside, in every dtype)
-    records = run_planted(
-        pytester, monkeypatch, "routing_bias_in_combine", "-k",
-        "tiny-deepseek-v3 and (test_model or mlp)",
-    )  # fmt: skip
+    plant("routing_bias_in_combine", monkeypatch)
+    records = replay_records("tiny-deepseek-v3", points=("mlp",), model=True)
     found = divergences(records)
     router = "model.layers.1.mlp.gate"
     assert {dtype: (d["point"], d["kind"]) for dtype, d in found.items()} == {
@@ -312,16 +290,14 @@ def test_a_routing_bias_in_the_combine_weights_fails_at_the_router(
 
 
 def test_a_layer_norm_of_the_unbiased_variance_fails_at_the_norm_in_the_whole_model(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # GPT-2's LayerNorm dividing by the unbiased variance: every normalized value is
     # sqrt(63 / 64) of its own (-0.78% at the zoo's 64 channels), within bfloat16's
     # per-element budget; the pooled lean of the first norm, whose upstream error is the
     # embeddings' rounding, resolves it in the whole model (and decode, every step pooled)
-    records = run_planted(
-        pytester, monkeypatch, "layer_norm_unbiased", "-k",
-        "tiny-gpt2 and (test_model or test_decode)", "--cache-implementation", "dynamic",
-    )  # fmt: skip
+    plant("layer_norm_unbiased", monkeypatch)
+    records = replay_records("tiny-gpt2", model=True, caches=("dynamic",))
     norm = "transformer.h.0.ln_1"
     assert divergences(records) == {
         "float32": {"point": norm, "kind": "local", "request": "text-leftpad"},
@@ -338,7 +314,7 @@ def test_a_layer_norm_of_the_unbiased_variance_fails_at_the_norm_in_the_whole_mo
 
 
 def test_a_router_without_its_routed_scaling_fails_at_its_decode_step(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # a set captured with this numalign keeps each router's routing per decode step
     # ([batch, 1, experts]); the zoo's committed tiny-deepseek-v3 set predates it, so the
@@ -346,17 +322,15 @@ def test_a_router_without_its_routed_scaling_fails_at_its_decode_step(
     import subprocess
     import sys
 
-    out = pytester.path / "sets" / "tiny-deepseek-v3"
+    out = tmp_path / "sets" / "tiny-deepseek-v3"
     subprocess.run(
         [sys.executable, "-m", "numalign.cli", "capture", str(ROOT / "golden" / "models" /
          "tiny-deepseek-v3"), "--out", str(out), "--calibrate", "bfloat16", "--calibrate-with",
          "none", "--no-probes", "--far", "0", "--continuation", "0"],
         check=True, env=os.environ | {"HF_HUB_OFFLINE": "1"}, capture_output=True,
     )  # fmt: skip
-    records = run_planted(
-        pytester, monkeypatch, "routed_scaling_ignored", "--golden", str(out), "--golden-only",
-        "-k", "test_decode", "--cache-implementation", "dynamic",
-    )  # fmt: skip
+    plant("routed_scaling_ignored", monkeypatch)
+    records = replay_records(out, caches=("dynamic",))
     found = {r.test_dtype: r.first_divergence for r in records if r.first_divergence}
     # every combine weight 1 / 2.5 of its own: the router fails at the first step it runs
     # at, in both dtypes (the MoE block's output alone did not resolve it in bfloat16)

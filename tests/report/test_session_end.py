@@ -114,3 +114,28 @@ def test_z_interrupt():
     # the whole run stays latest, and the history holds it alone
     assert (pytester.path / "out" / "latest").resolve() == latest
     assert (pytester.path / "out" / "history.jsonl").read_text().splitlines() == history
+
+
+def test_the_records_leave_the_heap_once_every_report_is_written(
+    pytester: pytest.Pytester,
+) -> None:
+    """At the session's end, every report written, the controller drops the records it held
+    (the collector's, and the drift records among the test reports' user properties), so
+    pytest's closing garbage collections do not walk them; the records stay on disk."""
+    from numalign.plugin import collector_key, release_records
+    from numalign.records.drift import USER_PROPERTY
+
+    pytester.makepyfile(COMPARISONS)
+    run = pytester.inline_run("--report-dir", "out", "-p", "no:cacheprovider")
+    run.assertoutcome(passed=10)
+    config = run.getcalls("pytest_sessionfinish")[0].session.config
+    reports = [r for r in run.getreports("pytest_runtest_logreport") if r.when == "call"]
+
+    def held() -> int:
+        return sum(1 for r in reports for p in r.user_properties if p[0] == USER_PROPERTY)
+
+    # a session run inside another (this one) leaves them to the outer session's end
+    assert held() == 10 and len(config.stash[collector_key].records) == 10
+    release_records(config)
+    assert held() == 0 and config.stash[collector_key].records == []
+    assert len(read_records(pytester.path / "out" / "latest")) == 10
