@@ -1,5 +1,5 @@
 """The confusion table of ``compare.cause``: each planted bug class of the project's own
-catalogue (``tests/operators/planted_kernels.py``) run through ``opcheck.check_operator`` on
+catalogue (``tests/operators/planted_kernels.py``) run through ``ops.check.check_operator`` on
 the case that exposes it, in float32, bfloat16 and float16, and the cause each failing output
 gets (docs/comparison.md, "Causes").
 

@@ -1,5 +1,5 @@
 """numalign's exceptions: five kinds, one base. Every exception numalign raises on purpose is
-one of them, so that what a test becomes (``record_errors.outcome_for``) and what the command
+one of them, so that what a test becomes (``records.outcomes.outcome_for``) and what the command
 line prints follow from the kind, never from a module's own class list or a message's text.
 
 - :class:`Unsupported`: a path this model, engine or device cannot take here (transformers
