@@ -26,9 +26,9 @@ from numalign.replay.tensor_parallel import (
 from numalign.session.settings import Settings
 
 ZOO = Path(__file__).resolve().parents[2] / "golden" / "models"
-#: Seconds a call may run in the hang test: long enough for two ranks to answer a barrier
-#: on a loaded 2-core machine, short enough to keep the test quick.
-HANG_TIMEOUT_S = 20.0
+#: Seconds a call may run in the hang test: rank 1 never answers, so the call times out at
+#: any limit; 5 s keeps the test quick (the limit is not what the test measures).
+HANG_TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_a_rank_that_hangs_is_stopped_at_the_timeout(group: RankGroup) -> None:
     group.timeout = HANG_TIMEOUT_S
     try:
         began = time.monotonic()
-        with pytest.raises(RankTimeout, match=r"did not answer within --tp-timeout 20 s"):
+        with pytest.raises(RankTimeout, match=r"did not answer within --tp-timeout 5 s"):
             group.call(tp_calls.hang_on_rank_1)
         # bounded: the timeout plus the few seconds stopping the group takes, not the hour
         # the rank sleeps
