@@ -1,5 +1,6 @@
-"""The golden set store, format 2 (format 1 read too): ``manifest.json`` plus safetensors
-shards, read and written here (the manifest's objects are in ``numalign.golden.manifest``).
+"""The golden set store: ``manifest.json`` plus safetensors shards, read and written here in
+the manifest's current format (``manifest.FORMAT``; the older ones in ``READ_FORMATS`` read
+too), the manifest's objects being ``numalign.golden.manifest``'s.
 
 Only JSON and safetensors are read, never pickle. Every error names the file and the remedy.
 Writes are atomic: shards go to a set's temporary folder as a capture runs, the manifest is
