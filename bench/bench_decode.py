@@ -73,8 +73,9 @@ def main() -> None:
 
     import torch
 
+    from numalign.golden.store import discover_sets
     from numalign.replay.decode import replay_decode
-    from numalign.replay.model import ModelCache, discover_sets
+    from numalign.replay.model import ModelCache
     from numalign.replay.paged import PagedUnsupported
     from numalign.replay.serving import _paged_model
     from numalign.session.settings import Settings

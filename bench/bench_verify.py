@@ -25,7 +25,8 @@ def main() -> None:
     import torch
 
     from numalign.golden import store
-    from numalign.replay.model import ModelCache, discover_sets, replay_layer
+    from numalign.golden.store import discover_sets
+    from numalign.replay.model import ModelCache, replay_layer
     from numalign.session.settings import Settings
 
     torch.set_num_threads(1)
