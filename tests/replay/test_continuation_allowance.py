@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from numalign.compare.logits import near_tie
+from numalign.compare.model_judge import continuation_agreement
 from numalign.golden.store import GoldenSet
-from numalign.replay.model import continuation_agreement
+from numalign.replay.model import greedy_steps
 
 SET = Path(__file__).resolve().parents[2] / "golden" / "sets" / "tiny-llama"
 REQUEST = "text-leftpad"
@@ -54,8 +55,10 @@ def _agreement(prompt_budget: float, later: float) -> Any:
     assert continuation is not None
     inputs = {k: golden.tensor(v) for k, v in golden.request(REQUEST).inputs.items()}
     model = _Replayed(golden, inputs["input_ids"].shape[1])
-    result = continuation_agreement(model, REQUEST, inputs, golden, continuation, prompt_budget,
-                                    lambda actual, expected: later)  # fmt: skip
+    tokens = golden.tensor(continuation.tokens)
+    steps = greedy_steps(model, inputs, tokens)
+    result = continuation_agreement(REQUEST, steps, tokens, golden.tensor(continuation.logits),
+                                    prompt_budget, lambda actual, expected: later)  # fmt: skip
     return model, result
 
 

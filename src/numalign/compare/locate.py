@@ -7,16 +7,30 @@ embeddings); ``accumulated`` when the error reaches it from upstream, naming the
 before it that fails alone where one does; ``unlocated`` when the point cannot run alone;
 ``output`` when every point passes and only the logits fail, after the last capture point.
 An engine that cannot take a model's own inputs (vLLM) answers ``inputs_at_fault`` with None.
+
+A decode step's first failing point is located the same way on the input the replay fed it
+(``locate_in_step``): its own error against the module in float32 on that input.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from numalign.compare.calibration import OUTPUT_POINT
-from numalign.compare.model_verdict import Divergence, LogitsResult, PointResult, first_divergence
+from numalign.compare.model_verdict import (
+    DecodeLocation,
+    Divergence,
+    LogitsResult,
+    PointResult,
+    first_divergence,
+)
 from numalign.compare.pooled import POOLED
 from numalign.core.errors import Unsupported
+
+if TYPE_CHECKING:
+    from numalign.compare.judge import Observation
+    from numalign.compare.result import CompareResult
 
 #: How many points before an accumulated divergence are replayed alone to find the one that
 #: errs itself: a block's worth (norms, attention, MLP) and the block before it.
@@ -110,6 +124,45 @@ def locate_logits(
         return Divergence(OUTPUT_POINT, "accumulated", first.request, first.values, named=named)
     return Divergence(OUTPUT_POINT, "output", first.request, first.values,
                       why_unlocated=after_last)  # fmt: skip
+
+
+def locate_in_step(
+    first: PointResult,
+    own: Observation | str,
+    before: Iterable[Callable[[], Observation | str]],
+    compare: Callable[[Observation], CompareResult],
+) -> DecodeLocation:
+    """Where decode's first failing point ``first`` errs at its step (the module docs of
+    ``replay.decode_locate``): ``local`` when its ``own`` error (``compare``: against the
+    point's isolated budget) is beyond budget; else ``accumulated``, naming the latest of
+    the points that ran ``before`` it at the step (latest first, each observed when asked
+    for) whose own error is; ``unlocated`` where the point cannot run again."""
+    if isinstance(own, str):
+        return DecodeLocation("unlocated", None, own)
+    judged = compare(own)
+    if not judged.passed:
+        return DecodeLocation(
+            "local", None,
+            f"{first.point} errs beyond its own budget on the input it was fed at step "
+            f"{first.step} (against itself in float32 on that input): {judged.reason}",
+        )  # fmt: skip
+    for observe in before:
+        seen = observe()
+        if isinstance(seen, str):
+            continue
+        checked = compare(seen)
+        if not checked.passed:
+            return DecodeLocation(
+                "accumulated", seen.point,
+                f"{first.point} is within its own budget on its input; {seen.point}, before "
+                f"it at step {first.step}, is not: {checked.reason}",
+            )  # fmt: skip
+    return DecodeLocation(
+        "accumulated", None,
+        f"{first.point} is within its own budget on the input it was fed at step {first.step}, "
+        "and so is every point before it that runs alone: the error comes from upstream "
+        "(an attention, or a cache)",
+    )  # fmt: skip
 
 
 #: Config attributes of a transform models apply to their logits after the LM head.

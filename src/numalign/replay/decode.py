@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from numalign.compare.decode_verdict import DecodeVerdict
-from numalign.compare.judge import Judge, Observation
+from numalign.compare.judge import Observation
+from numalign.compare.model_judge import ModelJudge
 from numalign.compare.model_verdict import ReplayUnsupported, Uncalibrated
 from numalign.core import dtypes
 from numalign.golden.decode import cache_family, step_outputs
@@ -35,12 +35,13 @@ from numalign.golden.requests import unservable
 from numalign.replay.layer import CallOrder
 from numalign.replay.model import hidden_and_depth
 from numalign.replay.observe import observe_calls
-from numalign.replay.pipeline import stage_of
+from numalign.replay.pipeline import StageRanks, stage_of
 from numalign.replay.shards import whole
 
 if TYPE_CHECKING:
     import torch
 
+    from numalign.compare.decode_verdict import DecodeVerdict
     from numalign.golden.store import GoldenSet
 
 #: What ``run_decode`` hands on: (request, step, point, output path, actual, expected), and
@@ -187,8 +188,7 @@ def replay_decode(
 
     from numalign.replay.paged import replay_paged_requests
 
-    verdict = DecodeVerdict(implementation)
-    judge = Judge.of_set(golden, dtype, "decode", hidden_and_depth(model), policy)
+    judge = ModelJudge(golden, dtype, "decode", hidden_and_depth(model), policy)
     torch_dtype = dtypes.torch_dtype(dtype)
 
     if (stage := stage_of(model)) is not None:
@@ -200,19 +200,19 @@ def replay_decode(
             return  # another pipeline rank's layer
         # a tensor-parallel rank's shard gathered whole
         actual = whole(actual.float().cpu().to(torch_dtype), tuple(expected.shape))
-        judge.observe(Observation(point, path, request, actual, expected, call=call, step=step))
+        judge.see(Observation(point, path, request, actual, expected, call=call, step=step))
 
+    unmapped: dict[str, str] = {}
     if implementation == "paged":
         served = replay_paged_requests(golden, model, device, on_pair)
         for request in golden.decode_requests:
             reason = unservable(golden.request(request).inputs)
             if request not in served and reason is not None:
-                verdict.unmapped[f"request {request}"] = reason
+                unmapped[f"request {request}"] = reason
     else:
         for request in golden.decode_requests:
             run_decode(golden, model, request, implementation, torch_dtype, device, on_pair)
-    # each point's lean, every step and request pooled
-    points, pooled = judge.points, judge.pooled()
+    ranks = None
     if stage is not None:  # every rank's stage, in the order one process judges them
         order = {name: i for i, name in enumerate(golden.decode_requests)}
 
@@ -220,10 +220,8 @@ def replay_decode(
             step = r.step or 0
             return order.get(r.request, -1), step, r.point == CACHE_POINT and step > 0
 
-        points, pooled = stage.merged(points, pooled, key)
-    verdict.points = points + pooled
-    verdict.logits = judge.logits
-    return verdict
+        ranks = StageRanks(stage, key)
+    return judge.decode_verdict(implementation, ranks=ranks, unmapped=unmapped)
 
 
 def decode_calibrated(golden: GoldenSet, dtype: str) -> bool:

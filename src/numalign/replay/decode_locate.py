@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from numalign.compare.judge import Judge
+from numalign.compare.judge import Observation
+from numalign.compare.locate import locate_in_step
+from numalign.compare.model_judge import ModelJudge
 from numalign.compare.model_verdict import DecodeLocation
 from numalign.core import dtypes
 from numalign.golden.decode import step_outputs
@@ -70,31 +73,14 @@ def locate_decode(
     mine = next((c for c in calls if c.point == first.point and c.index == first.call), None)
     if mine is None:
         return DecodeLocation("unlocated", None, f"{first.point} was not called at the step")
-    judge = Judge.of_set(golden, dtype, "isolated", hidden_and_depth(model), policy)
-    own = _own_error(judge, model, mine, first.path)
-    if isinstance(own, str):
-        return DecodeLocation("unlocated", None, own)
-    if not own.passed:
-        return DecodeLocation(
-            "local", None,
-            f"{first.point} errs beyond its own budget on the input it was fed at step "
-            f"{first.step} (against itself in float32 on that input): {own.reason}",
-        )  # fmt: skip
-    before = calls[: calls.index(mine)]
-    for call in reversed(before):
-        checked = _own_error(judge, model, call, "0")
-        if not isinstance(checked, str) and not checked.passed:
-            return DecodeLocation(
-                "accumulated", call.point,
-                f"{first.point} is within its own budget on its input; {call.point}, before "
-                f"it at step {first.step}, is not: {checked.reason}",
-            )  # fmt: skip
-    return DecodeLocation(
-        "accumulated", None,
-        f"{first.point} is within its own budget on the input it was fed at step {first.step}, "
-        "and so is every point before it that runs alone: the error comes from upstream "
-        "(an attention, or a cache)",
-    )  # fmt: skip
+    judge = ModelJudge(golden, dtype, "isolated", hidden_and_depth(model), policy).judge
+    before = reversed(calls[: calls.index(mine)])  # latest first
+    return locate_in_step(
+        first,
+        _own_error(model, mine, first.path, first.request),
+        [partial(_own_error, model, call, "0", first.request) for call in before],
+        lambda seen: judge.compare(seen.point, seen.path, seen.actual, seen.expected),
+    )
 
 
 def _step_calls(
@@ -122,9 +108,9 @@ def _step_calls(
     return found
 
 
-def _own_error(judge: Judge, model: Any, call: _StepCall, path: str) -> Any:
-    """The call's output against its module in float32 on the same input, judged within the
-    point's isolated budget by ``judge``; a string saying why the module cannot run again."""
+def _own_error(model: Any, call: _StepCall, path: str, request: str) -> Observation | str:
+    """The call's output beside its module's in float32 on the same input (its own error at
+    the step); a string saying why the module cannot run again."""
     import torch
 
     if any(k in call.kwargs for k in _CACHE_KWARGS) or not call.args:
@@ -140,7 +126,7 @@ def _own_error(judge: Judge, model: Any, call: _StepCall, path: str) -> Any:
         return f"{call.point}'s float32 copy gives no output {path}"
     expected = reference.detach().double().cpu()
     actual = whole(actual.detach().cpu(), tuple(expected.shape))  # a tensor-parallel shard
-    return judge.compare(call.point, path, actual, expected)
+    return Observation(call.point, path, request, actual, expected, call=call.index)
 
 
 def _up(value: Any) -> Any:

@@ -1,31 +1,25 @@
 """Model replay over a golden set: layer replay (each point alone, fed the golden inputs,
 against the isolated calibration) and full-model replay (every point as the whole model runs,
 against the accumulated calibration), the model's own outputs (logits, or an encoder's hidden
-states), the greedy continuation, and the first divergence, located. Results are the objects
-of ``numalign.compare.model_verdict``, judged there against controls from
-``compare.calibration``."""
+states), the greedy continuation, and the first divergence, located: the transformers
+engine's observations (``observe_layer``, ``observe_model``) handed to the one judge
+(``compare.model_judge``), which gives the verdicts."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from numalign.compare import CompareResult
 from numalign.compare.exact import LeftOut
-from numalign.compare.judge import Judge, Observation
-from numalign.compare.locate import locate, locate_logits, logit_transform
-from numalign.compare.logits import near_tie
-from numalign.compare.model_verdict import (
-    ContinuationResult,
-    ModelVerdict,
-    PointResult,
-    ReplayUnsupported,
-)
-from numalign.compare.policy import thresholds_of
+from numalign.compare.judge import Observation
+from numalign.compare.model_judge import Continuation, Event, FinalOutput, ModelJudge
+from numalign.compare.model_verdict import ModelVerdict, PointResult, ReplayUnsupported
 from numalign.core import dtypes
-from numalign.golden.manifest import LOGIT_TRANSFORM, OUTPUT_POINT, Continuation
+from numalign.golden.manifest import LOGIT_TRANSFORM
 from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
 from numalign.replay.inputs import fed_inputs, input_at_fault
 from numalign.replay.layer import (
@@ -36,7 +30,7 @@ from numalign.replay.layer import (
     request_mask,
 )
 from numalign.replay.observe import observe
-from numalign.replay.pipeline import StageAlone, depth_of, stage_of
+from numalign.replay.pipeline import StageRanks, depth_of, stage_of
 from numalign.replay.sets import open_fresh
 from numalign.replay.shards import whole
 from numalign.runtime.compiled import compile_model, take_stats
@@ -251,19 +245,17 @@ def replay_on_rank(fn: Callable[..., T], path: str, dtype: str, args: tuple[Any,
     return fn(golden, model, *args)
 
 
-def replay_layer(
+def observe_layer(
     golden: GoldenSet,
     model: Any,
     point: Point,
     dtype: str,
     device: torch.device,
-    policy: Any = None,
-) -> list[PointResult]:
-    """Every recorded call of ``point`` replayed alone; each output against the golden one
-    within the isolated calibration's budget."""
-
+    see: Callable[[Observation], None],
+) -> None:
+    """Every recorded call of ``point`` run alone on its golden inputs, each output handed to
+    ``see`` at the positions the request's mask keeps (faults in the others with it)."""
     module = model.get_submodule(point.name)
-    judge = Judge.of_set(golden, dtype, "isolated", hidden_and_depth(model), policy)
     for request, calls in point.calls.items():
         mask = request_mask(golden, request)
         for index, call in enumerate(calls):
@@ -279,25 +271,34 @@ def replay_layer(
                 faults = left_out(actual.detach(), truth, mask)
                 # a tensor-parallel rank's shard gathered whole
                 actual = whole(kept_positions(actual.detach(), mask), tuple(expected.shape))
-                judge.observe(Observation(point.name, path, request, actual, expected,
-                                          call=index, left_out=faults))  # fmt: skip
-    return judge.points + judge.pooled()
+                see(Observation(point.name, path, request, actual, expected, call=index,
+                                left_out=faults))  # fmt: skip
 
 
-def replay_model(
-    golden: GoldenSet, model: Any, dtype: str, device: torch.device, policy: Any = None
-) -> ModelVerdict:
-    """The whole model on every golden request, each point against the accumulated budget;
-    the model's own outputs (logits judged for agreement, or an encoder's hidden states), the
-    greedy continuation, and the first divergence located (local or accumulated)."""
+def replay_layer(
+    golden: GoldenSet,
+    model: Any,
+    point: Point,
+    dtype: str,
+    device: torch.device,
+    policy: Any = None,
+) -> list[PointResult]:
+    """Every recorded call of ``point`` replayed alone; each output against the golden one
+    within the isolated calibration's budget."""
+    judge = ModelJudge(golden, dtype, "isolated", hidden_and_depth(model), policy)
+    observe_layer(golden, model, point, dtype, device, judge.see)
+    return judge.layer_results()
+
+
+def observe_model(
+    golden: GoldenSet, model: Any, dtype: str, device: torch.device, see: Callable[[Event], None]
+) -> None:
+    """The whole model on every golden request, handing ``see`` every capture point's
+    outputs as the forward computes them (with the faults in the rows the request's mask
+    leaves out), the model's own outputs, and its greedy continuation."""
     import torch
 
     torch_dtype = dtypes.torch_dtype(dtype)
-    hidden, depth = hidden_and_depth(model)
-    judge = Judge.of_set(golden, dtype, "accumulated", (hidden, depth), policy)
-    if (stage := stage_of(model)) is not None:
-        stage.start()
-    verdict = ModelVerdict(points=judge.points, logits=judge.logits, outputs=judge.outputs)
     # faults in the rows a request's mask leaves out, judged with the point's own result
     pending: dict[tuple[str, str, str, int], LeftOut] = {}
     for request in golden.requests:
@@ -311,8 +312,7 @@ def replay_model(
         ) -> None:
             actual = whole(actual, tuple(expected.shape))  # a tensor-parallel rank's shard
             faults = pending.pop((name, point, path, call), None)
-            judge.observe(Observation(point, path, name, actual, expected, call=call,
-                                      left_out=faults))  # fmt: skip
+            see(Observation(point, path, name, actual, expected, call=call, left_out=faults))
 
         def on_left_out(
             point: str, path: str, faults: LeftOut, call: int, name: str = name
@@ -323,67 +323,59 @@ def replay_model(
             out = model(**inputs, **forward_kwargs(model))
         mask = request_mask(golden, name)
         finals = model_outputs(out)
-        logits_budget = 0.0
         for output, key in golden.final_outputs(name).items():
             actual = kept_positions(finals[output].detach().float().cpu(), mask)
             expected = kept_positions(golden.tensor(key), mask)
-            final = whole(actual.to(torch_dtype), tuple(expected.shape))
-            if output == "logits":
-                judged = judge.judge_logits(name, final, expected)
-                logits_budget = judged.values.budget.get("max_abs", 0.0) if judged.values else 0.0
-            else:
-                judge.judge_output(name, output, final, expected)
+            see(FinalOutput(name, output, whole(actual.to(torch_dtype), tuple(expected.shape)),
+                            expected))  # fmt: skip
         continuation = golden.continuation(name)
-        if continuation is not None and logits_budget > 0:
-            later = later_positions_budget(judge, torch_dtype)
-            agreement = continuation_agreement(
-                model,
-                name,
-                inputs,
-                golden,
-                continuation,
-                logits_budget,
-                later,
-                thresholds_of(policy),
-            )
-            verdict.continuation.append(agreement)
-    points, pooled = judge.points, judge.pooled()  # each point's lean, every request pooled
-    alone: Any = _AloneOnTransformers(golden, model, dtype, device, policy)
+        if continuation is not None:
+            tokens = golden.tensor(continuation.tokens)
+            steps = partial(greedy_steps, model, inputs, tokens)
+            see(Continuation(name, tokens, golden.tensor(continuation.logits), steps))
+
+
+def replay_model(
+    golden: GoldenSet, model: Any, dtype: str, device: torch.device, policy: Any = None
+) -> ModelVerdict:
+    """The whole model on every golden request, each point against the accumulated budget;
+    the model's own outputs (logits judged for agreement, or an encoder's hidden states), the
+    greedy continuation, and the first divergence located (local or accumulated)."""
+    judge = ModelJudge(golden, dtype, "accumulated", hidden_and_depth(model), policy)
+    stage = stage_of(model)
+    if stage is not None:
+        stage.start()
+    observe_model(golden, model, dtype, device, judge.see)
+    ranks = None
     if stage is not None:  # every rank's stage, in the order one process judges them
         order = {r.name: i for i, r in enumerate(golden.requests)}
-        points, pooled = stage.merged(points, pooled, lambda r: (order.get(r.request, -1),))
-        alone = StageAlone(alone, stage)
-    verdict.points = points + pooled
-    verdict.divergence = locate(verdict.points, alone) or locate_logits(
-        verdict.points, verdict.logits, alone, LOGIT_TRANSFORM, logit_transform(model.config)
-    )
-    return verdict
+        ranks = StageRanks(stage, lambda r: (order.get(r.request, -1),))
+    alone = _AloneOnTransformers(golden, model, dtype, device)
+    return judge.model_verdict(alone, transform=LOGIT_TRANSFORM, config=model.config, ranks=ranks)
 
 
 @dataclass
 class _AloneOnTransformers:
-    """The transformers model's points replayed alone, for the judge to locate a divergence
-    (``compare.locate.Alone``)."""
+    """The transformers model's points run alone, for the judge to locate a divergence
+    (``compare.model_judge.AloneObserver``)."""
 
     golden: GoldenSet
     model: Any
     dtype: str
     device: torch.device
-    policy: Any
 
-    def replay_alone(self, point: str) -> list[PointResult]:
+    def observe_alone(self, point: str, see: Callable[[Observation], None]) -> None:
         if point not in {p.name for p in self.golden.points}:
             raise AloneUnsupported(f"the set has no point {point}")
-        return replay_layer(self.golden, self.model, self.golden.point(point), self.dtype,
-                            self.device, self.policy)  # fmt: skip
+        observe_layer(self.golden, self.model, self.golden.point(point), self.dtype,
+                      self.device, see)  # fmt: skip
 
-    def inputs_at_fault(self, failing: PointResult) -> tuple[tuple[str, str], ...] | None:
-        judge = Judge.of_set(self.golden, self.dtype, "isolated", hidden_and_depth(self.model),
-                         self.policy)  # fmt: skip
-
+    def inputs_at_fault(
+        self, failing: PointResult, compare: Callable[[str, Any, Any], CompareResult]
+    ) -> tuple[tuple[str, str], ...] | None:
         def judged(path: str, actual: Any, expected: Any) -> CompareResult:
-            actual = whole(actual, tuple(expected.shape))  # a tensor-parallel rank's shard
-            return judge.compare(failing.point, path, actual, expected)
+            # a tensor-parallel rank's shard gathered whole
+            return compare(path, whole(actual, tuple(expected.shape)), expected)
 
         faulty = input_at_fault(self.golden, self.model, failing.point, failing.request,
                                 failing.call, judged, self.device,
@@ -400,58 +392,14 @@ class _AloneOnTransformers:
                        self.device, dtypes.torch_dtype(self.dtype))  # fmt: skip
 
 
-def later_positions_budget(judge: Judge, torch_dtype: Any) -> Callable[[Any, Any], float]:
-    """The max-abs budget of logits at a position after the prompt, from the set's decode
-    calibration (0 where it has none): ``budget(actual, expected)``."""
-    control = judge.control(OUTPUT_POINT, "logits", "decode")
-
-    def budget(actual: Any, expected: Any) -> float:
-        if not control.calibrated:
-            return 0.0
-        result = judge.compare(OUTPUT_POINT, "logits", actual.to(torch_dtype), expected,
-                               "decode", "logits")  # fmt: skip
-        return float(result.budget.get("max_abs", 0.0))
-
-    return budget
-
-
-def continuation_agreement(
-    model: Any,
-    request: str,
-    inputs: dict[str, Any],
-    golden: GoldenSet,
-    continuation: Continuation,
-    logits_budget: float,
-    later_budget: Callable[[Any, Any], float] | None = None,
-    thresholds: Any = None,
-) -> ContinuationResult:
-    """Greedy tokens of the replay against the golden continuation, teacher-forced: identical
-    up to the first divergence, and there the two tokens' golden logits at most a near tie
-    apart (``logits.near_tie``: twice the logits' max-abs budget, each may move by it). The
-    budget is the larger of the prompt's (``logits_budget``) and, at the differing step,
-    ``later_budget(its logits, the golden ones)``: the calibrated budget of positions after
-    the prompt (the set's decode calibration), since a step's logits are a position the
-    prompt's calibration never saw (bfloat16 may err there an order of magnitude more:
-    docs/sweep.md)."""
+def greedy_steps(model: Any, inputs: dict[str, Any], tokens: Any) -> Iterator[Any]:
+    """The model's last-position logits at each step of a greedy continuation of ``inputs``,
+    the golden ``tokens`` [rows, steps] fed one per step (teacher-forced)."""
     import torch
 
-    tokens = golden.tensor(continuation.tokens)
-    golden_logits = golden.tensor(continuation.logits).double()
-    steps = tokens.shape[1]
     state = dict(inputs)
-    first, gap = None, 0.0
-    with torch.no_grad():
-        for step in range(steps):
-            logits = model(**state, **forward_kwargs(model)).logits[:, -1].double().cpu()
-            mine = logits.argmax(-1)
-            if first is None and not torch.equal(mine, tokens[:, step]):
-                first = step
-                theirs = golden_logits[:, step]
-                gaps = theirs.gather(-1, tokens[:, step, None]) - theirs.gather(-1, mine[:, None])
-                gap = float(gaps.max())
-                if later_budget is not None:
-                    later = later_budget(logits, theirs.float())
-                    logits_budget = max(logits_budget, later)
-            # teacher-force the golden token, so later steps compare like with like
-            state = append_token(state, tokens[:, step : step + 1].to(state["input_ids"].device))
-    return ContinuationResult(request, steps, first, gap, near_tie(logits_budget, thresholds))
+    for step in range(tokens.shape[1]):
+        with torch.no_grad():
+            logits = model(**state, **forward_kwargs(model)).logits[:, -1]
+        yield logits
+        state = append_token(state, tokens[:, step : step + 1].to(state["input_ids"].device))

@@ -297,6 +297,24 @@ class StageAlone:
         return self.stage.from_owner(failing.point, lambda: self.inner.inputs_at_fault(failing))
 
 
+@dataclass
+class StageRanks:
+    """A pipelined model's ranks as the judge sees them (``compare.model_judge.Ranks``): every
+    rank's results merged in the order one process judges them (by ``key``: the request, in
+    decode the step), each point replayed alone on the rank that holds it."""
+
+    stage: Stage
+    key: Callable[[PointResult], tuple[Any, ...]]
+
+    def merged(
+        self, points: list[PointResult], pooled: list[PointResult]
+    ) -> tuple[list[PointResult], list[PointResult]]:
+        return self.stage.merged(points, pooled, self.key)
+
+    def alone(self, inner: Any) -> StageAlone:
+        return StageAlone(inner, self.stage)
+
+
 def load_stage(
     model_dir: str | Path,
     dtype: str,

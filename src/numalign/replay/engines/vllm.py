@@ -26,23 +26,17 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign.compare.decode_verdict import DecodeVerdict
-from numalign.compare.judge import Judge, Observation
-from numalign.compare.locate import locate
-from numalign.compare.model_verdict import (
-    Divergence,
-    ModelVerdict,
-    PointResult,
-    label,
-)
+from numalign.compare.judge import Observation
+from numalign.compare.model_judge import FinalOutput, ModelJudge
+from numalign.compare.model_verdict import label
 from numalign.compare.routing import ROUTING
 from numalign.core import dtypes
-from numalign.golden.manifest import OUTPUT_POINT
+from numalign.golden.manifest import LOGIT_TRANSFORM, OUTPUT_POINT
 from numalign.golden.requests import unservable
 from numalign.replay.decode import require_decode_replayable
 from numalign.replay.engines import NotJudged, Replayed
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
-from numalign.replay.engines.vllm_alone import AloneOnVllm, isolated, judge_residuals
+from numalign.replay.engines.vllm_alone import AloneOnVllm, observe_isolated, observe_residuals
 from numalign.replay.engines.vllm_options import (
     ENGINE_ENV,
     allow_amx,
@@ -120,9 +114,8 @@ class VllmEngine:
         unmapped = _unmapped(running.mapping)
         # the engine's model replay pools no leans: whether vLLM's honest kernels pass them is
         # not measured (docs/design.md)
-        judge = Judge.of_set(golden, dtype, "accumulated", hidden_and_depth_of(running), policy,
-                         leans=False)  # fmt: skip
-        verdict = ModelVerdict(points=judge.points, logits=judge.logits)
+        judge = ModelJudge(golden, dtype, "accumulated", hidden_and_depth_of(running), policy,
+                           leans=False)  # fmt: skip
         torch_dtype = dtypes.torch_dtype(dtype)
         for request in golden.requests:
             rows = engine_rows(golden, request.name)
@@ -150,18 +143,22 @@ class VllmEngine:
                             f"{tuple(expected.shape)}"
                         )
                         continue
-                    judge.observe(Observation(
+                    judge.see(Observation(
                         pm.point, path, request.name, actual.to(torch_dtype), expected,
                         finished=served.order.get(pm.module, 0),
                     ))  # fmt: skip
-            judge_residuals(judge, served, golden, request.name, rows, running.mapping, torch_dtype)
+            observe_residuals(judge.see, served, golden, request.name, rows, running.mapping,
+                              torch_dtype)  # fmt: skip
             finals = golden.final_outputs(request.name)
             if "logits" in finals:
                 expected = kept_positions(golden.tensor(finals["logits"]), mask)
                 actual = prompt_rows(served, rows, OUTPUT_POINT).to(torch_dtype)
-                judge.judge_logits(request.name, actual, expected)
-        verdict.divergence = self._locate(golden, dtype, verdict.points, policy)
-        verdict.unmapped = unmapped
+                judge.see(FinalOutput(request.name, "logits", actual, expected))
+        # the judge locates the first divergence with vLLM's modules run alone
+        verdict = judge.model_verdict(
+            AloneOnVllm(running, golden, dtype), transform=LOGIT_TRANSFORM,
+            config=getattr(running.model, "config", None), unmapped=unmapped,
+        )  # fmt: skip
         return Replayed(golden, verdict, self._context(golden, running, arrangement))
 
     def decode(
@@ -179,9 +176,8 @@ class VllmEngine:
         running = self._engine(golden, dtype, arrangement)
         served = self._serve(golden, dtype, arrangement)
         unmapped = _unmapped(running.mapping)
-        judge = Judge.of_set(golden, dtype, "decode", hidden_and_depth_of(running), policy,
-                         leans=False)  # fmt: skip
-        verdict = DecodeVerdict(cache, points=judge.points, logits=judge.logits)
+        judge = ModelJudge(golden, dtype, "decode", hidden_and_depth_of(running), policy,
+                           leans=False)  # fmt: skip
         torch_dtype = dtypes.torch_dtype(dtype)
         modules = {pm.point: pm.module for pm in running.mapping if pm.module is not None}
         for request in golden.decode_requests:
@@ -199,14 +195,14 @@ class VllmEngine:
                         if path != "0":
                             continue
                         actual = step_rows(served, rows, modules[point], number)
-                        judge.observe(Observation(
+                        judge.see(Observation(
                             point, path, request, actual.to(torch_dtype), golden.tensor(key),
                             step=number, finished=served.order.get(modules[point], 0),
                         ))  # fmt: skip
                 logits = step_rows(served, rows, OUTPUT_POINT, number)[:, 0]
-                judge.judge_logits(request, logits.to(torch_dtype), golden.tensor(step.logits),
-                                   step=number)  # fmt: skip
-        verdict.unmapped = unmapped
+                judge.see(Observation(OUTPUT_POINT, "logits", request, logits.to(torch_dtype),
+                                      golden.tensor(step.logits), step=number))  # fmt: skip
+        verdict = judge.decode_verdict(cache, unmapped=unmapped)
         context = self._context(golden, running, arrangement, cache)
         return Replayed(golden, verdict, context)
 
@@ -221,11 +217,12 @@ class VllmEngine:
             raise NotJudged(COMPILED, context)
         if pm.module is None:
             raise NotJudged(f"unmapped: {pm.reason}", context)
+        judge = ModelJudge(golden, dtype, "isolated", hidden_and_depth_of(running), policy)
         try:
-            results = isolated(running, golden, golden.point(point), pm.module, dtype, policy)
+            observe_isolated(running, golden, golden.point(point), pm.module, dtype, judge.see)
         except AloneUnsupported as exc:
             raise NotJudged(str(exc), context) from exc
-        return Replayed(golden, results, context)
+        return Replayed(golden, judge.layer_results(), context)
 
     def close(self) -> None:
         self._stop()
@@ -384,13 +381,6 @@ class VllmEngine:
         if missing is not None:
             raise EngineUnsupported(missing)
         return served
-
-    def _locate(
-        self, golden: GoldenSet, dtype: str, results: list[PointResult], policy: Any
-    ) -> Divergence | None:
-        """The first divergence, located by the judge with the points' vLLM modules replayed
-        alone."""
-        return locate(results, AloneOnVllm(self._engine(golden, dtype), golden, dtype, policy))
 
 
 #: Why no point inside the model is read under --compile.

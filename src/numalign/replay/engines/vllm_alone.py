@@ -1,18 +1,15 @@
-"""vLLM's modules run alone on the golden inputs: the layer replay of a point through vLLM
-(``isolated``), the residual stream of vLLM's fused add + norm judged as the reference's
-(``judge_residuals``), and the points replayed alone for the judge to locate a divergence
-(``AloneOnVllm``)."""
+"""vLLM's modules run alone on the golden inputs: a point's calls through vLLM alone
+(``observe_isolated``), the residual stream of vLLM's fused add + norm beside the reference's
+(``observe_residuals``), and the points run alone for the judge to locate a divergence
+(``AloneOnVllm``). Each hands the judge observations; none judges."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from numalign.compare.judge import Judge, Observation
-from numalign.compare.model_verdict import (
-    PointResult,
-)
+from numalign.compare.judge import Observation
 from numalign.core import dtypes
 from numalign.replay.engines.vllm_points import (
     LM_HEAD,
@@ -24,7 +21,6 @@ from numalign.replay.engines.vllm_points import (
 from numalign.replay.engines.vllm_serving import (
     Running,
     Served,
-    hidden_and_depth_of,
     prompt_rows,
     quiet,
 )
@@ -33,34 +29,36 @@ from numalign.replay.layer import AloneUnsupported, kept_positions, request_mask
 if TYPE_CHECKING:
     from numalign.golden.store import GoldenSet, Point
 
+#: Where an engine hands what it observed (``compare.model_judge.ModelJudge.see``).
+See = Callable[[Observation], None]
+
 
 @dataclass
 class AloneOnVllm:
-    """vLLM's modules replayed alone on the golden inputs, for the judge to locate a
-    divergence (``compare.locate.Alone``); the model's own inputs are not taken."""
+    """vLLM's modules run alone on the golden inputs, for the judge to locate a divergence
+    (``compare.model_judge.AloneObserver``); the model's own inputs are not taken."""
 
     running: Running
     golden: GoldenSet
     dtype: str
-    policy: Any
 
-    def replay_alone(self, point: str) -> list[PointResult]:
+    def observe_alone(self, point: str, see: See) -> None:
         module = next((m.module for m in self.running.mapping if m.point == point), None)
         if point not in {p.name for p in self.golden.points}:
             raise AloneUnsupported(f"the set has no point {point}")
-        return isolated(self.running, self.golden, self.golden.point(point), module or "",
-                         self.dtype, self.policy)  # fmt: skip
+        observe_isolated(self.running, self.golden, self.golden.point(point), module or "",
+                         self.dtype, see)  # fmt: skip
 
-    def inputs_at_fault(self, failing: PointResult) -> None:
+    def inputs_at_fault(self, failing: Any, compare: Any) -> None:
         return None
 
 
-def isolated(
-    running: Running, golden: GoldenSet, point: Point, module_name: str, dtype: str, policy: Any
-) -> list[PointResult]:
+def observe_isolated(
+    running: Running, golden: GoldenSet, point: Point, module_name: str, dtype: str, see: See
+) -> None:
     """Every recorded call of ``point`` run alone through vLLM's ``module_name`` on the golden
-    inputs (their kept positions, flattened as vLLM's tokens), against the isolated
-    calibration; AloneUnsupported saying why where the module cannot run alone."""
+    inputs (their kept positions, flattened as vLLM's tokens), each output handed to ``see``;
+    AloneUnsupported saying why where the module cannot run alone."""
     import torch
     from vllm.forward_context import set_forward_context
 
@@ -75,7 +73,6 @@ def isolated(
             f"vLLM's {module_name} runs attention, which needs the engine's forward context "
             "(attention metadata and KV cache): replayed in the full model only"
         )
-    judge = Judge.of_set(golden, dtype, "isolated", hidden_and_depth_of(running), policy)
     torch_dtype = dtypes.torch_dtype(dtype)
     for request, calls in point.calls.items():
         if "pixel_values" in golden.request(request).inputs:
@@ -110,14 +107,11 @@ def isolated(
                 ) from None
             expected = _tokens(golden.tensor(call.outputs["0"]), mask)
             actual = out.detach().float().to(torch_dtype)
-            judge.observe(Observation(point.name, "0", request, actual, expected, finished=0))
+            see(Observation(point.name, "0", request, actual, expected, finished=0))
             stream = _fused_residual(module, x, running)
             if stream is not None:  # the fused add of the stream and zeros gives the stream
-                judge.observe(Observation(
-                    point.name, RESIDUAL, request, stream.to(torch_dtype), x, finished=0,
-                    control_of=(point.name, "0"),
-                ))  # fmt: skip
-    return judge.points + judge.pooled()
+                see(Observation(point.name, RESIDUAL, request, stream.to(torch_dtype), x,
+                                finished=0, control_of=(point.name, "0")))  # fmt: skip
 
 
 def _fused_residual(module: Any, x: Any, running: Running) -> Any:
@@ -138,8 +132,8 @@ def _fused_residual(module: Any, x: Any, running: Running) -> Any:
     return None if residual is None else residual.detach().float()
 
 
-def judge_residuals(
-    judge: Judge,
+def observe_residuals(
+    see: See,
     served: Served,
     golden: GoldenSet,
     request: str,
@@ -147,10 +141,10 @@ def judge_residuals(
     mapping: list[PointMap],
     torch_dtype: Any,
 ) -> None:
-    """Each fused add + norm's residual stream against the reference norm's input (the
-    stream entering it), within the accumulated budget of the block that holds the norm (the
-    stream's error at that depth), handed to ``judge``; norms outside a captured block are
-    not judged so."""
+    """Each fused add + norm's residual stream beside the reference norm's input (the stream
+    entering it), handed to ``see`` to be judged within the accumulated budget of the block
+    that holds the norm (the stream's error at that depth: ``control_of``); norms outside a
+    captured block are not observed so."""
     points = {p.name for p in golden.points}
     for pm in mapping:
         parent = pm.point.rpartition(".")[0]
@@ -165,9 +159,8 @@ def judge_residuals(
             continue
         expected = kept_positions(golden.tensor(key), request_mask(golden, request))
         actual = prompt_rows(served, rows, name).to(torch_dtype)
-        judge.observe(Observation(pm.point, RESIDUAL, request, actual, expected,
-                                  finished=served.order.get(name, 0),
-                                  control_of=(parent, "0")))  # fmt: skip
+        see(Observation(pm.point, RESIDUAL, request, actual, expected,
+                        finished=served.order.get(name, 0), control_of=(parent, "0")))  # fmt: skip
 
 
 class _LogitsOf:
