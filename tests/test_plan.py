@@ -20,6 +20,7 @@ import pytest
 from numalign.cli import main
 from numalign.plan import plan
 from numalign.plan.measure import Throughput
+from numalign.replay.pipeline import layout, split_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "plan"
@@ -139,21 +140,48 @@ def test_the_streamed_peak_does_not_grow_with_depth(tmp_path: Path) -> None:
     assert full["peaks"]["float32"]["streamed"] == deep["float32"]["streamed"]
 
 
-def test_ranks_hold_every_part_once_within_the_device() -> None:
+def test_ranks_hold_every_part_once_within_the_device_as_pp_splits_the_layers() -> None:
     data = planned(FIXTURES / "deepseek-v3", device_memory=80 * 2**30)
     names = ["embedding", *(f"layer {i}" for i in range(61)), "final norm", "head"]
     for dtype, pipe in data["pipeline"].items():
-        assert pipe["fits"] and pipe["ranks"] == len(pipe["ranges"])
+        assert pipe["fits"] and pipe["ranks"] == len(pipe["ranges"]) == len(pipe["stage_bytes"])
         weights = data["totals"]["weight_bytes"][dtype]
+        assert sum(pipe["stage_bytes"]) == weights  # every part once
+        assert max(pipe["stage_bytes"]) <= pipe["usable_bytes"]
         assert pipe["ranks"] >= math.ceil(weights / pipe["usable_bytes"])
         assert pipe["ranges"][0][0] == "embedding" and pipe["ranges"][-1][1] == "head"
         # contiguous: each rank starts at the part after the previous rank's last
         lasts = [names.index(z) for _, z in pipe["ranges"][:-1]]
         firsts = [names.index(a) for a, _ in pipe["ranges"][1:]]
         assert firsts == [i + 1 for i in lasts]
+        # each rank's first layer is where `--pp` starts it: the stages a replay runs
+        starts = [r.start for r in split_layers(61, pipe["ranks"])]
+        assert [names.index(a) - 1 for a, _ in pipe["ranges"][1:]] == starts[1:]
+        assert pipe["layout"] == layout(61, pipe["ranks"])
     # one float32 MoE layer is 46 GB: two do not fit in 80 GiB less 10%
     assert data["pipeline"]["float32"]["ranks"] > data["pipeline"]["bfloat16"]["ranks"]
     assert data["tensor_parallel"]["bfloat16"] and 128 % data["tensor_parallel"]["bfloat16"] == 0
+
+
+def test_the_ranks_are_the_fewest_whose_pp_split_fits() -> None:
+    """One rank fewer, as `--pp` would split the layers over it, overfills a rank."""
+    data = planned(FIXTURES / "llama-3.1-405b", device_memory=80 * 2**30)
+    # the parts table groups alike parts (one row of 126 layers): one entry each
+    parts = [p for p in data["parts"] for _ in range(p["count"])]
+    for dtype, pipe in data["pipeline"].items():
+        fewer = pipe["ranks"] - 1
+        sizes = [p["weight_bytes"][dtype] for p in parts]
+        layers = [i for i, p in enumerate(parts) if p["kind"] == "layer"]
+        starts = [0, *(layers[r.start] for r in split_layers(len(layers), fewer)[1:])]
+        held = [sum(sizes[a:z]) for a, z in zip(starts, [*starts[1:], len(sizes)], strict=True)]
+        assert max(held) > pipe["usable_bytes"], (dtype, fewer)
+
+
+def test_a_device_too_small_for_one_layer_a_rank_leaves_tensor_parallel() -> None:
+    # 8 GiB: one bfloat16 layer of Llama 3.1 405B (about 6.5 GB) beside its embedding (4.2
+    # GB) does not fit a rank's 90%
+    pipe = planned(FIXTURES / "llama-3.1-405b", device_memory=8 * 2**30)["pipeline"]["bfloat16"]
+    assert not pipe["fits"] and pipe["ranks"] == 0 and pipe["stage_bytes"] == []
 
 
 def test_the_time_estimate_is_the_measured_throughput_arithmetic() -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from numalign.plan.model import Part, Structure
 from numalign.plan.workload import Request, Workload
+from numalign.replay.pipeline import layout, split_layers
 
 #: Bytes per value of the dtypes a plan names (the float8 formats: a checkpoint's dtype).
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
@@ -157,51 +158,46 @@ def part_golden(part: Part, workload: Workload, b: int = 4) -> int:
 
 @dataclass(frozen=True)
 class Pipeline:
-    """Pipeline ranks for one dtype: ``ranges`` holds each rank's contiguous parts (first,
-    last); ``usable``: the bytes of weights one rank may hold; ``fits``: False where one part
-    alone exceeds it (tensor parallel is then the way)."""
+    """Pipeline ranks for one dtype as ``--pp ranks`` splits the model: ``ranges`` holds each
+    rank's contiguous parts (first, last), ``stage_bytes`` the weights each holds, ``layout``
+    the decoder layers per rank as records name them (``0-30|31-60``); ``usable``: the bytes
+    of weights one rank may hold; ``fits``: False where no split fits, not even one layer a
+    rank (tensor parallel is then the way)."""
 
     dtype: str
     usable: int
     ranks: int
     ranges: tuple[tuple[str, str], ...]
     fits: bool
+    stage_bytes: tuple[int, ...] = ()
+    layout: str = ""
 
 
 def pipeline(structure: Structure, workload: Workload, dtype: str, device: int) -> Pipeline:
-    """The fewest ranks of ``device`` bytes each that hold the model's weights in ``dtype``
-    as contiguous runs of parts, balanced: at least ceil(weights / usable), where usable is
-    the device's memory less ``DEVICE_RESERVE`` and the worst request's activations
-    (``activations``: its KV cache of every layer included, an upper bound for a rank
-    holding some of them); the ranges from the smallest per-rank capacity that still packs
-    into that many ranks."""
+    """The fewest pipeline ranks of ``device`` bytes each over which ``--pp`` splits the
+    model's weights in ``dtype`` so that every rank's share fits: the decoder layers split
+    as ``replay.pipeline.split_layers`` splits them (vLLM's split, the stages a deployment
+    serves), rank 0 also holding the parts before the first layer (the embedding), the last
+    rank those after the last (the final norm, the head). A rank's usable memory is the
+    device's less ``DEVICE_RESERVE`` and the worst request's activations (``activations``:
+    its KV cache of every layer included, an upper bound for a rank holding some of them)."""
     b = dtype_bytes(dtype)
     sizes = [p.params * b for p in structure.parts]
-    worst = activations(structure, workload, b)
-    usable = max(0, int(device * (1 - DEVICE_RESERVE)) - worst)
-    if not sizes or max(sizes) > usable:
-        return Pipeline(dtype, usable, 0, (), False)
-    ranks = max(1, math.ceil(sum(sizes) / usable))
-    while len(_pack(sizes, usable)) > ranks:
-        ranks += 1
-    low, high = max(max(sizes), math.ceil(sum(sizes) / ranks)), usable
-    while low < high:  # the smallest capacity that packs into ``ranks``: the most balanced
-        mid = (low + high) // 2
-        low, high = (low, mid) if len(_pack(sizes, mid)) <= ranks else (mid + 1, high)
+    usable = max(0, int(device * (1 - DEVICE_RESERVE)) - activations(structure, workload, b))
+    layers = [i for i, p in enumerate(structure.parts) if p.kind == "layer"] or [0]
     names = [p.name for p in structure.parts]
-    ranges = tuple((names[a], names[z]) for a, z in _pack(sizes, low))
-    return Pipeline(dtype, usable, len(ranges), ranges, True)
+    for ranks in range(max(1, math.ceil(sum(sizes) / max(usable, 1))), len(layers) + 1):
+        runs = _stages(len(sizes), layers, ranks)
+        held = tuple(sum(sizes[a : z + 1]) for a, z in runs)
+        if max(held) <= usable:
+            ranges = tuple((names[a], names[z]) for a, z in runs)
+            return Pipeline(dtype, usable, ranks, ranges, True, held, layout(len(layers), ranks))
+    return Pipeline(dtype, usable, 0, (), False)
 
 
-def _pack(sizes: list[int], capacity: int) -> list[tuple[int, int]]:
-    """Consecutive runs of ``sizes`` (first, last index) of at most ``capacity`` each,
-    filled in order."""
-    runs: list[tuple[int, int]] = []
-    start, filled = 0, 0
-    for i, size in enumerate(sizes):
-        if filled + size > capacity and i > start:
-            runs.append((start, i - 1))
-            start, filled = i, 0
-        filled += size
-    runs.append((start, len(sizes) - 1))
-    return runs
+def _stages(count: int, layers: list[int], ranks: int) -> list[tuple[int, int]]:
+    """Each rank's parts (first, last index of ``count``) under ``--pp ranks``: its decoder
+    layers (``layers``: their indices, in order), and every part from its first layer to the
+    next rank's first: the first rank's from part 0, the last rank's to the last part."""
+    starts = [0, *(layers[r.start] for r in split_layers(len(layers), ranks)[1:])]
+    return list(zip(starts, [s - 1 for s in starts[1:]] + [count - 1], strict=True))

@@ -204,7 +204,8 @@ def _peaks(found: Structure, work: Workload, dtype: str) -> dict[str, Any]:
 def _pipeline(found: Structure, work: Workload, dtype: str, device: int) -> dict[str, Any]:
     p = memory.pipeline(found, work, dtype, device)
     return {"ranks": p.ranks, "usable_bytes": p.usable, "fits": p.fits,
-            "ranges": [list(r) for r in p.ranges]}  # fmt: skip
+            "ranges": [list(r) for r in p.ranges], "stage_bytes": list(p.stage_bytes),
+            "layout": p.layout}  # fmt: skip
 
 
 def tensor_parallel(

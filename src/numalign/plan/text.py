@@ -116,16 +116,21 @@ def _ranks(d: dict[str, Any]) -> list[str]:
     gib = d["device_memory"] / 2**30
     lines = [
         f"Pipeline ranks of {gib:g} GiB ({size(d['device_memory'])}) each (--device-memory; "
-        "10% left to the runtime, the worst request's activations besides):"
+        "10% left to the runtime, the worst request's activations besides), the layers split "
+        "as --pp splits them:"
     ]
     for name, p in d["pipeline"].items():
         if not p["fits"]:
             lines.append(
-                f"- {name}: one part alone exceeds a rank's {size(p['usable_bytes'])}; "
+                f"- {name}: no --pp split fits: a rank of one layer (the first with the "
+                f"embedding, the last with the head) exceeds a rank's {size(p['usable_bytes'])}; "
                 "only tensor parallel splits it"
             )
             continue
-        lines.append(f"- {name}: {p['ranks']} rank(s): {ranges(p['ranges'])}")
+        lines.append(
+            f"- {name}: --pp {p['ranks']} (the largest rank holds "
+            f"{size(max(p['stage_bytes']))} of {size(p['usable_bytes'])}): {ranges(p['ranges'])}"
+        )
     tp = ", ".join(
         f"{n} --tp {k}" if k else f"{n}: none is enough" for n, k in d["tensor_parallel"].items()
     )
