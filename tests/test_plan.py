@@ -20,7 +20,7 @@ import pytest
 from numalign.cli import main
 from numalign.plan import plan
 from numalign.plan.measure import Throughput
-from numalign.replay.pipeline import layout, split_layers
+from numalign.replay.pipeline_split import layout, split_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "plan"

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from test_tensor_parallel_suite import failed_tests, on_path, records, run_suite  # noqa: F401
 
-from numalign.replay.pipeline import (
+from numalign.replay.pipeline import load_stage
+from numalign.replay.pipeline_split import (
     PipelineUnsupported,
     PipelineUsageError,
     check_pipelinable,
     layout,
-    load_stage,
     split_layers,
 )
 from numalign.replay.wire import digest

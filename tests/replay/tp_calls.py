@@ -34,7 +34,7 @@ def raise_on_rank_1() -> None:
 def unsupported_on_every_rank() -> None:
     """numalign's own error, raised alike on every rank (an uncalibrated point, a path a
     model cannot take), after a collective."""
-    from numalign.replay.pipeline import PipelineUnsupported
+    from numalign.replay.pipeline_split import PipelineUnsupported
 
     dist.barrier()
     raise PipelineUnsupported(f"rank {dist.get_rank()} cannot take this path")
@@ -42,7 +42,7 @@ def unsupported_on_every_rank() -> None:
 
 def unsupported_on_rank_1() -> None:
     """numalign's own error on rank 1 alone, rank 0 waiting for it in a collective."""
-    from numalign.replay.pipeline import PipelineUnsupported
+    from numalign.replay.pipeline_split import PipelineUnsupported
 
     if dist.get_rank() == 1:
         raise PipelineUnsupported("rank 1 cannot take this path")

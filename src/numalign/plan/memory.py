@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from numalign.plan.model import Part, Structure
 from numalign.plan.workload import Request, Workload
-from numalign.replay.pipeline import layout, split_layers
+from numalign.replay.pipeline_split import layout, split_layers
 
 #: Bytes per value of the dtypes a plan names (the float8 formats: a checkpoint's dtype).
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
@@ -176,7 +176,7 @@ class Pipeline:
 def pipeline(structure: Structure, workload: Workload, dtype: str, device: int) -> Pipeline:
     """The fewest pipeline ranks of ``device`` bytes each over which ``--pp`` splits the
     model's weights in ``dtype`` so that every rank's share fits: the decoder layers split
-    as ``replay.pipeline.split_layers`` splits them (vLLM's split, the stages a deployment
+    as ``replay.pipeline_split.split_layers`` splits them (vLLM's split, the stages a deployment
     serves), rank 0 also holding the parts before the first layer (the embedding), the last
     rank those after the last (the final norm, the head). A rank's usable memory is the
     device's less ``DEVICE_RESERVE`` and the worst request's activations (``activations``:

@@ -30,7 +30,8 @@ from numalign.replay.layer import (
     request_mask,
 )
 from numalign.replay.observe import observe
-from numalign.replay.pipeline import StageRanks, depth_of, stage_of
+from numalign.replay.pipeline import StageRanks, stage_of
+from numalign.replay.pipeline_split import depth_of
 from numalign.replay.sets import open_fresh
 from numalign.replay.shards import whole
 from numalign.runtime.compiled import compile_model, take_stats
@@ -146,7 +147,7 @@ class ModelCache:
         for a compiled ``model``, what compiling cost this test (compile time and graph
         breaks, apart from run time)."""
         if variant.pp > 1:  # the records name the ranks' layers
-            from numalign.replay.pipeline import check_pipelinable
+            from numalign.replay.pipeline_split import check_pipelinable
 
             variant = replace(variant, pp_layout=check_pipelinable(golden.model_dir, variant.pp))
         context = {
@@ -189,7 +190,7 @@ class ModelCache:
         ranks, or ``settings.pp`` pipeline ranks (started on first use; NoTensorParallelPlan,
         PipelineUnsupported, or a usage error naming the numbers when the model cannot be
         split that way)."""
-        from numalign.replay.pipeline import check_pipelinable
+        from numalign.replay.pipeline_split import check_pipelinable
         from numalign.replay.tensor_parallel import RankGroup, ShardedModel, check_shardable
 
         if settings.tp > 1:

@@ -14,7 +14,7 @@ from numalign.replay.decode import replay_decode, require_decode_replayable
 from numalign.replay.decode_locate import locate_decode
 from numalign.replay.model import ModelCache
 from numalign.replay.paged import PAGED_ATTENTION, PagedUnsupported, paged_divergence
-from numalign.replay.pipeline import PipelineUnsupported, decode_unsupported
+from numalign.replay.pipeline_split import PipelineUnsupported, decode_unsupported
 from numalign.replay.sets import open_fresh
 
 if TYPE_CHECKING:

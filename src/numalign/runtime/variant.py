@@ -41,7 +41,7 @@ class Variant:
     compile: CompileSpec | None = None
     tp: int = 1
     pp: int = 1
-    #: the layers each pipeline rank holds, ``0-1|2-3`` (``replay.pipeline.layout``; None:
+    #: the layers each pipeline rank holds, ``0-1|2-3`` (``replay.pipeline_split.layout``; None:
     #: not known yet, or one process)
     pp_layout: str | None = None
     stream: bool = False
