@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from test_tensor_parallel_suite import failed_tests, on_path, records, run_suite  # noqa: F401
 
+from numalign.compare.calibration import CACHE_POINT
 from numalign.replay.pipeline import load_stage
 from numalign.replay.pipeline_split import (
     PipelineUnsupported,
@@ -85,6 +86,33 @@ def test_an_honest_pipeline_replay_judges_as_one_process(pytester: pytest.Pytest
                 assert math.isclose(other, value, rel_tol=1e-12, abs_tol=1e-300), (key, name)
             else:
                 assert other == value, (key, name)
+
+
+#: tiny-qwen3-next's decode in float32: linear and full attention layers alternate, so under
+#: --pp 2 each rank holds one linear-attention layer and one attention layer.
+QWEN3_NEXT_DECODE = ("--dtype", "float32", "-k", "tiny-qwen3-next and test_decode")
+
+
+@pytest.mark.usefixtures("on_path")
+def test_a_linear_attention_decode_judges_its_states_on_their_ranks_as_one_process(
+    pytester: pytest.Pytester,
+) -> None:
+    run_suite(pytester, "--pp", "2", *QWEN3_NEXT_DECODE).assert_outcomes(passed=1)
+    piped = by_key(records(pytester))
+    shutil.rmtree(pytester.path / "reports")
+    run_suite(pytester, *QWEN3_NEXT_DECODE).assert_outcomes(passed=1)
+    single = by_key(records(pytester))
+    # every cache state judged, each on the rank that holds its layer: the linear layers'
+    # conv and recurrent states among them
+    states = {key[4] for key in single if key[1].startswith(CACHE_POINT)}
+    assert {"layers.0.conv_states.0", "layers.2.recurrent_states.0"} <= states, states
+    assert list(piped) == list(single)
+    for key, one in single.items():
+        assert piped[key].verdict == one.verdict == "passed", key
+        for name, value in (one.metrics or {}).items():
+            if isinstance(value, float):  # as in the honest replay above
+                assert math.isclose(piped[key].metrics[name], value, rel_tol=1e-12,
+                                    abs_tol=1e-300), (key, name)  # fmt: skip
 
 
 @pytest.mark.usefixtures("on_path")

@@ -35,7 +35,7 @@ from numalign.golden.requests import unservable
 from numalign.replay.layer import CallOrder
 from numalign.replay.model import hidden_and_depth
 from numalign.replay.observe import observe_calls
-from numalign.replay.pipeline import StageRanks, stage_of
+from numalign.replay.pipeline import Stage, StageRanks, stage_of
 from numalign.replay.shards import whole
 
 if TYPE_CHECKING:
@@ -84,11 +84,12 @@ def run_decode(
     length = int(inputs["input_ids"].shape[1])
     mask = golden.tensor(golden.request(request).inputs["attention_mask"]).bool()
     cache = new_cache(model, implementation, length + len(decode.steps))
+    stage = stage_of(model)  # a pipeline rank's: the states of its own layers
     reset_decode_state(model)
     try:
         with torch.no_grad():
             cache = filled_cache(model(**inputs, **prefill_kwargs(model, inputs, cache)), cache)
-            _compare_cache(golden, request, decode.prefill_cache, cache, mask, 0, on_pair)
+            _compare_cache(golden, request, decode.prefill_cache, cache, mask, 0, on_pair, stage)
             for number, step in enumerate(decode.steps, start=1):
                 token = golden.tensor(step.token, device=device)
                 inputs, forward = decode_inputs(model, inputs, token, cache)
@@ -100,7 +101,7 @@ def run_decode(
                 on_pair(request, number, OUTPUT_POINT, "logits", logits.detach(),
                         golden.tensor(step.logits))  # fmt: skip
             _compare_cache(golden, request, decode.final_cache, cache, mask, len(decode.steps),
-                           on_pair)  # fmt: skip
+                           on_pair, stage)  # fmt: skip
     finally:
         reset_decode_state(model)
 
@@ -148,16 +149,20 @@ def _compare_cache(
     mask: torch.Tensor,
     number: int,
     on_pair: OnPair,
+    stage: Stage | None = None,
 ) -> None:
     """Each recorded cache state against the cache's: keys and values on the most recent
     positions both hold (a sliding-window layer of one implementation may keep one position
     fewer than another's), at the positions the attention mask keeps (padding's keys are
     not defined; positions before the input's, which a model holds of its own, CpmAnt's
-    prompt, are kept); linear-attention states whole."""
+    prompt, are kept); linear-attention states whole. On a pipeline rank (``stage``), the
+    states of its own layers only (another rank's layers hold places, not states)."""
     import torch
 
     actual_states = cache_state(cache)
     for name, key in recorded.items():
+        if stage is not None and not stage.observes(CACHE_POINT, name):
+            continue
         expected = golden.tensor(key)
         actual = actual_states.get(name)
         if actual is None:

@@ -402,17 +402,29 @@ def _hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _layer_stand_in(index: int, *args: Any, **kwargs: Any) -> Any:
     """A decoder layer another rank holds: its input passed on; in a KV cache, its place
-    kept (a one per position, heads and dimension 1: a static layer counts the positions
-    it holds as those not all zero)."""
+    kept where the cache counts positions by it (a one per position, heads and dimension 1:
+    a static layer counts the positions it holds as those not all zero). A linear-attention
+    layer's states are left as they are: the cache counts positions by its attention layers,
+    and only the rank holding the layer reads its states."""
     from transformers.cache_utils import Cache
 
     hidden = _hidden(args, kwargs)
     # by keyword, or by place (GPT-2's blocks take it second)
     cache = next((a for a in (*args[1:], *kwargs.values()) if isinstance(a, Cache)), None)
-    if cache is not None:
+    if cache is not None and _counts_positions(cache, index):
         filler = hidden.new_ones(hidden.shape[0], 1, hidden.shape[1], 1)
         cache.update(filler, filler, index)
     return hidden
+
+
+def _counts_positions(cache: Any, index: int) -> bool:
+    """Whether layer ``index`` of ``cache`` holds keys and values (an attention layer's, or a
+    layer not made yet, which an update makes); False for a linear-attention layer's
+    states alone."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or index >= len(layers):
+        return True
+    return hasattr(layers[index], "keys")
 
 
 def _passed_on(*args: Any, **kwargs: Any) -> Any:

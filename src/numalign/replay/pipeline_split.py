@@ -77,18 +77,20 @@ def depth_of(config: Any) -> int:
 
 
 def decode_unsupported(model_dir: str | Path) -> str | None:
-    """Why decode cannot be replayed pipeline-parallel on the model (None when it can): a
-    linear-attention layer's cache holds states a stage that does not run the layer cannot
-    keep the place of."""
+    """Why decode cannot be replayed pipeline-parallel on the model (None when it can). A
+    linear-attention layer's states sit in transformers' layered cache, read only by the
+    rank that holds the layer (the stand-ins keep the attention layers' places, by which the
+    cache counts positions); state-space (``mamba``) and convolution (``conv``) layers have
+    not been replayed so: refused, not guessed."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     kinds = set(getattr(text, "layer_types", None) or ())
-    if kinds & {"linear_attention", "mamba", "conv"}:
+    if kinds & {"mamba", "conv"}:
         return (
-            "decode replay pipeline-parallel (--pp) keeps a layer's place in the KV cache on "
-            "the ranks that do not hold it, which a linear-attention layer's recurrent state "
-            "does not allow yet: replay its decode without --pp"
+            "decode replay pipeline-parallel (--pp) has been shown on attention and "
+            "linear-attention layers' caches, not yet on state-space (mamba) or convolution "
+            "(conv) layers': replay this model's decode without --pp"
         )
     return None
