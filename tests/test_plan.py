@@ -20,6 +20,7 @@ import pytest
 from numalign.cli import main
 from numalign.plan import plan
 from numalign.plan.measure import Throughput
+from numalign.plan.text import render
 from numalign.replay.pipeline_split import layout, split_layers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,6 +183,14 @@ def test_a_device_too_small_for_one_layer_a_rank_leaves_tensor_parallel() -> Non
     # GB) does not fit a rank's 90%
     pipe = planned(FIXTURES / "llama-3.1-405b", device_memory=8 * 2**30)["pipeline"]["bfloat16"]
     assert not pipe["fits"] and pipe["ranks"] == 0 and pipe["stage_bytes"] == []
+
+
+def test_long_requests_past_the_models_positions_are_said_to_be_refused_by_capture() -> None:
+    # Llama 3.1's positions stop at 131,072: a million tokens is planned as arithmetic only
+    refused = plan(FIXTURES / "llama-3.1-405b", measured=False, long=1_048_576)
+    assert "131072 positions" in refused.data["capture_refuses"]
+    assert "numalign capture refuses these long requests" in render(refused.data)
+    assert planned(FIXTURES / "llama-3.1-405b")["capture_refuses"] is None
 
 
 def test_the_time_estimate_is_the_measured_throughput_arithmetic() -> None:

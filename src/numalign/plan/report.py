@@ -92,6 +92,9 @@ def plan(
         "parts": [_row(found, work, group, names) for group in groups(found.parts)],
         "totals": _totals(found, work, names),
         **_requests(work),
+        "capture_refuses": _refused(
+            folder, long, max(continuation, decode_steps), reference_dtype, trust_remote_code
+        ),
         "golden": _golden(found, work, memory.dtype_bytes(reference_dtype)),
         "peaks": {n: _peaks(found, work, n) for n in names},
         "device_memory": device_memory,
@@ -170,6 +173,23 @@ def _totals(found: Structure, work: Workload, names: tuple[str, ...]) -> dict[st
             memory.kv_cache(found, p, r, work, b) for p in found.parts for r in work.requests
         )
     return out
+
+
+def _refused(
+    folder: Path, long: int | None, generated: int, reference_dtype: str, trust: bool
+) -> str | None:
+    """Why ``numalign capture`` with these options would refuse the model's long requests
+    before loading it (``golden.long_bound``: past the model's positions; this machine's
+    memory is not the plan's to judge), None where it would not: the figures above are then
+    the arithmetic of requests the model cannot take."""
+    from numalign.golden.long_bound import LongRequestError, check_long_request
+
+    try:
+        check_long_request(folder, long, generated, reference_dtype, "sdpa", trust,
+                           in_memory=False)  # fmt: skip
+    except LongRequestError as exc:
+        return str(exc)
+    return None
 
 
 def _requests(work: Workload) -> dict[str, Any]:

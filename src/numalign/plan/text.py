@@ -81,11 +81,16 @@ def _requests(d: dict[str, Any]) -> list[str]:
         f"{r['name']} {r['rows']}x{r['width']}" + (" (generates)" if r["generates"] else "")
         for r in d["requests"]
     )
-    return [
+    lines = [
         f"Requests (numalign capture's): {shown}; continuation {d['continuation']} tokens, "
-        f"decode {d['decode_steps']} steps: {d['forward_tokens']:,} tokens forwarded.",
-        "",
+        f"decode {d['decode_steps']} steps: {d['forward_tokens']:,} tokens forwarded."
     ]
+    if d["capture_refuses"]:
+        lines.append(
+            f"numalign capture refuses these long requests ({d['capture_refuses']}); the "
+            "figures below are their arithmetic, for a model that takes them."
+        )
+    return [*lines, ""]
 
 
 def _golden(d: dict[str, Any]) -> list[str]:
