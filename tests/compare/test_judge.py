@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from numalign.compare.calibration import CACHE_POINT, OUTPUT_POINT, ControlStats
-from numalign.compare.judge import Judge, Observation
+from numalign.compare.judge import Judge
 from numalign.compare.locate import UPSTREAM_POINTS, locate, locate_logits
 from numalign.compare.model_verdict import PointResult
 from numalign.compare.output_kind import TENSOR
 from numalign.compare.pooled import POOLED
 from numalign.core.errors import Unsupported
+from numalign.core.observation import Observation
 
 #: the control's errors: every point errs by at most 1e-3 (max abs) and 1e-3 relative L2 in
 #: bfloat16; an error 0.1 in every element leaves them by 100x, whatever the rule

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from numalign.compare.calibration import OUTPUT_POINT, ControlStats
-from numalign.compare.judge import Observation
 from numalign.compare.locate import locate_in_step
 from numalign.compare.logits import near_tie
-from numalign.compare.model_judge import Continuation, FinalOutput, ModelJudge
+from numalign.compare.model_judge import ModelJudge
 from numalign.compare.model_verdict import PointResult
 from numalign.compare.output_kind import TENSOR
 from numalign.core.errors import Unsupported
+from numalign.core.observation import ContinuationRun, FinalOutput, Observation
 
 #: every point errs by at most 1e-3 (max abs, relative L2) in bfloat16: an error of 0.1 in
 #: every element leaves the budget a hundredfold, whatever the rule
@@ -123,7 +123,7 @@ def test_failing_logits_with_every_point_passing_name_the_models_logit_transform
     assert "final_logit_softcapping 30.0" in (verdict.divergence.why_unlocated or "")
 
 
-def continuation(gap: float, calls: list[int]) -> Continuation:
+def continuation(gap: float, calls: list[int]) -> ContinuationRun:
     """A 4-step continuation whose golden token at each step leads the runner-up by ``gap``
     (golden logits 10 and 10 - gap); the engine's steps pick the runner-up at step 2."""
     logits = torch.zeros(1, 4, VOCAB, dtype=torch.float64)
@@ -138,7 +138,7 @@ def continuation(gap: float, calls: list[int]) -> Continuation:
                 mine[0, 1] = 11.0
             yield mine
 
-    return Continuation("r0", tokens, logits, steps)
+    return ContinuationRun("r0", tokens, logits, steps)
 
 
 #: golden gaps far within and far beyond the near tie of any budget the 0.05 max-abs logits

@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from numalign.compare.calibration import CACHE_POINT, OUTPUT_POINT, control_for
 from numalign.compare.cause import in_cache
-from numalign.compare.exact import LeftOut, judge_left_out
+from numalign.compare.exact import judge_left_out
 from numalign.compare.model_verdict import (
     LogitsResult,
     PointResult,
     compare_point,
     judge_logits,
-    label,
 )
 from numalign.compare.policy import thresholds_of
 from numalign.compare.pooled import PointLeans
+from numalign.core.observation import Observation, label
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -40,29 +40,6 @@ if TYPE_CHECKING:
 #: The modes a point is judged in: alone on the golden inputs, inside the whole model, the
 #: model's own outputs, and at a decode step.
 MODES = ("isolated", "accumulated", "output", "decode")
-
-
-@dataclass(frozen=True)
-class Observation:
-    """One output of one call of a capture point as an engine computed it (``actual``, whole:
-    a tensor-parallel rank's shard gathered, the positions a request's mask keeps) beside the
-    golden one (``expected``, the same positions). ``finished``: when the call completed in
-    the engine's forward (children before their parents; the judge's own count where None);
-    ``step``: the decode step (0: the prefill's cache); ``left_out``: faults in the rows the
-    comparison leaves out (padding), which fail the point that produced them; ``control_of``:
-    the point output whose control judges this one where it has none of its own (a fused
-    add + norm's residual stream: the stream's error where it enters the norm)."""
-
-    point: str
-    path: str
-    request: str
-    actual: torch.Tensor
-    expected: torch.Tensor
-    call: int = 0
-    step: int | None = None
-    finished: int | None = None
-    left_out: LeftOut | None = None
-    control_of: tuple[str, str] | None = None
 
 
 class _Ordered(Protocol):

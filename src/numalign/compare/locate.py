@@ -29,8 +29,8 @@ from numalign.compare.pooled import POOLED
 from numalign.core.errors import Unsupported
 
 if TYPE_CHECKING:
-    from numalign.compare.judge import Observation
     from numalign.compare.result import CompareResult
+    from numalign.core.observation import Observation
 
 #: How many points before an accumulated divergence are replayed alone to find the one that
 #: errs itself: a block's worth (norms, attention, MLP) and the block before it.

@@ -3,8 +3,9 @@
 An engine (transformers, its paged server, vLLM, a compiled model, a rank of a group) runs
 the model and hands each thing it computed to ``ModelJudge.see`` as it goes: an
 ``Observation`` (one output of one call of a capture point, in a request and decode step), a
-:class:`FinalOutput` (the model's own logits, or an encoder's hidden states), a
-:class:`Continuation` (how to run the greedy continuation, teacher-forced). The judge holds
+``FinalOutput`` (the model's own logits, or an encoder's hidden states), a
+``ContinuationRun`` (how to run the greedy continuation, teacher-forced; the three in
+``core.observation``). The judge holds
 the golden set, the dtype, the mode and the policy; it decides every result, pools the
 leans, judges the continuation against its near tie, and at the end gives the verdict of the
 mode: a layer's results (``layer_results``), the whole model's with its first divergence
@@ -12,9 +13,9 @@ located (``model_verdict``), the decode's (``decode_verdict``). To locate a dive
 engine offers an :class:`AloneObserver` (its points run alone on the golden inputs, observed
 the same way) and, where its ranks each judged a share of the model, :class:`Ranks`.
 
-An engine imports nothing else of ``compare``: which control a point gets, which rule an
-output kind goes to, when a continuation's flip is a near tie, where a divergence lives, all
-live here and below.
+An engine imports nothing of ``compare`` (``replay.judging`` hands its observations here):
+which control a point gets, which rule an output kind goes to, when a continuation's flip is
+a near tie, where a divergence lives, all live here and below.
 """
 
 from __future__ import annotations
@@ -25,48 +26,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from numalign.compare.calibration import OUTPUT_POINT
 from numalign.compare.decode_verdict import DecodeVerdict
-from numalign.compare.judge import CalibratedSet, Judge, Observation
+from numalign.compare.judge import CalibratedSet, Judge
 from numalign.compare.locate import Alone, locate, locate_logits, logit_transform
 from numalign.compare.logits import near_tie
 from numalign.compare.model_verdict import ContinuationResult, ModelVerdict, PointResult
 from numalign.compare.policy import thresholds_of
 from numalign.core import dtypes
+from numalign.core.observation import ContinuationRun, Event, FinalOutput, Observation
 
 if TYPE_CHECKING:
     import torch
 
     from numalign.compare.result import CompareResult
     from numalign.compare.tolerances import Thresholds
-
-
-@dataclass(frozen=True)
-class FinalOutput:
-    """One of the model's own outputs for ``request`` (``output``: ``logits``, or an
-    encoder's hidden states by name) as the engine computed it, in the replay's dtype and
-    whole, beside the golden one (both at the positions the request's mask keeps)."""
-
-    request: str
-    output: str
-    actual: torch.Tensor
-    expected: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Continuation:
-    """The golden greedy continuation of ``request`` (``tokens`` [rows, steps], the golden
-    ``logits`` [rows, steps, vocab] at each step) and ``steps``: runs it on the engine,
-    yielding each step's last-position logits [rows, vocab] with the golden token of every
-    earlier step fed (teacher-forced, so every step compares like with like). The judge runs
-    it only where the prompt's logits have a budget to judge it by."""
-
-    request: str
-    tokens: torch.Tensor
-    logits: torch.Tensor
-    steps: Callable[[], Iterable[torch.Tensor]]
-
-
-#: What an engine hands the judge.
-Event = Observation | FinalOutput | Continuation
 
 
 class AloneObserver(Protocol):
@@ -145,7 +117,7 @@ class ModelJudge:
         budget = judged.values.budget.get("max_abs", 0.0) if judged.values else 0.0
         self._logits_budget[seen.request] = budget
 
-    def _continuation(self, seen: Continuation) -> None:
+    def _continuation(self, seen: ContinuationRun) -> None:
         budget = self._logits_budget.get(seen.request, 0.0)
         if budget <= 0:  # no budget the continuation's near tie could rest on
             return

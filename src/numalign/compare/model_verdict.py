@@ -26,6 +26,7 @@ from numalign.compare.spec import CompareSpec
 from numalign.compare.tolerances import FLOAT_FORMATS, Thresholds
 from numalign.core import dtypes
 from numalign.core.errors import UNCALIBRATED, Unsupported
+from numalign.core.observation import label
 
 if TYPE_CHECKING:
     import torch
@@ -445,12 +446,6 @@ class ModelVerdict:
             if not c.passed
         ]
         return f"{title}: " + "\n\n".join(problems)
-
-
-def label(point: str, path: str) -> str:
-    """A point's output as messages and records name it: ``model.layers.0`` for a plain
-    tensor output, ``model.layers.0.self_attn.0`` for an output inside a tuple."""
-    return point if path == "0" else f"{point}.{path}"
 
 
 def first_divergence(results: list[PointResult]) -> PointResult | None:

@@ -25,9 +25,10 @@ from numalign.compare import CompareResult, Metrics
 from numalign.compare.calibration import LEAN_STATISTICS, Calibrated, ControlStats
 from numalign.compare.lean import Lean, LeanSums, judge_lean, lean_uses
 from numalign.compare.metrics import signed_percent
-from numalign.compare.model_verdict import PointResult, label
+from numalign.compare.model_verdict import PointResult
 from numalign.compare.power import lean_detectable
 from numalign.compare.tolerances import Thresholds
+from numalign.core.observation import label
 
 if TYPE_CHECKING:
     import torch

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from numalign.compare.routing import ROUTING
+from numalign.compare.routing import ROUTING as ROUTING  # the path, as the format names it
 from numalign.golden.reference import flatten
 
 if TYPE_CHECKING:

@@ -16,10 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from numalign.compare.judge import Observation
-from numalign.compare.model_judge import ModelJudge
 from numalign.compare.model_verdict import ReplayUnsupported, Uncalibrated
 from numalign.core import dtypes
+from numalign.core.observation import Observation
 from numalign.golden.decode import cache_family, step_outputs
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.golden.reference import (
@@ -32,6 +31,7 @@ from numalign.golden.reference import (
     reset_decode_state,
 )
 from numalign.golden.requests import unservable
+from numalign.replay.judging import judged_decode
 from numalign.replay.layer import CallOrder
 from numalign.replay.model import hidden_and_depth
 from numalign.replay.observe import observe_calls
@@ -193,32 +193,11 @@ def replay_decode(
 
     from numalign.replay.paged import replay_paged_requests
 
-    judge = ModelJudge(golden, dtype, "decode", hidden_and_depth(model), policy)
     torch_dtype = dtypes.torch_dtype(dtype)
-
-    if (stage := stage_of(model)) is not None:
-        stage.start()
-
-    def on_pair(request: str, step: int, point: str, path: str, actual: Any,
-                expected: Any, call: int = 0) -> None:  # fmt: skip
-        if stage is not None and not stage.observes(point, path):
-            return  # another pipeline rank's layer
-        # a tensor-parallel rank's shard gathered whole
-        actual = whole(actual.float().cpu().to(torch_dtype), tuple(expected.shape))
-        judge.see(Observation(point, path, request, actual, expected, call=call, step=step))
-
-    unmapped: dict[str, str] = {}
-    if implementation == "paged":
-        served = replay_paged_requests(golden, model, device, on_pair)
-        for request in golden.decode_requests:
-            reason = unservable(golden.request(request).inputs)
-            if request not in served and reason is not None:
-                unmapped[f"request {request}"] = reason
-    else:
-        for request in golden.decode_requests:
-            run_decode(golden, model, request, implementation, torch_dtype, device, on_pair)
+    stage = stage_of(model)
     ranks = None
     if stage is not None:  # every rank's stage, in the order one process judges them
+        stage.start()
         order = {name: i for i, name in enumerate(golden.decode_requests)}
 
         def key(r: Any) -> tuple[int, int, bool]:
@@ -226,7 +205,30 @@ def replay_decode(
             return order.get(r.request, -1), step, r.point == CACHE_POINT and step > 0
 
         ranks = StageRanks(stage, key)
-    return judge.decode_verdict(implementation, ranks=ranks, unmapped=unmapped)
+
+    def observe(see: Callable[[Observation], None]) -> dict[str, str]:
+        def on_pair(request: str, step: int, point: str, path: str, actual: Any,
+                    expected: Any, call: int = 0) -> None:  # fmt: skip
+            if stage is not None and not stage.observes(point, path):
+                return  # another pipeline rank's layer
+            # a tensor-parallel rank's shard gathered whole
+            actual = whole(actual.float().cpu().to(torch_dtype), tuple(expected.shape))
+            see(Observation(point, path, request, actual, expected, call=call, step=step))
+
+        unmapped: dict[str, str] = {}
+        if implementation == "paged":
+            served = replay_paged_requests(golden, model, device, on_pair)
+            for request in golden.decode_requests:
+                reason = unservable(golden.request(request).inputs)
+                if request not in served and reason is not None:
+                    unmapped[f"request {request}"] = reason
+        else:
+            for request in golden.decode_requests:
+                run_decode(golden, model, request, implementation, torch_dtype, device, on_pair)
+        return unmapped
+
+    return judged_decode(golden, dtype, hidden_and_depth(model), policy, implementation,
+                         observe, ranks=ranks)  # fmt: skip
 
 
 def decode_calibrated(golden: GoldenSet, dtype: str) -> bool:

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from numalign.compare.judge import Observation
 from numalign.compare.locate import locate_in_step
 from numalign.compare.model_judge import ModelJudge
 from numalign.compare.model_verdict import DecodeLocation
 from numalign.core import dtypes
+from numalign.core.observation import Observation
 from numalign.golden.decode import step_outputs
 from numalign.golden.manifest import CACHE_POINT, OUTPUT_POINT
 from numalign.replay.decode import run_decode

@@ -15,13 +15,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from numalign.compare import CompareResult
 from numalign.compare.exact import LeftOut
-from numalign.compare.judge import Observation
-from numalign.compare.model_judge import Continuation, Event, FinalOutput, ModelJudge
 from numalign.compare.model_verdict import ModelVerdict, PointResult, ReplayUnsupported
 from numalign.core import dtypes
-from numalign.golden.manifest import LOGIT_TRANSFORM
-from numalign.golden.reference import append_token, forward_kwargs, load_model, model_outputs
+from numalign.core.observation import ContinuationRun, Event, FinalOutput, Observation
+from numalign.golden.reference import (
+    append_token,
+    forward_kwargs,
+    greedy_step,
+    load_model,
+    model_outputs,
+)
 from numalign.replay.inputs import fed_inputs, input_at_fault
+from numalign.replay.judging import judged_layer, judged_model
 from numalign.replay.layer import (
     AloneUnsupported,
     kept_positions,
@@ -286,14 +291,13 @@ def replay_layer(
 ) -> list[PointResult]:
     """Every recorded call of ``point`` replayed alone; each output against the golden one
     within the isolated calibration's budget."""
-    judge = ModelJudge(golden, dtype, "isolated", hidden_and_depth(model), policy)
-    observe_layer(golden, model, point, dtype, device, judge.see)
-    return judge.layer_results()
+    return judged_layer(golden, dtype, hidden_and_depth(model), policy,
+                        partial(observe_layer, golden, model, point, dtype, device))  # fmt: skip
 
 
 def observe_model(
     golden: GoldenSet, model: Any, dtype: str, device: torch.device, see: Callable[[Event], None]
-) -> None:
+) -> dict[str, str] | None:
     """The whole model on every golden request, handing ``see`` every capture point's
     outputs as the forward computes them (with the faults in the rows the request's mask
     leaves out), the model's own outputs, and its greedy continuation."""
@@ -333,7 +337,8 @@ def observe_model(
         if continuation is not None:
             tokens = golden.tensor(continuation.tokens)
             steps = partial(greedy_steps, model, inputs, tokens)
-            see(Continuation(name, tokens, golden.tensor(continuation.logits), steps))
+            see(ContinuationRun(name, tokens, golden.tensor(continuation.logits), steps))
+    return None  # the transformers engine has every point
 
 
 def replay_model(
@@ -342,17 +347,17 @@ def replay_model(
     """The whole model on every golden request, each point against the accumulated budget;
     the model's own outputs (logits judged for agreement, or an encoder's hidden states), the
     greedy continuation, and the first divergence located (local or accumulated)."""
-    judge = ModelJudge(golden, dtype, "accumulated", hidden_and_depth(model), policy)
     stage = stage_of(model)
-    if stage is not None:
-        stage.start()
-    observe_model(golden, model, dtype, device, judge.see)
     ranks = None
     if stage is not None:  # every rank's stage, in the order one process judges them
+        stage.start()
         order = {r.name: i for i, r in enumerate(golden.requests)}
         ranks = StageRanks(stage, lambda r: (order.get(r.request, -1),))
-    alone = _AloneOnTransformers(golden, model, dtype, device)
-    return judge.model_verdict(alone, transform=LOGIT_TRANSFORM, config=model.config, ranks=ranks)
+    return judged_model(
+        golden, dtype, hidden_and_depth(model), policy,
+        partial(observe_model, golden, model, dtype, device),
+        _AloneOnTransformers(golden, model, dtype, device), config=model.config, ranks=ranks,
+    )  # fmt: skip
 
 
 @dataclass
@@ -401,6 +406,6 @@ def greedy_steps(model: Any, inputs: dict[str, Any], tokens: Any) -> Iterator[An
     state = dict(inputs)
     for step in range(tokens.shape[1]):
         with torch.no_grad():
-            logits = model(**state, **forward_kwargs(model)).logits[:, -1]
+            _, logits = greedy_step(model, state)
         yield logits
         state = append_token(state, tokens[:, step : step + 1].to(state["input_ids"].device))

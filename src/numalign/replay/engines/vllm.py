@@ -23,20 +23,24 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from numalign.compare.judge import Observation
-from numalign.compare.model_judge import FinalOutput, ModelJudge
-from numalign.compare.model_verdict import label
-from numalign.compare.routing import ROUTING
 from numalign.core import dtypes
-from numalign.golden.manifest import LOGIT_TRANSFORM, OUTPUT_POINT
+from numalign.core.observation import Event, FinalOutput, Observation, label
+from numalign.golden.manifest import OUTPUT_POINT
 from numalign.golden.requests import unservable
+from numalign.golden.routing import ROUTING
 from numalign.replay.decode import require_decode_replayable
 from numalign.replay.engines import NotJudged, Replayed
 from numalign.replay.engines.errors import EngineError, EngineUnsupported
-from numalign.replay.engines.vllm_alone import AloneOnVllm, observe_isolated, observe_residuals
+from numalign.replay.engines.vllm_alone import (
+    AloneOnVllm,
+    observe_isolated,
+    observe_residuals,
+)
 from numalign.replay.engines.vllm_options import (
     ENGINE_ENV,
     allow_amx,
@@ -61,6 +65,7 @@ from numalign.replay.engines.vllm_serving import (
     serve_rows,
     step_rows,
 )
+from numalign.replay.judging import judged_decode, judged_layer, judged_model
 from numalign.replay.layer import AloneUnsupported, kept_positions, request_mask
 from numalign.replay.sets import open_fresh
 from numalign.runtime.serving import ARRANGEMENTS, DEFAULT_SERVING, Arrangement
@@ -111,53 +116,14 @@ class VllmEngine:
         arrangement = ARRANGEMENTS[serving or DEFAULT_SERVING]
         running = self._engine(golden, dtype, arrangement)
         served = self._serve(golden, dtype, arrangement)
-        unmapped = _unmapped(running.mapping)
         # the engine's model replay pools no leans: whether vLLM's honest kernels pass them is
-        # not measured (docs/design.md)
-        judge = ModelJudge(golden, dtype, "accumulated", hidden_and_depth_of(running), policy,
-                           leans=False)  # fmt: skip
-        torch_dtype = dtypes.torch_dtype(dtype)
-        for request in golden.requests:
-            rows = engine_rows(golden, request.name)
-            if rows is None:
-                unmapped[f"request {request.name}"] = str(unservable(request.inputs))
-                continue
-            mask = request_mask(golden, request.name)
-            for pm in running.mapping:
-                if pm.module is None:
-                    continue
-                calls = golden.point(pm.point).calls.get(request.name)
-                if not calls:  # the point does not run for this request
-                    continue
-                for path, key in calls[0].outputs.items():
-                    if path != "0":
-                        if golden.tensor(key).dim() < 4:  # attention weights: eager's only
-                            unmapped.setdefault(label(pm.point, path),
-                                                "vLLM's module returns no such output")  # fmt: skip
-                        continue
-                    expected = kept_positions(golden.tensor(key), mask)
-                    actual = prompt_rows(served, rows, pm.module)
-                    if tuple(actual.shape) != tuple(expected.shape):
-                        unmapped[label(pm.point, path)] = (
-                            f"vLLM's {pm.module} gives {tuple(actual.shape)}, the reference "
-                            f"{tuple(expected.shape)}"
-                        )
-                        continue
-                    judge.see(Observation(
-                        pm.point, path, request.name, actual.to(torch_dtype), expected,
-                        finished=served.order.get(pm.module, 0),
-                    ))  # fmt: skip
-            observe_residuals(judge.see, served, golden, request.name, rows, running.mapping,
-                              torch_dtype)  # fmt: skip
-            finals = golden.final_outputs(request.name)
-            if "logits" in finals:
-                expected = kept_positions(golden.tensor(finals["logits"]), mask)
-                actual = prompt_rows(served, rows, OUTPUT_POINT).to(torch_dtype)
-                judge.see(FinalOutput(request.name, "logits", actual, expected))
-        # the judge locates the first divergence with vLLM's modules run alone
-        verdict = judge.model_verdict(
-            AloneOnVllm(running, golden, dtype), transform=LOGIT_TRANSFORM,
-            config=getattr(running.model, "config", None), unmapped=unmapped,
+        # not measured (docs/design.md); the judge locates the first divergence with vLLM's
+        # modules run alone
+        verdict = judged_model(
+            golden, dtype, hidden_and_depth_of(running), policy,
+            partial(_observe_prompts, golden, running, served, dtype),
+            AloneOnVllm(running, golden, dtype), leans=False,
+            config=getattr(running.model, "config", None),
         )  # fmt: skip
         return Replayed(golden, verdict, self._context(golden, running, arrangement))
 
@@ -175,34 +141,9 @@ class VllmEngine:
         arrangement = ARRANGEMENTS[serving or DEFAULT_SERVING]
         running = self._engine(golden, dtype, arrangement)
         served = self._serve(golden, dtype, arrangement)
-        unmapped = _unmapped(running.mapping)
-        judge = ModelJudge(golden, dtype, "decode", hidden_and_depth_of(running), policy,
-                           leans=False)  # fmt: skip
-        torch_dtype = dtypes.torch_dtype(dtype)
-        modules = {pm.point: pm.module for pm in running.mapping if pm.module is not None}
-        for request in golden.decode_requests:
-            rows = engine_rows(golden, request)
-            decode = golden.decode(request)
-            if rows is None:
-                unmapped[f"request {request}"] = str(unservable(golden.request(request).inputs))
-            if rows is None or decode is None:
-                continue
-            for number, step in enumerate(decode.steps, start=1):
-                for point, calls in step.points.items():
-                    if point not in modules:
-                        continue
-                    for path, key in calls[0].items():
-                        if path != "0":
-                            continue
-                        actual = step_rows(served, rows, modules[point], number)
-                        judge.see(Observation(
-                            point, path, request, actual.to(torch_dtype), golden.tensor(key),
-                            step=number, finished=served.order.get(modules[point], 0),
-                        ))  # fmt: skip
-                logits = step_rows(served, rows, OUTPUT_POINT, number)[:, 0]
-                judge.see(Observation(OUTPUT_POINT, "logits", request, logits.to(torch_dtype),
-                                      golden.tensor(step.logits), step=number))  # fmt: skip
-        verdict = judge.decode_verdict(cache, unmapped=unmapped)
+        verdict = judged_decode(golden, dtype, hidden_and_depth_of(running), policy, cache,
+                                partial(_observe_steps, golden, running, served, dtype),
+                                leans=False)  # fmt: skip
         context = self._context(golden, running, arrangement, cache)
         return Replayed(golden, verdict, context)
 
@@ -217,12 +158,12 @@ class VllmEngine:
             raise NotJudged(COMPILED, context)
         if pm.module is None:
             raise NotJudged(f"unmapped: {pm.reason}", context)
-        judge = ModelJudge(golden, dtype, "isolated", hidden_and_depth_of(running), policy)
+        observe = partial(observe_isolated, running, golden, golden.point(point), pm.module, dtype)
         try:
-            observe_isolated(running, golden, golden.point(point), pm.module, dtype, judge.see)
+            results = judged_layer(golden, dtype, hidden_and_depth_of(running), policy, observe)
         except AloneUnsupported as exc:
             raise NotJudged(str(exc), context) from exc
-        return Replayed(golden, judge.layer_results(), context)
+        return Replayed(golden, results, context)
 
     def close(self) -> None:
         self._stop()
@@ -381,6 +322,86 @@ class VllmEngine:
         if missing is not None:
             raise EngineUnsupported(missing)
         return served
+
+
+def _observe_prompts(
+    golden: GoldenSet, running: Running, served: Served, dtype: str, see: Callable[[Event], None]
+) -> dict[str, str]:
+    """Every served prompt row's mapped points, fused residual streams and logits beside the
+    golden ones, handed to ``see``; the points and requests vLLM has no counterpart for."""
+    unmapped = _unmapped(running.mapping)
+    torch_dtype = dtypes.torch_dtype(dtype)
+    for request in golden.requests:
+        rows = engine_rows(golden, request.name)
+        if rows is None:
+            unmapped[f"request {request.name}"] = str(unservable(request.inputs))
+            continue
+        mask = request_mask(golden, request.name)
+        for pm in running.mapping:
+            if pm.module is None:
+                continue
+            calls = golden.point(pm.point).calls.get(request.name)
+            if not calls:  # the point does not run for this request
+                continue
+            for path, key in calls[0].outputs.items():
+                if path != "0":
+                    if golden.tensor(key).dim() < 4:  # attention weights: eager's only
+                        unmapped.setdefault(label(pm.point, path),
+                                            "vLLM's module returns no such output")  # fmt: skip
+                    continue
+                expected = kept_positions(golden.tensor(key), mask)
+                actual = prompt_rows(served, rows, pm.module)
+                if tuple(actual.shape) != tuple(expected.shape):
+                    unmapped[label(pm.point, path)] = (
+                        f"vLLM's {pm.module} gives {tuple(actual.shape)}, the reference "
+                        f"{tuple(expected.shape)}"
+                    )
+                    continue
+                see(Observation(
+                    pm.point, path, request.name, actual.to(torch_dtype), expected,
+                    finished=served.order.get(pm.module, 0),
+                ))  # fmt: skip
+        observe_residuals(see, served, golden, request.name, rows, running.mapping,
+                          torch_dtype)  # fmt: skip
+        finals = golden.final_outputs(request.name)
+        if "logits" in finals:
+            expected = kept_positions(golden.tensor(finals["logits"]), mask)
+            actual = prompt_rows(served, rows, OUTPUT_POINT).to(torch_dtype)
+            see(FinalOutput(request.name, "logits", actual, expected))
+    return unmapped
+
+
+def _observe_steps(
+    golden: GoldenSet, running: Running, served: Served, dtype: str, see: Callable[[Event], None]
+) -> dict[str, str]:
+    """Every served decode row's steps (the mapped points' new tokens and the logits) beside
+    the golden ones, handed to ``see``; the points and requests vLLM has no counterpart for."""
+    unmapped = _unmapped(running.mapping)
+    torch_dtype = dtypes.torch_dtype(dtype)
+    modules = {pm.point: pm.module for pm in running.mapping if pm.module is not None}
+    for request in golden.decode_requests:
+        rows = engine_rows(golden, request)
+        decode = golden.decode(request)
+        if rows is None:
+            unmapped[f"request {request}"] = str(unservable(golden.request(request).inputs))
+        if rows is None or decode is None:
+            continue
+        for number, step in enumerate(decode.steps, start=1):
+            for point, calls in step.points.items():
+                if point not in modules:
+                    continue
+                for path, key in calls[0].items():
+                    if path != "0":
+                        continue
+                    actual = step_rows(served, rows, modules[point], number)
+                    see(Observation(
+                        point, path, request, actual.to(torch_dtype), golden.tensor(key),
+                        step=number, finished=served.order.get(modules[point], 0),
+                    ))  # fmt: skip
+            logits = step_rows(served, rows, OUTPUT_POINT, number)[:, 0]
+            see(Observation(OUTPUT_POINT, "logits", request, logits.to(torch_dtype),
+                                  golden.tensor(step.logits), step=number))  # fmt: skip
+    return unmapped
 
 
 #: Why no point inside the model is read under --compile.

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from numalign.compare.judge import Observation
 from numalign.core import dtypes
+from numalign.core.observation import Observation
 from numalign.replay.engines.vllm_points import (
     LM_HEAD,
     RESIDUAL,
