@@ -19,6 +19,7 @@ from numalign.golden import GoldenSet, GoldenSetError
 from numalign.plugin import settings_key
 from numalign.records import testids
 from numalign.records.drift import NodeRecorder
+from numalign.records.outcomes import failed_verdict
 from numalign.records.testids import ReplayCase, replay_param
 from numalign.replay.engines import Engine
 from numalign.replay.sets import suite_sets
@@ -76,4 +77,4 @@ def test_layer(
         record_drift.add(point_record(r, record_drift.nodeid, **replayed.context))
     message = layer_message(f"{replayed.golden.name}/{point_name} [{dtype}]", replayed.verdict)
     if message:
-        pytest.fail(message, pytrace=False)
+        failed_verdict(message, replayed.known)

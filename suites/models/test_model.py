@@ -19,6 +19,7 @@ import torch
 from numalign.plugin import settings_key
 from numalign.records import testids
 from numalign.records.drift import NodeRecorder
+from numalign.records.outcomes import failed_verdict
 from numalign.records.testids import ReplayCase, replay_param
 from numalign.replay.engines import Engine
 from numalign.replay.sets import suite_sets
@@ -68,4 +69,4 @@ def test_model(
     for record in records(verdict, record_drift.nodeid, **replayed.context):
         record_drift.add(record)
     if not verdict.passed:
-        pytest.fail(verdict.message(f"{replayed.golden.name} [{dtype}]"), pytrace=False)
+        failed_verdict(verdict.message(f"{replayed.golden.name} [{dtype}]"), replayed.known)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from numalign.compare.calibration import CACHE_POINT, OUTPUT_POINT, control_for
 from numalign.compare.cause import in_cache
 from numalign.compare.exact import judge_left_out
+from numalign.compare.known_scale import Explained
 from numalign.compare.model_verdict import (
     LogitsResult,
     PointResult,
@@ -26,7 +27,8 @@ from numalign.compare.model_verdict import (
     judge_logits,
 )
 from numalign.compare.policy import thresholds_of
-from numalign.compare.pooled import PointLeans
+from numalign.compare.pooled import POOLED, PointLeans
+from numalign.core.kernel_scale import KnownScale
 from numalign.core.observation import Observation, label
 
 if TYPE_CHECKING:
@@ -67,7 +69,8 @@ class Judge:
     sorts last). ``points``, ``logits`` and ``outputs`` (an encoder's final hidden states)
     collect the verdicts in the order observed;
     ``pooled`` judges the pooled leans once every observation is in (``leans``: False where
-    the replay pools none)."""
+    the replay pools none). ``known``: a kernel's measured scale (``compare.known_scale``);
+    ``explained`` then holds which failures it explains."""
 
     golden: CalibratedSet
     dtype: str
@@ -77,17 +80,27 @@ class Judge:
     policy: Any = None
     order: dict[str, int] = field(default_factory=dict)
     leans: bool = True
+    known: KnownScale | None = None
     points: list[PointResult] = field(default_factory=list)
     logits: list[LogitsResult] = field(default_factory=list)
     outputs: list[PointResult] = field(default_factory=list)
     _leans: PointLeans = field(init=False)
     _controls: dict[tuple[str, str, str], Control] = field(default_factory=dict, init=False)
+    explained: Explained | None = field(default=None, init=False)
+    #: the leans of the known scale's points with each of its scales taken out
+    _known_leans: dict[float, PointLeans] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"no judge mode {self.mode!r}: one of {', '.join(MODES)}")
-        self._leans = PointLeans(self.golden, self.dtype, self.hidden,
-                                 thresholds_of(self.policy), mode=self.mode)  # fmt: skip
+        self._leans = self._new_leans()
+        if self.known is not None:
+            self.explained = Explained(self.known)
+            self._known_leans = {s: self._new_leans() for s in self.known.scales()}
+
+    def _new_leans(self) -> PointLeans:
+        return PointLeans(self.golden, self.dtype, self.hidden, thresholds_of(self.policy),
+                          mode=self.mode)  # fmt: skip
 
     @classmethod
     def of_set(
@@ -99,13 +112,15 @@ class Judge:
         policy: Any = None,
         *,
         leans: bool = True,
+        known: KnownScale | None = None,
     ) -> Judge:
         """The judge of a replay of ``golden`` in ``dtype`` and ``mode``, its points in the
         set's order (``hidden_depth``: the reduction length behind each control, as
         ``replay.model.hidden_and_depth`` gives it; ``leans``: whether it pools each point's
-        outputs into a lean)."""
+        outputs into a lean; ``known``: a kernel's measured scale)."""
         order = {p.name: p.order for p in golden.points}
-        return cls(golden, dtype, mode, *hidden_depth, policy, order=order, leans=leans)
+        return cls(golden, dtype, mode, *hidden_depth, policy, order=order, leans=leans,
+                   known=known)  # fmt: skip
 
     def control(self, point: str, path: str, mode: str | None = None) -> Control:
         """The control of ``point``'s output ``path`` in the judge's dtype and ``mode`` (the
@@ -146,11 +161,35 @@ class Judge:
         judged = PointResult(seen.point, order, seen.request, seen.path, result, self.mode,
                              finished=finished, step=seen.step, call=seen.call)  # fmt: skip
         self.points.append(judged)
+        if not result.passed:
+            self._explain(seen, point, path)
         if self.leans and seen.point not in (CACHE_POINT, OUTPUT_POINT):
             # the lean ranks where the point's first result does, in the first divergence
             self._leans.add(seen.point, seen.path, seen.actual, seen.expected, order,
                             judged.finished)  # fmt: skip
+            if self.known is not None and seen.point in self.known.points:
+                for scale, leans in self._known_leans.items():
+                    undone = self.known.removed(seen.actual, scale, rounded=False)
+                    leans.add(seen.point, seen.path, undone, seen.expected, order,
+                              judged.finished)  # fmt: skip
         return judged
+
+    def _explain(self, seen: Observation, point: str, path: str) -> None:
+        """Whether the known scale explains ``seen``'s failure: judged again with each of its
+        scales taken out, one passes (``compare.known_scale``)."""
+        if self.explained is None:
+            return
+        known = self.explained.known
+        name = label(seen.point, seen.path)
+        if seen.point in known.points and seen.actual.is_floating_point() and not seen.left_out:
+            for scale in known.scales():
+                again = self.compare(point, path, known.removed(seen.actual, scale),
+                                     seen.expected, name=name)  # fmt: skip
+                if again.passed:
+                    key = (seen.point, seen.path, seen.request, seen.step, seen.call)
+                    self.explained.explained.add(key)
+                    return
+        self.explained.unexplained.add(f"{name} in request {seen.request}")
 
     def judge_logits(self, request: str, actual: torch.Tensor, expected: torch.Tensor,
                      step: int | None = None) -> LogitsResult:  # fmt: skip
@@ -161,6 +200,8 @@ class Judge:
                               self.policy)  # fmt: skip
         judged.step = step
         self.logits.append(judged)
+        if not judged.passed and self.explained is not None:  # no kernel scale explains logits
+            self.explained.unexplained.add(f"the logits of request {request}")
         return judged
 
     def judge_output(self, request: str, output: str, actual: torch.Tensor,
@@ -171,9 +212,23 @@ class Judge:
         result = self.compare(OUTPUT_POINT, output, actual, expected, "output", output)
         judged = PointResult(output, len(self.order), request, "0", result, "output")
         self.outputs.append(judged)
+        if not result.passed and self.explained is not None:
+            self.explained.unexplained.add(f"the output {output} of request {request}")
         return judged
 
     def pooled(self) -> list[PointResult]:
         """Each point output's pooled lean, every observation in (none where the judge pools
-        none)."""
-        return self._leans.results() if self.leans else []
+        none); with a known scale, which failing leans it explains (``explained``)."""
+        results = self._leans.results() if self.leans else []
+        if self.explained is not None:
+            undone = [{(r.point, r.path): r for r in leans.results()}
+                      for leans in self._known_leans.values()]  # fmt: skip
+            for r in results:
+                if r.result.passed:
+                    continue
+                again = [u.get((r.point, r.path)) for u in undone]
+                if any(a is not None and a.result.passed for a in again):
+                    self.explained.explained.add((r.point, r.path, POOLED, None, 0))
+                else:
+                    self.explained.unexplained.add(f"{label(r.point, r.path)}'s pooled lean")
+        return results

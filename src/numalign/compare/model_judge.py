@@ -32,6 +32,7 @@ from numalign.compare.logits import near_tie
 from numalign.compare.model_verdict import ContinuationResult, ModelVerdict, PointResult
 from numalign.compare.policy import thresholds_of
 from numalign.core import dtypes
+from numalign.core.kernel_scale import KnownScale
 from numalign.core.observation import ContinuationRun, Event, FinalOutput, Observation
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class ModelJudge:
     hidden_depth: tuple[int, int]
     policy: Any = None
     leans: bool = True
+    known: KnownScale | None = None
     continuation: list[ContinuationResult] = field(default_factory=list)
     judge: Judge = field(init=False)
     #: each request's logits max-abs budget, which the continuation's near tie rests on
@@ -94,7 +96,7 @@ class ModelJudge:
 
     def __post_init__(self) -> None:
         self.judge = Judge.of_set(self.golden, self.dtype, self.mode, self.hidden_depth,
-                                  self.policy, leans=self.leans)  # fmt: skip
+                                  self.policy, leans=self.leans, known=self.known)  # fmt: skip
 
     def another(self, mode: str) -> ModelJudge:
         """A fresh judge of the same replay in ``mode`` (a point replayed alone: isolated)."""
@@ -136,6 +138,16 @@ class ModelJudge:
         return float(result.budget.get("max_abs", 0.0))
 
     # -- the verdicts ------------------------------------------------------------------
+
+    def known_failure(self) -> str | None:
+        """Why the verdict's failures are expected: every one explained by the known scale
+        (its evidence; ``compare.known_scale``), asked once the verdict is built; None where
+        there is no known scale, nothing failed, or a failure is not the kernel's (a greedy
+        continuation that departs is never one)."""
+        explained = self.judge.explained
+        if explained is None or any(not c.passed for c in self.continuation):
+            return None
+        return explained.reason()
 
     def layer_results(self) -> list[PointResult]:
         """Every result, then each point output's pooled lean."""

@@ -104,6 +104,16 @@ def outcome_for(exc: BaseException, test_id: str, **context: Any) -> ErrorOutcom
     return ErrorOutcome("fail", text, error_record(test_id, kind, text, **fields))
 
 
+def failed_verdict(message: str, known: str | None = None) -> NoReturn:
+    """Ends a test whose verdict failed (its records already kept): an expected failure
+    where the engine measured a known defect that explains every failure (``known``: the
+    engine's reason, ``Replayed.known``), a failure showing ``message`` otherwise."""
+    __tracebackhide__ = True
+    if known:
+        pytest.xfail(f"known divergence: {known}\n{message}")
+    pytest.fail(message, pytrace=False)
+
+
 @contextmanager
 def recorded_errors(recorder: NodeRecorder, **context: Any) -> Iterator[None]:
     """Runs a test's body under the policy: an exception it knows ends the test as

@@ -228,7 +228,7 @@ def replay_decode(
         return unmapped
 
     return judged_decode(golden, dtype, hidden_and_depth(model), policy, implementation,
-                         observe, ranks=ranks)  # fmt: skip
+                         observe, ranks=ranks).verdict  # fmt: skip
 
 
 def decode_calibrated(golden: GoldenSet, dtype: str) -> bool:

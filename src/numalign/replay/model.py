@@ -291,8 +291,8 @@ def replay_layer(
 ) -> list[PointResult]:
     """Every recorded call of ``point`` replayed alone; each output against the golden one
     within the isolated calibration's budget."""
-    return judged_layer(golden, dtype, hidden_and_depth(model), policy,
-                        partial(observe_layer, golden, model, point, dtype, device))  # fmt: skip
+    observe = partial(observe_layer, golden, model, point, dtype, device)
+    return judged_layer(golden, dtype, hidden_and_depth(model), policy, observe).verdict
 
 
 def observe_model(
@@ -357,7 +357,7 @@ def replay_model(
         golden, dtype, hidden_and_depth(model), policy,
         partial(observe_model, golden, model, dtype, device),
         _AloneOnTransformers(golden, model, dtype, device), config=model.config, ranks=ranks,
-    )  # fmt: skip
+    ).verdict  # fmt: skip
 
 
 @dataclass

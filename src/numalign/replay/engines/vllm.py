@@ -41,6 +41,7 @@ from numalign.replay.engines.vllm_alone import (
     observe_isolated,
     observe_residuals,
 )
+from numalign.replay.engines.vllm_kernels import moe_scale
 from numalign.replay.engines.vllm_options import (
     ENGINE_ENV,
     allow_amx,
@@ -74,6 +75,7 @@ from numalign.runtime.variant import Variant
 if TYPE_CHECKING:
     import torch
 
+    from numalign.core.kernel_scale import KnownScale
     from numalign.golden.store import GoldenSet
     from numalign.session.settings import Settings
 
@@ -119,13 +121,14 @@ class VllmEngine:
         # the engine's model replay pools no leans: whether vLLM's honest kernels pass them is
         # not measured (docs/design.md); the judge locates the first divergence with vLLM's
         # modules run alone
-        verdict = judged_model(
+        judged = judged_model(
             golden, dtype, hidden_and_depth_of(running), policy,
             partial(_observe_prompts, golden, running, served, dtype),
             AloneOnVllm(running, golden, dtype), leans=False,
-            config=getattr(running.model, "config", None),
+            config=getattr(running.model, "config", None), known=_known(running, dtype),
         )  # fmt: skip
-        return Replayed(golden, verdict, self._context(golden, running, arrangement))
+        context = self._context(golden, running, arrangement)
+        return Replayed(golden, judged.verdict, context, known=judged.known)
 
     def decode(
         self,
@@ -141,11 +144,11 @@ class VllmEngine:
         arrangement = ARRANGEMENTS[serving or DEFAULT_SERVING]
         running = self._engine(golden, dtype, arrangement)
         served = self._serve(golden, dtype, arrangement)
-        verdict = judged_decode(golden, dtype, hidden_and_depth_of(running), policy, cache,
-                                partial(_observe_steps, golden, running, served, dtype),
-                                leans=False)  # fmt: skip
+        judged = judged_decode(golden, dtype, hidden_and_depth_of(running), policy, cache,
+                               partial(_observe_steps, golden, running, served, dtype),
+                               leans=False, known=_known(running, dtype))  # fmt: skip
         context = self._context(golden, running, arrangement, cache)
-        return Replayed(golden, verdict, context)
+        return Replayed(golden, judged.verdict, context, known=judged.known)
 
     def layer(
         self, path: str | Path, point: str, dtype: str, device: torch.device, policy: Any
@@ -160,10 +163,11 @@ class VllmEngine:
             raise NotJudged(f"unmapped: {pm.reason}", context)
         observe = partial(observe_isolated, running, golden, golden.point(point), pm.module, dtype)
         try:
-            results = judged_layer(golden, dtype, hidden_and_depth_of(running), policy, observe)
+            judged = judged_layer(golden, dtype, hidden_and_depth_of(running), policy, observe,
+                                  known=_known(running, dtype))  # fmt: skip
         except AloneUnsupported as exc:
             raise NotJudged(str(exc), context) from exc
-        return Replayed(golden, results, context)
+        return Replayed(golden, judged.verdict, context, known=judged.known)
 
     def close(self) -> None:
         self._stop()
@@ -430,6 +434,13 @@ def _shutdown(llm: Any) -> None:
 def _worker(worker: Any) -> Any:
     """The worker itself (the engine runs in this process)."""
     return worker
+
+
+def _known(running: Running, dtype: str) -> KnownScale | None:
+    """A known scale of the running model's kernels in ``dtype`` (``vllm_kernels``: the CPU
+    fused MoE rounding toward zero), measured once per shape in a process."""
+    points = {pm.point: pm.module for pm in running.mapping if pm.module is not None}
+    return moe_scale(running.model, points, dtype)
 
 
 def _unmapped(mapping: list[PointMap]) -> dict[str, str]:
