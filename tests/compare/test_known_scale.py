@@ -133,8 +133,10 @@ def test_the_probes_measures_tell_truncation_from_rounding_to_nearest() -> None:
     # standard error of 0.008), truncation all of them
     assert abs(toward_zero_share(nearest, truth) - 0.5) < 0.05
     assert toward_zero_share(toward_zero, truth) == 1.0
-    assert toward_zero_share(nearest, truth) < TOWARD_ZERO_SHARE <= toward_zero_share(
-        toward_zero, truth
+    assert (
+        toward_zero_share(nearest, truth)
+        < TOWARD_ZERO_SHARE
+        <= toward_zero_share(toward_zero, truth)
     )
     # truncation to bfloat16's 8 significant bits drops half a unit of the last place on
     # average, 2**-8 of a value in [1, 2): about 0.28% of a normal sample's magnitude
