@@ -278,3 +278,22 @@ def test_plan_refuses_a_missing_folder_and_a_config_without_model_type(
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert out.returncode == 1 and "no such folder" in out.stderr
+
+
+def test_full_points_keep_the_rest_of_a_large_models_set_as_sketches() -> None:
+    """``--full-points``: the points it names keep their outputs whole, every other point a
+    sketch per output and request (its decode steps' one-token outputs whole)."""
+    folder = FIXTURES / "deepseek-v3"
+    whole = planned(folder)["golden"]
+    kept = planned(folder, full_points=("model.layers.30*",), sketch_width=1024)["golden"]
+    assert kept["whole_bytes"] == whole["bytes"]
+    assert kept["full_points"] == ["model.layers.30*"] and kept["sketch_width"] == 1024
+    # one layer of 61 kept whole, and every point's decode steps (4 one-token steps of the
+    # 3 generating requests, 28 tokens, beside 184 prompt tokens): the points' outputs
+    # shrink more than fivefold (28 / 212 of them stay, 13%, plus the layer)
+    assert kept["by"]["capture points"] < whole["by"]["capture points"] / 5
+    by = kept["by"]
+    # the same masks, caches and logits; the points' outputs are what shrinks
+    for part in ("masks", "decode cache snapshots", "continuation logits"):
+        assert by[part] == whole["by"][part]
+    assert by["statistics points"] > 0 and by["statistics points"] % (1024 * 8) == 0

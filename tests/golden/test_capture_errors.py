@@ -95,7 +95,8 @@ def test_manifest_errors_name_the_file_and_the_remedy(small_set: GoldenSet, tmp_
     with pytest.raises(
         GoldenSetError,
         match=r"format 'numalign.golden/99' is not one this numalign reads "
-        r"\(numalign.golden/1, numalign.golden/2, numalign.golden/3, numalign.golden/4\)",
+        r"\(numalign.golden/1, numalign.golden/2, numalign.golden/3, numalign.golden/4, "
+        r"numalign.golden/5\)",
     ):
         GoldenSet.open(small_set.path)
     with pytest.raises(GoldenSetError, match=r"no manifest; .* numalign capture MODEL_DIR --out"):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from numalign.cli.common import check_dtypes, check_model, check_run_options, subparser
+from numalign.core.statistics import DEFAULT_WIDTH
 from numalign.golden.decode import DEFAULT_DECODE_STEPS
 from numalign.golden.requests import FAR_LENGTH
 from numalign.golden.store import DEFAULT_SETS
@@ -45,7 +46,8 @@ def _plan(args: argparse.Namespace) -> int:
         reference_dtype=args.reference_dtype, device_memory=device_memory, long=args.long,
         far=args.far, max_position=args.max_position, continuation=args.continuation,
         decode_steps=args.decode_steps, trust_remote_code=args.trust_remote_code,
-        measured=not args.no_measure,
+        measured=not args.no_measure, full_points=args.full_points,
+        sketch_width=args.sketch_width,
     )  # fmt: skip
     print(result.to_json() if args.json else result.to_text(), end="")
     return 0
@@ -146,6 +148,14 @@ def add_plan(commands: Any) -> None:
     plan.add_argument(
         "--trust-remote-code", action="store_true",
         help="run the model folder's own Python code (off: transformers' classes only)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--full-points", nargs="+", metavar="PATTERN",
+        help="as numalign capture's: the golden set's size with only these points whole",
+    )  # fmt: skip
+    plan.add_argument(
+        "--sketch-width", type=int, default=DEFAULT_WIDTH, metavar="BUCKETS",
+        help="as numalign capture's",
     )  # fmt: skip
     plan.add_argument("--json", action="store_true", help="print JSON (off: tables)")
     plan.add_argument(

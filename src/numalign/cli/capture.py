@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import errno
+import sys
 from pathlib import Path
 from typing import Any
 
 from numalign.cli.common import check_dtypes, check_model, subparser
+from numalign.core.statistics import DEFAULT_WIDTH
 from numalign.golden.capture_spec import DEFAULT_CONTINUATION, CaptureSpec
 from numalign.golden.decode import DEFAULT_DECODE_STEPS
 from numalign.golden.requests import FAR_LENGTH
@@ -56,6 +58,8 @@ def _capture(args: argparse.Namespace) -> int:
     prompts = None
     if args.prompts:
         prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    if args.full_points:
+        _estimate(args)
     try:
         golden = _capture_set(args, prompts, members, placement)
     except OSError as exc:  # a full disk, a folder that cannot be written: nothing was kept
@@ -68,7 +72,38 @@ def _capture(args: argparse.Namespace) -> int:
             + ", or give another --out"
         ) from None
     print(f"{golden.path}: {len(golden.points)} points, {golden.disk_bytes() / 1e6:.2f} MB")
+    from numalign.golden.statistics_info import statistics_summary
+
+    stats = golden.manifest.statistics
+    kept = statistics_summary(stats, sum(golden.manifest.tensors[s.sketch].bytes
+                                         for s in stats.values()))  # fmt: skip
+    if kept:
+        print(f"{golden.path}: {kept}")
     return 0
+
+
+def _estimate(args: argparse.Namespace) -> None:
+    """The set's size with ``--full-points``, estimated before the capture from the model's
+    config (``numalign plan``'s golden-set estimate), and whole."""
+    from numalign.plan import plan
+    from numalign.plan.text import size
+
+    try:
+        golden = plan(
+            args.model_dir, reference_dtype=args.reference_dtype, long=args.long, far=args.far,
+            max_position=args.max_position, continuation=args.continuation,
+            decode_steps=args.decode_steps, trust_remote_code=args.trust_remote_code,
+            measured=False, full_points=tuple(args.full_points), sketch_width=args.sketch_width,
+        ).data["golden"]  # fmt: skip
+    except Exception as exc:  # an estimate only: the capture goes on without it
+        print(f"numalign capture: no size estimate ({exc})", file=sys.stderr)
+        return
+    print(
+        f"numalign capture: the set will take about {size(golden['bytes'])} with "
+        f"--full-points {' '.join(args.full_points)} (whole: about "
+        f"{size(golden['whole_bytes'])}; numalign plan's estimate)",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
 
 
 def _capture_set(args: argparse.Namespace, prompts: Any, members: Any, placement: Any) -> Any:
@@ -90,6 +125,8 @@ def _capture_set(args: argparse.Namespace, prompts: Any, members: Any, placement
         force=args.force,
         probes=not args.no_probes,
         stream=args.stream,
+        full_points=args.full_points,
+        sketch_width=args.sketch_width,
     )
     calibrate = [d for d in args.calibrate.split(",") if d]
     return capture_calibrated(args.model_dir, args.out, spec, calibrate=calibrate, members=members)
@@ -120,6 +157,17 @@ def add_capture(commands: Any) -> None:
     cap.add_argument(
         "--points", nargs="+", metavar="PATTERN",
         help="module name patterns (fnmatch) to capture (none: every point of the model)",
+    )  # fmt: skip
+    cap.add_argument(
+        "--full-points", nargs="+", metavar="PATTERN",
+        help="module name patterns (fnmatch) whose points keep their tensors whole; every other "
+        "point keeps exact statistics and a sketch of its floating outputs, judged by them "
+        "inside the whole model (none: every tensor whole; docs/golden-sets.md)",
+    )  # fmt: skip
+    cap.add_argument(
+        "--sketch-width", type=int, default=DEFAULT_WIDTH, metavar="BUCKETS",
+        help="with --full-points: buckets of each statistics-only tensor's sketch; its relative "
+        "L2 estimate is within 3*sqrt(1/(2*BUCKETS)) (6.6%% at the default)",
     )  # fmt: skip
     cap.add_argument(
         "--prompts", metavar="FILE", help="one prompt per line (none: the built-in prompts)"

@@ -339,7 +339,8 @@ def _scaled(stats: ControlStats, scale: float) -> _Scaled:
     size moves across, as many as the error is large where the scores spread smoothly)."""
     norm_ratio, kl = stats.norm_ratio, stats.kl_max
     errors = ControlErrors(
-        max_abs=float(stats.max_abs) * scale,  # type: ignore[arg-type]
+        # none for a point kept as statistics only, whose judge reads no max abs
+        max_abs=float(stats.max_abs or 0.0) * scale,
         rel_l2=float(stats.rel_l2 or 0.0) * scale,
         cosine=1.0 - (1.0 - float(stats.cosine or 1.0)) * scale**2,
         norm_ratio=None if norm_ratio is None else 1.0 + (float(norm_ratio) - 1.0) * scale,

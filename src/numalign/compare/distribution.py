@@ -114,6 +114,15 @@ def planted_limits(
     return limits.norm, limits.cosine
 
 
+def calibrated_limits(
+    control: Metrics, spread: float, dtype: str, calibrated: ControlBudget, propagated: bool
+) -> DistributionBudget:
+    """The norm and cosine limits ``judge_distribution`` holds a candidate to against a
+    calibrated ``control`` (its metrics as the calibration recorded them), for a point
+    judged without its golden tensor (``compare.statistics``)."""
+    return _relaxed(_floors(dtype, calibrated, propagated), [control], spread, "control").budget()
+
+
 def _floors(dtype: str, calibrated: ControlBudget | None, propagated: bool) -> _Limits:
     """The dtype's thresholds, or against a calibration its floors widened by what an error
     as large as the calibrated control's explains."""

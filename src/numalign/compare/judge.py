@@ -30,6 +30,7 @@ from numalign.compare.policy import thresholds_of
 from numalign.compare.pooled import POOLED, PointLeans
 from numalign.core.kernel_scale import KnownScale
 from numalign.core.observation import Observation, label
+from numalign.core.statistics import TensorStatistics
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -133,8 +134,9 @@ class Judge:
             )  # fmt: skip
         return self._controls[key]
 
-    def compare(self, point: str, path: str, actual: torch.Tensor, expected: torch.Tensor,
-                mode: str | None = None, name: str | None = None) -> CompareResult:  # fmt: skip
+    def compare(self, point: str, path: str, actual: torch.Tensor,
+                expected: torch.Tensor | TensorStatistics, mode: str | None = None,
+                name: str | None = None) -> CompareResult:  # fmt: skip
         """One output against its control, by the rule of its kind as the set stores it
         (``compare.output_kind``), recorded nowhere (a decision's side question: whether a
         point fails alone, the budget of a later position); ``name``: the result's, the
@@ -148,6 +150,7 @@ class Judge:
         every other output by its kind's rule within its control (``points``), pooled into
         its point's lean where the judge pools them."""
         if seen.point == OUTPUT_POINT and seen.path == "logits":
+            assert not isinstance(seen.expected, TensorStatistics)  # logits are kept whole
             return self.judge_logits(seen.request, seen.actual, seen.expected, step=seen.step)
         point, path = seen.control_of or (seen.point, seen.path)
         result = self.compare(point, path, seen.actual, seen.expected,
@@ -163,15 +166,16 @@ class Judge:
         self.points.append(judged)
         if not result.passed:
             self._explain(seen, point, path)
-        if self.leans and seen.point not in (CACHE_POINT, OUTPUT_POINT):
+        expected = seen.expected  # kept as statistics only: no elements to pool into a lean
+        if self.leans and not isinstance(expected, TensorStatistics) and seen.point not in (
+            CACHE_POINT, OUTPUT_POINT,
+        ):  # fmt: skip
             # the lean ranks where the point's first result does, in the first divergence
-            self._leans.add(seen.point, seen.path, seen.actual, seen.expected, order,
-                            judged.finished)  # fmt: skip
+            self._leans.add(seen.point, seen.path, seen.actual, expected, order, judged.finished)
             if self.known is not None and seen.point in self.known.points:
                 for scale, leans in self._known_leans.items():
                     undone = self.known.removed(seen.actual, scale, rounded=False)
-                    leans.add(seen.point, seen.path, undone, seen.expected, order,
-                              judged.finished)  # fmt: skip
+                    leans.add(seen.point, seen.path, undone, expected, order, judged.finished)
         return judged
 
     def _explain(self, seen: Observation, point: str, path: str) -> None:

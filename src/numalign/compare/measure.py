@@ -64,7 +64,6 @@ def _control_budget(
     """Rule "budget": limits that are multiples of the control's errors (``control`` run
     now, else the calibrated ``control_errors``), and the candidate's errors against them."""
     dtype = dtype_name(actual.dtype)
-    fmt = FLOAT_FORMATS[dtype]
     tail = None
     if control is not None:
         control_metrics = compute_metrics(control, expected)
@@ -72,6 +71,27 @@ def _control_budget(
     else:
         assert control_errors is not None
         control_metrics = control_errors.as_metrics(expected)
+    b = control_budget(dtype, control_metrics, tail, reduction_length, name, policy, default,
+                       "control" if control is not None else "calibration")  # fmt: skip
+    metrics = compute_metrics(actual, expected, threshold=b.max_abs)
+    used = max(_over(metrics.max_abs, b.max_abs), _over(metrics.rel_l2, b.rel_l2))
+    return Measured(metrics, b, used, b.rel_l2_multiplier, control_metrics)
+
+
+def control_budget(
+    dtype: str,
+    control_metrics: Metrics,
+    tail: float | None,
+    reduction_length: int | None,
+    name: str,
+    policy: TolerancePolicy,
+    default: Budget | None,
+    source: str,
+) -> ControlBudget:
+    """Rule "budget"'s limits from a control's errors (``control_metrics``, its worst
+    fresh draw ``tail`` where the control ran now): multiples of them plus the floors;
+    ``source`` says whether the control ran now or comes from a calibration."""
+    fmt = FLOAT_FORMATS[dtype]
     multipliers = policy.budget(name, dtype, default)
     # Floors: one ulp of the output at its largest magnitude, and, for a reduction of
     # length K, sqrt(K) roundings of the accumulator (float32; float64 for float64) at that
@@ -94,13 +114,11 @@ def _control_budget(
         + walk * 2.0 ** -acc_fmt[0],
         rel_l2_multiplier=multipliers.rel_l2_multiplier, control_rel_l2=control_metrics.rel_l2,
         eps=2.0 ** -fmt[0], accumulation_rel=walk * 2.0 ** -acc_fmt[0],
-        source=("control" if control is not None else "calibration")
+        source=source
         + (f", multipliers from the {overridden}" if overridden else "")
         + (", the operator's own multipliers" if default is not None and not overridden else ""),
     )  # fmt: skip
-    metrics = compute_metrics(actual, expected, threshold=b.max_abs)
-    used = max(_over(metrics.max_abs, b.max_abs), _over(metrics.rel_l2, b.rel_l2))
-    return Measured(metrics, b, used, multipliers.rel_l2_multiplier, control_metrics)
+    return b
 
 
 def _table_tolerance(

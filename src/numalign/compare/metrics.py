@@ -124,12 +124,17 @@ class ControlErrors:
         return self.norm_ratio is not None
 
     def as_metrics(self, expected: torch.Tensor) -> Metrics:
+        return self.as_statistics(expected.numel(),
+                                  _max_abs(expected) if expected.numel() else 0.0)  # fmt: skip
+
+    def as_statistics(self, numel: int, max_expected: float) -> Metrics:
+        """The control's metrics for a truth of ``numel`` elements whose largest magnitude
+        is ``max_expected`` (a truth kept as statistics only gives just those)."""
         return Metrics.blank(
-            expected.numel(), error=math.nan, agreement=math.nan,
+            numel, error=math.nan, agreement=math.nan,
             max_abs=self.max_abs, rel_l2=self.rel_l2, cosine=self.cosine,
             norm_ratio=1.0 if self.norm_ratio is None else self.norm_ratio,
-            zero_fraction_actual=self.zero_fraction or 0.0,
-            max_expected=_max_abs(expected) if expected.numel() else 0.0,
+            zero_fraction_actual=self.zero_fraction or 0.0, max_expected=max_expected,
         )  # fmt: skip
 
 

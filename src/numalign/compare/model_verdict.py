@@ -23,10 +23,12 @@ from numalign.compare.policy import DEFAULT_POLICY, thresholds_of
 from numalign.compare.result import CompareResult
 from numalign.compare.routing import agreeing, judge_flips
 from numalign.compare.spec import CompareSpec
+from numalign.compare.statistics import judge_statistics
 from numalign.compare.tolerances import FLOAT_FORMATS, Thresholds
 from numalign.core import dtypes
 from numalign.core.errors import UNCALIBRATED, Unsupported
 from numalign.core.observation import label
+from numalign.core.statistics import TensorStatistics
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +50,7 @@ class Uncalibrated(ReplayUnsupported):
 # -- judging one point ---------------------------------------------------------------------------
 def compare_point(
     actual: torch.Tensor,
-    expected: torch.Tensor,
+    expected: torch.Tensor | TensorStatistics,
     name: str,
     control: Control,
     policy: Any,
@@ -62,12 +64,15 @@ def compare_point(
     indexer returns its masked keys, tied at -inf, in any order); a router's routing
     (``compare.routing``) on the tokens whose chosen experts agree and the others by their
     count; a tensor within its control's budget. A kind judged within a control is
-    Uncalibrated where the control is not calibrated."""
+    Uncalibrated where the control is not calibrated. A tensor the set keeps as statistics
+    only (``expected`` a ``TensorStatistics``) is judged by them (``compare.statistics``)."""
     judge = _JUDGES.get(kind)
     if judge is None:
         raise ValueError(f"{name}: no rule for output kind {kind!r}; one of {', '.join(_JUDGES)}")
     if kind in CALIBRATED_KINDS and not control.calibrated:
         raise _uncalibrated(name, dtypes.dtype_name(actual.dtype))
+    if isinstance(expected, TensorStatistics):  # kept as statistics only: judged by them
+        return judge_statistics(actual, expected, name, control, policy)
     return judge(actual, expected, name, control, policy)
 
 

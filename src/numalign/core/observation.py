@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from numalign.core.statistics import TensorStatistics
+
 
 def label(point: str, path: str) -> str:
     """A point's output as messages and records name it: ``model.layers.0`` for a plain
@@ -39,7 +41,8 @@ class Observation:
     path: str
     request: str
     actual: torch.Tensor
-    expected: torch.Tensor
+    #: the golden tensor, or its statistics where the set keeps only those
+    expected: torch.Tensor | TensorStatistics
     call: int = 0
     step: int | None = None
     finished: int | None = None

@@ -42,6 +42,7 @@ from numalign.golden.requests import (
     text_requests,
 )
 from numalign.golden.shards import ShardWriter
+from numalign.golden.statistics_info import KeptWhole
 from numalign.golden.store import GoldenSet, GoldenSetError, replace_set, write_manifest
 from numalign.golden.target import check_target, keep_version
 
@@ -79,7 +80,8 @@ def capture(model_dir: str | Path, out: str | Path, spec: CaptureSpec = CaptureS
                         ShardWriter(tmp, spec.max_shard_bytes), bar,
                         continuation=spec.continuation,
                         decode_steps=spec.decode_steps if decoder else 0, probes=spec.probes,
-                        activations=not spec.points)  # fmt: skip
+                        activations=not spec.points,
+                        kept=KeptWhole.of(spec.full_points, spec.sketch_width))  # fmt: skip
         digest, files = hashing.result()
         manifest.model = replace(manifest.model, fingerprint=digest, files=files)
         if streamed:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from numalign.core.statistics import DEFAULT_WIDTH
 from numalign.golden.decode import DEFAULT_DECODE_STEPS
 from numalign.golden.requests import FAR_LENGTH
 from numalign.golden.shards import DEFAULT_SHARD_BYTES
@@ -79,6 +80,13 @@ class CaptureSpec:
     stream: bool | None = None
     """Stream the reference unit by unit from the checkpoint (``golden.stream``): True or
     False as asked; None, the automatic choice (``capture.resolve_stream``)."""
+    full_points: Sequence[str] | None = None
+    """Module name patterns (fnmatch) whose points keep their tensors whole; every other
+    point keeps its floating outputs (and inputs only it records) as exact statistics and a
+    sketch (``core.statistics``; ``statistics_info.KeptWhole``). None: every tensor whole."""
+    sketch_width: int = DEFAULT_WIDTH
+    """The buckets of each statistics-only tensor's sketch (``core.statistics``): its
+    relative L2 estimate is within 3 * sqrt(1 / (2 * width)), 6.6% at the default."""
 
     def check(self) -> None:
         """The counts are whole numbers of at least 0, the image a file and the reference
@@ -90,6 +98,8 @@ class CaptureSpec:
         for option, value in counts:
             if value < 0:
                 raise ValueError(f"{option} {value}: a number of tokens, 0 or more (0: none)")
+        if self.sketch_width < 1:
+            raise ValueError(f"--sketch-width {self.sketch_width}: a number of buckets, 1 or more")
         if self.image is not None and not Path(self.image).is_file():
             raise ValueError(
                 f"--image {self.image}: no such file; give an image file (PNG, JPEG, ...)"

@@ -29,14 +29,17 @@ from numalign.compare.calibration import Calibration as Calibration
 from numalign.compare.calibration import ControlStats as ControlStats
 from numalign.compare.output_kind import check_kind, kind_of
 from numalign.core.errors import BrokenData
-from numalign.core.finite_json import decode as _decode_finite
 from numalign.core.finite_json import encode as _encode_finite
+from numalign.golden.power_json import PowerJson as PowerJson
+from numalign.golden.power_json import power_from_json
+from numalign.golden.statistics_info import STATISTICS_FORMAT, StatisticsInfo
 
 FORMAT = "numalign.golden/4"
 #: Formats this numalign reads: format 1 sets have no decode steps, format 1 and 2 sets a
 #: calibration of one member, formats 1 to 3 no output kinds (read from their dtypes once,
 #: ``Point.kinds``).
-READ_FORMATS = ("numalign.golden/1", "numalign.golden/2", "numalign.golden/3", FORMAT)
+READ_FORMATS = ("numalign.golden/1", "numalign.golden/2", "numalign.golden/3", FORMAT,
+                STATISTICS_FORMAT)  # fmt: skip
 MANIFEST = "manifest.json"
 #: The request name of a point's probe calls (``golden.probes``): inputs no request makes,
 #: recorded with the point's calls but not a request of the set (no model inputs; the
@@ -254,32 +257,6 @@ def _object(value: Any) -> dict[str, Any]:
     return value
 
 
-#: A set's power as JSON holds it (``replay.set_power``): {dtype: {point: {output path:
-#: {mode: {"scale": s, "bias": b}}}}}, the smallest relative scale and additive bias (in
-#: units of the truth's RMS) a pass there would catch (``compare.power.Detectable``);
-#: infinity, written "Infinity" (``numalign.core.finite_json``), where none would.
-PowerJson = dict[str, dict[str, dict[str, dict[str, dict[str, float]]]]]
-
-
-def power_from_json(data: Any) -> PowerJson:
-    """A set's power from its JSON form ("Infinity" read back as the float); TypeError or
-    AttributeError where a level is not an object or a figure not a number."""
-    return {
-        dtype: {point: {path: {mode: {name: _figure(value) for name, value in figures.items()}
-                               for mode, figures in modes.items()}
-                        for path, modes in outputs.items()}
-                for point, outputs in points.items()}
-        for dtype, points in data.items()
-    }  # fmt: skip
-
-
-def _figure(value: Any) -> float:
-    number = _decode_finite(value)
-    if isinstance(number, bool) or not isinstance(number, (int, float)):
-        raise TypeError(f"a power figure is a number, not {number!r}")
-    return float(number)
-
-
 @dataclass
 class Manifest:
     """Everything ``manifest.json`` holds (docs/reference/golden-format.md; format 2 adds
@@ -308,6 +285,8 @@ class Manifest:
     #: dtype -> point -> output path -> mode -> what a pass would catch (``PowerJson``;
     #: empty in sets before it was stored)
     power: PowerJson = field(default_factory=dict)
+    #: key -> a tensor kept as statistics only (format 5; ``golden.statistics_info``)
+    statistics: dict[str, StatisticsInfo] = field(default_factory=dict)
     created: str = ""
     format: str = FORMAT
 
@@ -325,7 +304,7 @@ class Manifest:
                     "order": p.order,
                     "calls": {req: [c.to_json() for c in calls] for req, calls in p.calls.items()},
                     # an older set rewritten (its power, say) keeps its format: no kinds
-                    **({"kinds": p.kinds} if self.format == FORMAT else {}),
+                    **({"kinds": p.kinds} if self.format in _KINDS_FORMATS else {}),
                 }
                 for p in self.points
             ],
@@ -345,6 +324,8 @@ class Manifest:
             data["dtype_limits"] = self.dtype_limits
         if self.power:
             data["power"] = _encode_finite(self.power)
+        if self.statistics:
+            data["statistics"] = {k: v.to_json() for k, v in self.statistics.items()}
         return data
 
     @classmethod
@@ -403,6 +384,7 @@ class Manifest:
                 ensemble={k: list(v) for k, v in data.get("ensemble", {}).items()},
                 dtype_limits={str(k): str(v) for k, v in data.get("dtype_limits", {}).items()},
                 power=power_from_json(data.get("power", {})),
+                statistics=_statistics(data.get("statistics", {}), known),
                 created=str(data.get("created", "")),
                 format=found,
             )
@@ -425,6 +407,13 @@ class Manifest:
         return manifest
 
 
+def _statistics(data: dict[str, Any], known: _Known) -> dict[str, StatisticsInfo]:
+    """The tensors a set keeps as statistics only (format 5), each with the fields it must
+    have."""
+    return {k: StatisticsInfo(**known(StatisticsInfo, v, f"statistics[{k!r}]", "statistics.*"))
+            for k, v in data.items()}  # fmt: skip
+
+
 def _kinds(point: dict[str, Any], tensors: dict[str, Any], source: Path) -> dict[str, str]:
     """A point's output kinds as stored; for a set of a format before they were (1 to 3), as
     the capture decides them (``output_kind.kind_of``) from the dtypes its manifest records
@@ -442,8 +431,10 @@ def _kinds(point: dict[str, Any], tensors: dict[str, Any], source: Path) -> dict
 _TOP_LEVEL = frozenset({
     "format", "created", "model", "reference", "requests", "points", "logits", "outputs",
     "continuation", "tensors", "shards", "calibration", "decode", "ensemble", "dtype_limits",
-    "power",
+    "power", "statistics",
 })  # fmt: skip
+#: The formats that store each point's output kinds.
+_KINDS_FORMATS = (FORMAT, STATISTICS_FORMAT)
 
 
 class _Known:

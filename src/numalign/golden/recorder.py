@@ -9,13 +9,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from numalign.compare.output_kind import kind_of
+from numalign.compare.output_kind import TENSOR, kind_of
 from numalign.core.dtypes import dtype_name
 from numalign.golden.manifest import Call, KeyTree
 from numalign.golden.nonfinite import NonFinite, count_nonfinite
+from numalign.golden.positions import kept_positions
 from numalign.golden.reference import flatten, jsonable
 from numalign.golden.routing import point_tensors
 from numalign.golden.shards import ShardWriter
+from numalign.golden.statistics_info import KeptWhole
 
 
 @dataclass
@@ -35,13 +37,15 @@ class Recorder:
     mask_points: frozenset[str] = frozenset()
     #: each point's output kinds by path (``compare.output_kind``), decided here as recorded
     kinds: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: which tensors are kept whole, the others as statistics only (``KeptWhole``)
+    kept: KeptWhole = field(default_factory=KeptWhole)
 
     def on_call(
         self, request: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
         import torch
 
-        put = self.writer.put
+        put = self.writer.put if self.kept.whole(name) else self._put_statistics
         calls = self.calls.setdefault(name, {}).setdefault(request, [])
         base = f"{request}/{name}/{len(calls)}"
         kw_keys: dict[str, KeyTree] = {}
@@ -65,12 +69,15 @@ class Recorder:
 
             output = attends(output)
         tensors = point_tensors(output)  # a router's as its logits and routing
-        outputs = {p: put(f"{base}/out/{p}", t) for p, t in tensors}
         kinds = self.kinds.setdefault(name, {})
         for p, t in tensors:
             kinds.setdefault(
                 p, kind_of(p, dtype_name(t.dtype), mask_point=name in self.mask_points)
             )
+        outputs = {
+            p: (put if kinds[p] == TENSOR else self.writer.put)(f"{base}/out/{p}", t)
+            for p, t in tensors
+        }
         # the point's main output (hidden states; not attention weights, whose padded query
         # rows are NaN where every key is masked), at the positions the mask keeps
         first = tensors[0] if tensors else None
@@ -79,6 +86,14 @@ class Recorder:
             if bad:
                 self.nonfinite = (request, name, first[0], bad, first[1].numel())
         calls.append(Call(arg_keys, arg_json, kw_keys, kw_json, outputs))
+
+    def _put_statistics(self, key: str, tensor: Any) -> str:
+        """``tensor`` kept as statistics of the positions the request's mask keeps, where the
+        set keeps it so (``KeptWhole``); whole otherwise."""
+        if self.kept.small(tensor):
+            return self.writer.put(key, tensor)
+        kept = kept_positions(tensor.detach(), self.mask)
+        return self.writer.put_statistics(key, tensor, kept, self.kept.width)
 
 
 def key_tree(value: Any, put: Callable[[str, Any], str]) -> KeyTree | None:

@@ -26,6 +26,7 @@ from numalign.golden.reference import (
 )
 from numalign.golden.requests import CaptureRequest
 from numalign.golden.shards import ShardWriter
+from numalign.golden.statistics_info import STATISTICS_FORMAT, KeptWhole
 
 
 def record_requests(
@@ -40,17 +41,21 @@ def record_requests(
     decode_steps: int,
     probes: bool = True,
     activations: bool = True,
+    kept: KeptWhole | None = None,
 ) -> None:
     """Runs every request through the model with the points hooked, writing their tensors
     through ``writer`` and filling ``manifest`` (tensors, shards, decode steps of the requests
     that generate, and the points in forward order with their calls); then, with ``probes``,
     each probe of a point (``golden.probes``: a norm on rows at its epsilon, an activation on
     its gating tail, with ``activations`` a point of its own) as a call of the request
-    ``probe``."""
+    ``probe``. ``kept``: which tensors are kept whole, the others as statistics only
+    (``statistics_info.KeptWhole``; None: every one whole); a set that keeps some as
+    statistics is written as format 5."""
     from numalign.golden.mask_points import MaskFunction
 
     recorder = Recorder(writer, mask_points=frozenset(
-        n for n in point_names if isinstance(model.get_submodule(n), MaskFunction)))  # fmt: skip
+        n for n in point_names if isinstance(model.get_submodule(n), MaskFunction)),
+        kept=kept or KeptWhole())  # fmt: skip
     for request in requests:
         bar.step(f"request {request.name}")
         _record_request(model, request, point_names, recorder, manifest, continuation)
@@ -63,6 +68,9 @@ def record_requests(
     probed = record_probes(model, recorded, activations, recorder.on_call) if probes else []
     writer.flush()
     manifest.tensors, manifest.shards = dict(writer.tensors), dict(writer.shards)
+    manifest.statistics = dict(writer.statistics)
+    if manifest.statistics:
+        manifest.format = STATISTICS_FORMAT
     manifest.points = recorded_points(model, [*point_names, *probed], recorder.calls,
                                       recorder.kinds)  # fmt: skip
 

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from numalign.core import dtypes
+from numalign.core.statistics import statistics_of
 from numalign.golden.manifest import Manifest, ShardInfo, TensorInfo
+from numalign.golden.statistics_info import SKETCH_SUFFIX, StatisticsInfo
 
 if TYPE_CHECKING:
     import torch
@@ -48,19 +50,17 @@ class ShardWriter:
         default_factory=dict
     )
     _by_content: dict[str, str] = field(default_factory=dict)
+    #: tensors kept as statistics only, by key (``put_statistics``)
+    statistics: dict[str, StatisticsInfo] = field(default_factory=dict)
+    _statistics_by_identity: dict[tuple[Any, ...], tuple[str, weakref.ref[torch.Tensor]]] = field(
+        default_factory=dict
+    )
 
     def put(self, key: str, tensor: torch.Tensor) -> str:
         """Stores ``tensor`` under ``key`` unless the same storage or content is already
         stored; returns the key that holds it."""
         t = tensor.detach()
-        identity = (
-            t.untyped_storage().data_ptr(),
-            t.storage_offset(),
-            tuple(t.shape),
-            tuple(t.stride()),
-            str(t.dtype),
-            str(t.device),
-        )
+        identity = _identity(t)
         known = self._by_identity.get(identity)
         # Same storage, still alive (a dead tensor's address may be reused by another).
         if known is not None and known[1]() is not None:
@@ -88,9 +88,28 @@ class ShardWriter:
             self.flush()
         return key
 
+    def put_statistics(self, key: str, tensor: torch.Tensor, kept: torch.Tensor,
+                       width: int) -> str:  # fmt: skip
+        """Keeps ``tensor`` as statistics only: those of ``kept`` (its positions a comparison
+        reads) and its sketch of ``width`` buckets (``core.statistics``), the sketch stored
+        as a tensor under ``key`` + ``SKETCH_SUFFIX``. A tensor already stored whole (the same
+        storage, alive) stays whole: its key is returned; one already kept as statistics
+        returns that key."""
+        identity = _identity(tensor.detach())
+        for table in (self._by_identity, self._statistics_by_identity):
+            known = table.get(identity)
+            if known is not None and known[1]() is not None:
+                return known[0]
+        stats = statistics_of(kept, width)
+        sketch_key = self.put(key + SKETCH_SUFFIX, stats.sketch)
+        self.statistics[key] = StatisticsInfo.of(stats, sketch_key)
+        self._statistics_by_identity[identity] = (key, weakref.ref(tensor))
+        return key
+
     def release(self) -> None:
         """Forgets storage identities (between forwards)."""
         self._by_identity.clear()
+        self._statistics_by_identity.clear()
 
     @staticmethod
     def _shard_name(index: int) -> str:
@@ -111,6 +130,12 @@ class ShardWriter:
         self._buffer_bytes = 0
 
 
+def _identity(t: torch.Tensor) -> tuple[Any, ...]:
+    """Where a tensor's values live: the same identity is the same tensor while it lives."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+            tuple(t.stride()), str(t.dtype), str(t.device))  # fmt: skip
+
+
 def _raw_bytes(t: torch.Tensor) -> bytes:
     import torch
 
@@ -126,5 +151,6 @@ def _umask() -> int:
 
 
 def with_shards(manifest: Manifest, writer: ShardWriter) -> Manifest:
-    """The manifest with the writer's tensors and shards."""
-    return replace(manifest, tensors=dict(writer.tensors), shards=dict(writer.shards))
+    """The manifest with the writer's tensors, statistics and shards."""
+    return replace(manifest, tensors=dict(writer.tensors), shards=dict(writer.shards),
+                   statistics=dict(writer.statistics))  # fmt: skip

@@ -42,9 +42,12 @@ from numalign.golden.manifest import (
     TensorInfo,
 )
 from numalign.golden.shards import sha256_file
+from numalign.golden.statistics_info import StatisticsOnly
 
 if TYPE_CHECKING:
     import torch
+
+    from numalign.core.statistics import TensorStatistics
 
 __all__ = [
     "CACHE_POINT", "FORMAT", "MANIFEST", "OUTPUT_POINT", "Call", "Continuation", "Decode",
@@ -279,10 +282,13 @@ class GoldenSet:
 
     def calibrated(self, dtype: str, point: str, path: str, mode: str) -> ControlStats | None:
         """The calibration's statistics of one point output and mode in ``dtype`` (None where
-        the set has none, or its max abs is not finite)."""
+        the set has none, or its errors are not finite: a point kept as statistics only has
+        a relative L2 error and no max abs)."""
         calibration = self.manifest.calibration.get(dtype)
         stats = calibration.stats(point, path, mode) if calibration is not None else None
-        return stats if stats is not None and stats.max_abs is not None else None
+        if stats is None or (stats.max_abs is None and stats.rel_l2 is None):
+            return None
+        return stats
 
     def calibrated_paths(self, dtype: str, point: str) -> list[str]:
         """The output paths of ``point`` the calibration of ``dtype`` holds."""
@@ -365,6 +371,8 @@ class GoldenSet:
         from safetensors import SafetensorError
 
         info = self.manifest.tensors.get(key)
+        if info is None and key in self.manifest.statistics:
+            raise StatisticsOnly(str(self.path), key)
         if info is None:
             raise GoldenSetError(
                 f"{self.path / MANIFEST}: no tensor {key!r}; the manifest does not match the "
@@ -403,6 +411,19 @@ class GoldenSet:
             self._open = {k: v for k, v in self._open.items() if k[0] != name}
             self._open[seen] = (handle, frozenset(handle.keys()))  # type: ignore[no-untyped-call]
         return self._open[seen]
+
+    def expected(self, key: str) -> torch.Tensor | TensorStatistics:
+        """What the set keeps of the tensor ``key`` to judge a candidate against: the tensor,
+        or its statistics where the set keeps only those (``core.statistics``; already at
+        the positions the request's mask keeps)."""
+        info = self.manifest.statistics.get(key)
+        if info is None:
+            return self.tensor(key)
+        return info.statistics(self.tensor(info.sketch))
+
+    def kept_whole(self, key: str) -> bool:
+        """Whether the set keeps the tensor ``key`` whole (not as statistics only)."""
+        return key not in self.manifest.statistics
 
     def tensors(self, keys: str | list[str], **kwargs: Any) -> Any:
         if isinstance(keys, list):

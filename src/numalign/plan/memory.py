@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from numalign.golden.statistics_info import KeptWhole
 from numalign.plan.model import Part, Structure
 from numalign.plan.workload import Request, Workload
 from numalign.replay.pipeline_split import layout, split_layers
@@ -131,17 +132,22 @@ def peaks(structure: Structure, workload: Workload, dtype: str) -> Peaks:
     return Peaks(dtype, weights, weights + worst, alone(top), top.name)
 
 
-def golden_bytes(structure: Structure, workload: Workload, b: int = 4) -> dict[str, int]:
+def golden_bytes(
+    structure: Structure, workload: Workload, b: int = 4, kept: KeptWhole | None = None
+) -> dict[str, int]:
     """A golden set's size in the reference dtype (``b`` bytes), by what holds it: every
     capture point's outputs for each recorded token (the prefill's and the decode steps'),
     the masks (one rows x width x width per request), the decode's two KV-cache snapshots
     and the continuation's last-position logits. Not counted: the probe calls, the
-    calibration statistics (both small), inputs not shared with another point's output."""
+    calibration statistics (both small), inputs not shared with another point's output.
+    ``kept`` (``numalign capture --full-points``): the prefill outputs of the points it does
+    not keep whole are a sketch each (``statistics points``) instead."""
     s, w = structure.shapes, workload
-    values = sum(p.point_values for p in structure.parts)
+    whole, sketches = _point_bytes(structure, w, b, kept or KeptWhole())
     kv = sum(kv_cache(structure, p, r, w, b) for p in structure.parts for r in w.requests)
     return {
-        "capture points": sum(w.recorded_tokens(r) for r in w.requests) * values * b,
+        "capture points": whole,
+        **({"statistics points": sketches} if kept is not None and kept.patterns else {}),
         "masks": sum(r.rows * r.width * r.width for r in w.requests) * b,
         "decode cache snapshots": 2 * kv,
         "continuation logits": sum(
@@ -149,6 +155,26 @@ def golden_bytes(structure: Structure, workload: Workload, b: int = 4) -> dict[s
         )
         * max(b, 4),
     }
+
+
+def _point_bytes(structure: Structure, w: Workload, b: int, kept: KeptWhole) -> tuple[int, int]:
+    """The capture points' outputs kept whole, and the sketches of those kept as statistics
+    (one of ``kept.width`` float64 buckets per output and request; a decode step's one-token
+    outputs stay whole, as do outputs no larger than twice the width). Parts from config
+    arithmetic know no point names: a part is kept whole where its name matches."""
+    recorded = sum(w.recorded_tokens(r) for r in w.requests)
+    whole = sketches = 0
+    for part in structure.parts:
+        points = part.points or ((part.name, part.point_values),)
+        for name, width in points:
+            small = all(r.rows * r.width * width <= 2 * kept.width for r in w.requests)
+            if kept.whole(name) or small:
+                whole += recorded * width * b
+                continue
+            steps = sum(r.rows * w.decode_steps for r in w.requests if r.generates)
+            whole += steps * width * b
+            sketches += len(w.requests) * kept.width * 8
+    return whole, sketches
 
 
 def part_golden(part: Part, workload: Workload, b: int = 4) -> int:

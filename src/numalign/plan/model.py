@@ -104,6 +104,9 @@ class Part:
     experts: int = 0
     point_values: int = 0
     signature: tuple[Any, ...] = ()
+    #: each capture point of the part with its values per token (empty where the parts come
+    #: from config arithmetic, which knows no point names)
+    points: tuple[tuple[str, int], ...] = ()
 
     @property
     def moe(self) -> bool:
@@ -205,8 +208,14 @@ def _from_meta(model: Any, shapes: Shapes) -> tuple[Part, ...]:
             totals["head"] += param.numel()
         else:
             totals["embedding" if not per_layer else "norm"] += param.numel()
-    widths = _point_values(model, layers, shapes)
-    parts = [Part("embedding", "embedding", totals["embedding"], point_values=widths["embedding"])]
+    found = _point_values(model, layers, shapes)
+    widths = {key: sum(w for _, w in points) for key, points in found.items()}
+
+    def points(key: str) -> tuple[tuple[str, int], ...]:
+        return tuple(found.get(key, ()))
+
+    parts = [Part("embedding", "embedding", totals["embedding"], point_values=widths["embedding"],
+                  points=points("embedding"))]  # fmt: skip
     for index in sorted(per_layer):
         params = per_layer[index]
         experts = [p for rel, p in params if "experts" in rel.split(".")]
@@ -216,23 +225,26 @@ def _from_meta(model: Any, shapes: Shapes) -> tuple[Part, ...]:
             expert_params=sum(p.numel() for p in experts), experts=count if experts else 0,
             point_values=widths.get(f"layer {index}", 0),
             signature=tuple((rel, tuple(p.shape)) for rel, p in params),
+            points=points(f"layer {index}"),
         ))  # fmt: skip
-    parts.append(Part("final norm", "norm", totals["norm"], point_values=widths["norm"]))
-    parts.append(Part("head", "head", totals["head"], point_values=widths["head"]))
+    parts.append(Part("final norm", "norm", totals["norm"], point_values=widths["norm"],
+                      points=points("norm")))  # fmt: skip
+    parts.append(Part("head", "head", totals["head"], point_values=widths["head"],
+                      points=points("head")))  # fmt: skip
     return tuple(parts)
 
 
-def _point_values(model: Any, layers: str, shapes: Shapes) -> dict[str, int]:
-    """Values per token the capture's default points (``golden.capture_points.default_points``)
-    output, by part: a Linear its out_features, an Embedding its dimension, a norm its
-    weight's size, a router its logits and top-k indices and weights, a rotary embedding its
-    cos and sin, every other point (a layer, an attention, an MLP or MoE, its experts) one
-    hidden-size tensor."""
+def _point_values(model: Any, layers: str, shapes: Shapes) -> dict[str, list[tuple[str, int]]]:
+    """Each of the capture's default points (``golden.capture_points.default_points``) with
+    the values per token it outputs, by part: a Linear its out_features, an Embedding its
+    dimension, a norm its weight's size, a router its logits and top-k indices and weights,
+    a rotary embedding its cos and sin, every other point (a layer, an attention, an MLP or
+    MoE, its experts) one hidden-size tensor."""
     import torch
 
     from numalign.golden.capture_points import ROUTER_TYPES, default_points
 
-    found = {"embedding": 0, "norm": 0, "head": 0}
+    found: dict[str, list[tuple[str, int]]] = {"embedding": [], "norm": [], "head": []}
     seen_layers = False
     for name in default_points(model):
         module = model.get_submodule(name)
@@ -258,7 +270,7 @@ def _point_values(model: Any, layers: str, shapes: Shapes) -> dict[str, int]:
             key = "embedding"
         else:
             key = "norm" if seen_layers else "embedding"
-        found[key] = found.get(key, 0) + width
+        found.setdefault(key, []).append((name, width))
     return found
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from numalign.core.statistics import DEFAULT_WIDTH
+from numalign.golden.statistics_info import KeptWhole
 from numalign.plan import memory
 from numalign.plan.measure import Throughput, measure
 from numalign.plan.model import Part, Structure, structure
@@ -60,11 +62,15 @@ def plan(
     trust_remote_code: bool = False,
     throughput: Throughput | None = None,
     measured: bool = True,
+    full_points: tuple[str, ...] | None = None,
+    sketch_width: int = DEFAULT_WIDTH,
 ) -> Plan:
     """The plan of the model in ``model_dir`` (its config.json alone is read) for a capture
-    with these options (``numalign capture``'s, same defaults) in ``reference_dtype`` and a
-    replay in each of ``dtypes`` on devices of ``device_memory`` bytes. ``throughput``: this
-    machine's (None and ``measured``: measured now; None otherwise: no time estimate)."""
+    with these options (``numalign capture``'s, same defaults; ``full_points``: its
+    ``--full-points``, the golden set's other points kept as sketches of ``sketch_width``) in
+    ``reference_dtype`` and a replay in each of ``dtypes`` on devices of ``device_memory``
+    bytes. ``throughput``: this machine's (None and ``measured``: measured now; None
+    otherwise: no time estimate)."""
     folder = Path(model_dir)
     for name in (reference_dtype, *dtypes):
         memory.dtype_bytes(name)
@@ -95,7 +101,12 @@ def plan(
         "capture_refuses": _refused(
             folder, long, max(continuation, decode_steps), reference_dtype, trust_remote_code
         ),
-        "golden": _golden(found, work, memory.dtype_bytes(reference_dtype)),
+        "golden": golden_estimate(
+            found,
+            work,
+            b=memory.dtype_bytes(reference_dtype),
+            kept=KeptWhole.of(full_points, sketch_width),
+        ),
         "peaks": {n: _peaks(found, work, n) for n in names},
         "device_memory": device_memory,
         "pipeline": {n: _pipeline(found, work, n, device_memory) for n in names},
@@ -210,10 +221,18 @@ def _requests(work: Workload) -> dict[str, Any]:
     }
 
 
-def _golden(found: Structure, work: Workload, b: int) -> dict[str, Any]:
-    parts = memory.golden_bytes(found, work, b)
-    return {"bytes": sum(parts.values()), "by": parts, "counted": GOLDEN_COUNTED,
-            "not_counted": GOLDEN_NOT_COUNTED}  # fmt: skip
+def golden_estimate(found: Structure, work: Workload, b: int, kept: KeptWhole) -> dict[str, Any]:
+    """The golden set's size: in ``bytes``, by what holds it, and where ``kept`` keeps some
+    points as statistics only, what the set would take whole (``whole_bytes``) and the
+    patterns kept whole (``full_points``)."""
+    parts = memory.golden_bytes(found, work, b, kept)
+    out = {"bytes": sum(parts.values()), "by": parts, "counted": GOLDEN_COUNTED,
+           "not_counted": GOLDEN_NOT_COUNTED}  # fmt: skip
+    if kept.patterns is not None:
+        out["whole_bytes"] = sum(memory.golden_bytes(found, work, b).values())
+        out["full_points"] = list(kept.patterns)
+        out["sketch_width"] = kept.width
+    return out
 
 
 def _peaks(found: Structure, work: Workload, dtype: str) -> dict[str, Any]:

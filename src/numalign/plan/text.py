@@ -96,8 +96,13 @@ def _requests(d: dict[str, Any]) -> list[str]:
 def _golden(d: dict[str, Any]) -> list[str]:
     g = d["golden"]
     parts = ", ".join(f"{k} {size(v)}" for k, v in g["by"].items())
+    kept = ""
+    if "whole_bytes" in g:
+        kept = (f" With --full-points {' '.join(g['full_points'])} (sketches of "
+                f"{g['sketch_width']} buckets elsewhere); whole it would take about "
+                f"{size(g['whole_bytes'])}.")  # fmt: skip
     return [
-        f"Golden set: about {size(g['bytes'])} ({parts}). Counted: {g['counted']}. "
+        f"Golden set: about {size(g['bytes'])} ({parts}).{kept} Counted: {g['counted']}. "
         f"Not counted: {g['not_counted']}.",
         "",
     ]

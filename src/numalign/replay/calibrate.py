@@ -34,18 +34,21 @@ from numalign.compare.lean import LeanSums
 from numalign.compare.logits import logits_stats
 from numalign.compare.output_kind import CALIBRATED_KINDS, ROUTING_KIND, TENSOR
 from numalign.compare.routing import agreeing
+from numalign.compare.statistics import statistics_metrics
 from numalign.core import dtypes
 from numalign.core.errors import Unsupported
+from numalign.core.statistics import TensorStatistics
 from numalign.golden.decode import REFERENCE_CACHE, limit_message
 from numalign.golden.loading import load_reference
 from numalign.golden.manifest import OUTPUT_POINT, CalibrationJson
+from numalign.golden.positions import kept_positions
 from numalign.golden.reference import Placement, forward_kwargs, model_outputs
+from numalign.golden.statistics_info import StatisticsOnly
 from numalign.golden.store import GoldenSet
 from numalign.replay.decode import run_decode
 from numalign.replay.layer import (
     AloneUnsupported,
     golden_outputs,
-    kept_positions,
     replay_call,
     request_mask,
 )
@@ -59,10 +62,14 @@ _Worst = dict[tuple[str, str], dict[str, float]]
 _Leans = dict[tuple[str, str, str], LeanSums]
 
 
-def _stats(actual: torch.Tensor, expected: torch.Tensor, kind: str = TENSOR) -> dict[str, float]:
+def _stats(
+    actual: torch.Tensor, expected: torch.Tensor | TensorStatistics, kind: str = TENSOR
+) -> dict[str, float]:
     """The errors of one output (``ERROR_STATISTICS``, the distribution's); a router's routing
     (``kind``: ``compare.routing``) on the tokens whose chosen experts agree, with the
     fraction of tokens that choose differently (``flips``)."""
+    if isinstance(expected, TensorStatistics):  # measured as a replay judges it
+        return _statistics_stats(actual, expected)
     if kind == ROUTING_KIND and actual.shape == expected.shape:
         actual, expected, flips, tokens = agreeing(actual, expected)
         return _stats(actual, expected) | {"flips": flips / max(tokens, 1)}
@@ -72,6 +79,21 @@ def _stats(actual: torch.Tensor, expected: torch.Tensor, kind: str = TENSOR) -> 
     out["norm_ratio"] = float(m.norm_ratio)
     out["zero_fraction"] = float(m.zero_fraction_actual)
     out["nonfinite"] = float(m.nan_actual + m.inf_actual - m.nan_expected - m.inf_expected)
+    return out
+
+
+def _statistics_stats(actual: torch.Tensor, expected: TensorStatistics) -> dict[str, float]:
+    """The errors of an output the set keeps as statistics only, as the judge measures a
+    candidate's there (``compare.statistics``): the relative L2 error from the sketches, the
+    cosine, the exact norm ratio and non-finite count; the rest unmeasured (NaN)."""
+    m = statistics_metrics(actual, expected)
+    out = dict.fromkeys(ERROR_STATISTICS, math.nan)
+    out["rel_l2"] = float(m.rel_l2)
+    out["max_expected"] = expected.absmax
+    out["cosine"] = float(m.cosine)
+    out["norm_ratio"] = float(m.norm_ratio)
+    out["zero_fraction"] = float(int((actual == 0).sum()) / max(actual.numel(), 1))
+    out["nonfinite"] = float(m.nan_actual + m.inf_actual - expected.nonfinite)
     return out
 
 
@@ -218,18 +240,21 @@ def _isolated(
             for call in calls:
                 try:
                     outputs = replay_call(module, golden, call, device=device, dtype=torch_dtype)
-                except AloneUnsupported:
+                except (AloneUnsupported, StatisticsOnly):
                     continue  # no isolated calibration: its layer replay skips with the reason
                 for path, key in call.outputs.items():
                     kind = golden.output_kind(point.name, path)
                     if path in outputs and kind in CALIBRATED_KINDS:
-                        expected = kept_positions(golden.tensor(key), mask)
+                        golden_output = golden.expected(key)
+                        expected = (golden_output if isinstance(golden_output, TensorStatistics)
+                                    else kept_positions(golden_output, mask))  # fmt: skip
                         actual = kept_positions(outputs[path], mask)
                         stats = _stats(actual, expected, kind)
                         isolated[(point.name, path)] = _worst(
                             isolated.get((point.name, path)), stats
                         )
-                        if kind == TENSOR and actual.is_floating_point():
+                        if (kind == TENSOR and not isinstance(expected, TensorStatistics)
+                                and actual.is_floating_point()):  # fmt: skip
                             slot = (point.name, path, "isolated")
                             leans.setdefault(slot, LeanSums()).add(actual, expected)
     return isolated

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from numalign.compare.exact import attends
+from numalign.core.statistics import TensorStatistics
+from numalign.golden.positions import kept_positions
 from numalign.golden.reference import forward_kwargs
 from numalign.golden.routing import point_tensors
 from numalign.replay.layer import (
     CallOrder,
     call_inputs,
-    kept_positions,
     request_mask,
 )
 
@@ -112,7 +113,8 @@ def input_at_fault(
         for path, key in recorded.outputs.items():
             if path not in outputs:
                 continue
-            expected = kept_positions(golden.tensor(key), mask)
+            truth = golden.expected(key)
+            expected = truth if isinstance(truth, TensorStatistics) else kept_positions(truth, mask)
             result = judge(path, kept_positions(outputs[path].detach(), mask), expected)
             if not result.passed:
                 failed = result

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from numalign.compare.exact import LeftOut, fill_faults
 from numalign.core.errors import Unsupported
+from numalign.core.statistics import Expected, TensorStatistics
+from numalign.golden.positions import by_position, kept_positions
 from numalign.golden.reference import hooks, jsonable
 from numalign.golden.routing import point_tensors
 
@@ -105,19 +107,6 @@ def within_range(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(tensor.isfinite(), clamped, tensor).to(dtype)
 
 
-def kept_positions(tensor: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """The positions a request's attention mask keeps: what a model computes at padding is
-    not defined, so its values are not compared (what is wrong there, a value that is not
-    finite, is judged apart: ``left_out``). Outputs laid out [batch, ..., seq, ...] keep the
-    positions of the first dimension after the batch that has the sequence's length
-    ([batch, seq, hidden]; attention weights [batch, heads, query, key]), and outputs of the
-    tokens flattened, [batch * seq, ...] (a router's logits and routing), keep their rows.
-    Other layouts, and [batch, features] outputs (an encoder's pooled output), are returned
-    whole."""
-    laid = _by_position(tensor, mask)
-    return tensor if laid is None else laid[0][laid[1]]
-
-
 def left_out(
     actual: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor | None
 ) -> LeftOut | None:
@@ -130,7 +119,7 @@ def left_out(
 
     if actual.shape != expected.shape:
         return None
-    laid_a, laid_e = _by_position(actual, mask), _by_position(expected, mask)
+    laid_a, laid_e = by_position(actual, mask), by_position(expected, mask)
     if laid_a is None or laid_e is None or mask is None:
         return None
     (a, keep), (e, _) = laid_a, laid_e
@@ -153,25 +142,6 @@ def left_out(
         (int(p[0]), int(p[1])) if p.numel() == 2 else divmod(int(p[0]), seq) for p in positions
     )
     return LeftOut(rows, int(faults.sum()), int(out.sum()), what)
-
-
-def _by_position(
-    tensor: torch.Tensor, mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``tensor`` with a request's positions leading ([batch, seq, ...], or its rows where
-    the tokens are flattened) and which of them the mask keeps; None for a layout without
-    them (``kept_positions``)."""
-    if mask is None:
-        return None
-    keep = mask.to(tensor.device).bool()
-    if tensor.dim() == 2 and tensor.shape[0] == mask.numel() > mask.shape[0]:  # tokens flattened
-        return tensor, keep.flatten()
-    if tensor.dim() < 3 or tensor.shape[0] != mask.shape[0]:
-        return None
-    seq_dims = [d for d in range(1, tensor.dim()) if tensor.shape[d] == mask.shape[1]]
-    if not seq_dims:
-        return None
-    return tensor.movedim(seq_dims[0], 1), keep
 
 
 def request_mask(golden: GoldenSet, request: str) -> torch.Tensor | None:
@@ -261,7 +231,7 @@ class CallMatcher:
         self,
         golden: GoldenSet,
         request: str,
-        on_output: Callable[[str, str, torch.Tensor, torch.Tensor, int], None],
+        on_output: Callable[[str, str, torch.Tensor, Expected, int], None],
         on_left_out: Callable[[str, str, LeftOut, int], None] | None = None,
     ) -> None:
         self.golden, self.request, self.on_output = golden, request, on_output
@@ -279,15 +249,18 @@ class CallMatcher:
             return
         for path, tensor in point_tensors(output):
             key = calls[number].outputs.get(path)
-            if key is not None:
-                golden = self.golden.tensor(key)
-                if self.on_left_out is not None:
-                    faults = left_out(tensor.detach(), golden, self.mask)
-                    if faults is not None:
-                        self.on_left_out(point, path, faults, number)
-                expected = kept_positions(golden, self.mask)
-                actual = kept_positions(tensor.detach(), self.mask)
-                self.on_output(point, path, actual, expected, number)
+            if key is None:
+                continue
+            actual = kept_positions(tensor.detach(), self.mask)
+            golden = self.golden.expected(key)
+            if isinstance(golden, TensorStatistics):  # kept as statistics of the kept rows
+                self.on_output(point, path, actual, golden, number)
+                continue
+            if self.on_left_out is not None:
+                faults = left_out(tensor.detach(), golden, self.mask)
+                if faults is not None:
+                    self.on_left_out(point, path, faults, number)
+            self.on_output(point, path, actual, kept_positions(golden, self.mask), number)
 
 
 @contextmanager
@@ -295,7 +268,7 @@ def golden_outputs(
     model: torch.nn.Module,
     golden: GoldenSet,
     request: str,
-    on_output: Callable[[str, str, torch.Tensor, torch.Tensor, int], None],
+    on_output: Callable[[str, str, torch.Tensor, Expected, int], None],
     on_left_out: Callable[[str, str, LeftOut, int], None] | None = None,
 ) -> Iterator[None]:
     """While the model runs ``request``, calls ``on_output(point, path, actual, expected)``

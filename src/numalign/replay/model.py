@@ -18,6 +18,8 @@ from numalign.compare.exact import LeftOut
 from numalign.compare.model_verdict import ModelVerdict, PointResult, ReplayUnsupported
 from numalign.core import dtypes
 from numalign.core.observation import ContinuationRun, Event, FinalOutput, Observation
+from numalign.core.statistics import Expected, TensorStatistics
+from numalign.golden.positions import kept_positions
 from numalign.golden.reference import (
     append_token,
     forward_kwargs,
@@ -29,7 +31,6 @@ from numalign.replay.inputs import fed_inputs, input_at_fault
 from numalign.replay.judging import judged_layer, judged_model
 from numalign.replay.layer import (
     AloneUnsupported,
-    kept_positions,
     left_out,
     replay_call,
     request_mask,
@@ -272,9 +273,13 @@ def observe_layer(
                 actual = outputs.get(path)
                 if actual is None:  # e.g. attention weights, which only eager returns
                     continue
-                truth = golden.tensor(key)
-                expected = kept_positions(truth, mask)
-                faults = left_out(actual.detach(), truth, mask)
+                truth = golden.expected(key)
+                faults = None
+                if isinstance(truth, TensorStatistics):  # of the kept positions already
+                    expected: Expected = truth
+                else:
+                    expected = kept_positions(truth, mask)
+                    faults = left_out(actual.detach(), truth, mask)
                 # a tensor-parallel rank's shard gathered whole
                 actual = whole(kept_positions(actual.detach(), mask), tuple(expected.shape))
                 see(Observation(point.name, path, request, actual, expected, call=index,

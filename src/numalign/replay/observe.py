@@ -19,6 +19,7 @@ from numalign.runtime.compiled import CompiledModel
 if TYPE_CHECKING:
     import torch
 
+    from numalign.core.statistics import Expected
     from numalign.golden.store import GoldenSet
 
 
@@ -27,7 +28,7 @@ def observe(
     model: Any,
     golden: GoldenSet,
     request: str,
-    on_output: Callable[[str, str, torch.Tensor, torch.Tensor, int], None],
+    on_output: Callable[[str, str, torch.Tensor, Expected, int], None],
     on_left_out: Callable[[str, str, LeftOut, int], None] | None = None,
 ) -> Iterator[None]:
     """``golden_outputs`` for any model: for an eager model its hooks; for a CompiledModel

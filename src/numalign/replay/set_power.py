@@ -31,7 +31,8 @@ from numalign.compare.model_verdict import Uncalibrated
 from numalign.compare.output_kind import CALIBRATED_KINDS
 from numalign.core import dtypes
 from numalign.golden.manifest import PROBE_REQUEST, PowerJson
-from numalign.replay.layer import kept_positions, request_mask
+from numalign.golden.positions import kept_positions
+from numalign.replay.layer import request_mask
 from numalign.replay.model import hidden_and_depth
 
 if TYPE_CHECKING:
@@ -90,8 +91,8 @@ def _point_power(
                 modes = [m for m in MODES
                          if golden.calibrated(dtype, point.name, path, m) is not None
                          and not (m == "accumulated" and request == PROBE_REQUEST)]  # fmt: skip
-                if not modes:
-                    continue
+                if not modes or not golden.kept_whole(key):
+                    continue  # kept as statistics only: each replay's record gives its power
                 expected = kept_positions(golden.tensor(key), mask)
                 for mode in modes:
                     found = _detectable(judges[mode], point.name, path, expected, torch_dtype)

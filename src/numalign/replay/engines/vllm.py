@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from numalign.core import dtypes
 from numalign.core.observation import Event, FinalOutput, Observation, label
 from numalign.golden.manifest import OUTPUT_POINT
+from numalign.golden.positions import kept_positions
 from numalign.golden.requests import unservable
 from numalign.golden.routing import ROUTING
 from numalign.replay.decode import require_decode_replayable
@@ -67,7 +68,7 @@ from numalign.replay.engines.vllm_serving import (
     step_rows,
 )
 from numalign.replay.judging import judged_decode, judged_layer, judged_model
-from numalign.replay.layer import AloneUnsupported, kept_positions, request_mask
+from numalign.replay.layer import AloneUnsupported, request_mask
 from numalign.replay.sets import open_fresh
 from numalign.runtime.serving import ARRANGEMENTS, DEFAULT_SERVING, Arrangement
 from numalign.runtime.variant import Variant

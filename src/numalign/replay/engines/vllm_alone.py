@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from numalign.core import dtypes
 from numalign.core.observation import Observation
+from numalign.golden.positions import kept_positions
 from numalign.replay.engines.vllm_points import (
     LM_HEAD,
     RESIDUAL,
@@ -24,7 +25,7 @@ from numalign.replay.engines.vllm_serving import (
     prompt_rows,
     quiet,
 )
-from numalign.replay.layer import AloneUnsupported, kept_positions, request_mask
+from numalign.replay.layer import AloneUnsupported, request_mask
 
 if TYPE_CHECKING:
     from numalign.golden.store import GoldenSet, Point
