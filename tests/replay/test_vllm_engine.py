@@ -27,13 +27,6 @@ MISTRAL = ROOT / "golden" / "sets" / "tiny-mistral"
 LAYER = "model.layers.1"
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[VllmEngine]:
-    engine = VllmEngine(Settings(engine="vllm"))
-    yield engine
-    engine.close()
-
-
 def _model(engine: VllmEngine, dtype: str) -> Any:
     engine._served.clear()  # a fresh serving: the plant changes what the engine computes
     return engine.model(MISTRAL, dtype, torch.device("cpu"), None).verdict

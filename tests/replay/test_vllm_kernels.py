@@ -8,7 +8,6 @@ Runs where vLLM is installed (CI's vLLM environment); elsewhere it skips with th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +20,11 @@ import torch
 from numalign.replay.engines.vllm import VllmEngine
 from numalign.replay.engines.vllm_kernels import moe_scale
 from numalign.replay.sets import open_fresh
-from numalign.session.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 MIXTRAL = ROOT / "golden" / "sets" / "tiny-mixtral"
 BLOCK = "model.layers.0.mlp"
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[VllmEngine]:
-    engine = VllmEngine(Settings(engine="vllm"))
-    yield engine
-    engine.close()
 
 
 def _running(engine: VllmEngine) -> Any:

@@ -24,19 +24,11 @@ from numalign.replay.engines.errors import EngineUnsupported
 from numalign.replay.engines.vllm import VllmEngine
 from numalign.replay.engines.vllm_serving import KV_BLOCK
 from numalign.runtime.serving import ARRANGEMENTS
-from numalign.session.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 MISTRAL = ROOT / "golden" / "sets" / "tiny-mistral"
 MIXTRAL = ROOT / "golden" / "sets" / "tiny-mixtral"
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[VllmEngine]:
-    engine = VllmEngine(Settings(engine="vllm"))
-    yield engine
-    engine.close()
 
 
 def _served(engine: VllmEngine, path: Path, name: str) -> Any:
