@@ -2,8 +2,9 @@
 (``numalign capture --full-points``; ``core.statistics``, ``compare.statistics``): the sketch
 is linear, machine-independent and estimates an error's norm within its margin; a capture
 keeps whole what it must and the rest as statistics, in format 5; its calibration measures
-the statistics-only points as the judge does; the whole model is judged at them by the
-calibrated rules, a planted error there fails there, saying so; what needs a tensor kept as
+the statistics-only points as the judge does, and pools their accumulated leans; the whole
+model is judged at them by the calibrated rules and the pooled leans (through the
+statistics), a planted error there fails there, saying so; what needs a tensor kept as
 statistics (a point replayed alone on it) is skipped with why."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from numalign.compare.pooled import POOLED
 from numalign.core.errors import Unsupported
 from numalign.core.statistics import distance, estimate_margin, sketch, statistics_of
 from numalign.golden.capture_spec import CaptureSpec
@@ -166,6 +168,30 @@ def test_an_error_at_a_statistics_point_fails_there_saying_so(
     assert "judged on statistics only" in divergence.result.reason
     # it cannot run alone (its inputs are kept as statistics): unlocated, saying why
     assert divergence.kind == "unlocated" and "statistics only" in (divergence.why_unlocated or "")
+
+
+def test_a_scale_each_comparison_lets_through_fails_the_lean_pooled_through_statistics(
+    golden: GoldenSet, reference: Any
+) -> None:
+    module = reference.get_submodule(STATS_POINT)
+    # 3% larger: each request's comparison passes it (0.9 of its budget, measured: the
+    # statistics' rules read the norm within the calibrated budget and the sketch's margin),
+    # the pooled scale lean, measured through the statistics, fails it (2.3 times its limit;
+    # its power here is 1.8%, docs/golden-sets.md)
+    handle = module.register_forward_hook(lambda m, a, out: out * 1.03)
+    try:
+        verdict = replay_model(golden, reference, "bfloat16", CPU)
+    finally:
+        handle.remove()
+    at_point = [r for r in verdict.points if r.point == STATS_POINT]
+    assert [r.request for r in at_point if not r.result.passed] == [POOLED]
+    divergence = verdict.divergence
+    assert divergence is not None and divergence.point == STATS_POINT
+    assert divergence.request == POOLED and "systematic scale" in divergence.result.reason
+    # the lean measured is the planted 3%, less the bfloat16 rounding around it (0.13% low
+    # here) and within the statistics' resolution (a few hundredths of a percent)
+    assert divergence.result.budget["lean_scale"] == pytest.approx(0.03, abs=0.002)
+    assert "judged on statistics only: the global leans" in divergence.result.reason
 
 
 def test_a_point_whose_inputs_are_statistics_is_not_replayed_alone(

@@ -166,10 +166,8 @@ class Judge:
         self.points.append(judged)
         if not result.passed:
             self._explain(seen, point, path)
-        expected = seen.expected  # kept as statistics only: no elements to pool into a lean
-        if self.leans and not isinstance(expected, TensorStatistics) and seen.point not in (
-            CACHE_POINT, OUTPUT_POINT,
-        ):  # fmt: skip
+        expected = seen.expected  # a tensor, or statistics (global leans: compare.lean)
+        if self.leans and seen.point not in (CACHE_POINT, OUTPUT_POINT):
             # the lean ranks where the point's first result does, in the first divergence
             self._leans.add(seen.point, seen.path, seen.actual, expected, order, judged.finished)
             if self.known is not None and seen.point in self.known.points:

@@ -58,6 +58,7 @@ from numalign.compare.tolerances import (
     LEAN_MIN_ELEMENTS,
     Thresholds,
 )
+from numalign.core.statistics import Expected, TensorStatistics, distance
 
 if TYPE_CHECKING:
     import torch
@@ -105,9 +106,17 @@ class LeanSums:
         self.sums: dict[str, Any] | None = None
         self.mixed = False  # outputs of different channel counts: global leans only
 
-    def add(self, actual: torch.Tensor, expected: torch.Tensor) -> None:
+    def add(self, actual: torch.Tensor, expected: Expected) -> None:
+        """``actual``'s sums against ``expected``: the tensor, per channel; or the statistics
+        a set keeps of it (``statistics_sums``: global only, so the pool's per-channel leans
+        are then left out)."""
         import torch
 
+        if isinstance(expected, TensorStatistics):
+            found = statistics_sums(actual, expected)
+            if found is not None:
+                self._pool(found)
+            return
         if actual.shape != expected.shape or not actual.numel():
             return
         a = actual.detach().to(torch.float64)
@@ -124,7 +133,9 @@ class LeanSums:
             "dd": (d * d).sum(0), "eedd": (ee * d * d).sum(0), "eeed": (ee * de).sum(0),
             "eeee": (ee * ee).sum(0),
         }  # fmt: skip
-        new = {k: v.cpu() for k, v in new.items()}
+        self._pool({k: v.cpu() for k, v in new.items()})
+
+    def _pool(self, new: dict[str, torch.Tensor]) -> None:
         if self.sums is None:
             self.sums = new
         elif self.sums["n"].shape == new["n"].shape and not self.mixed:
@@ -155,6 +166,51 @@ class LeanSums:
             best = {"scale": _most_significant(slopes), "offset": _most_significant(means)}
         return Lean(scale, scale_se, offset, offset_se, *best["scale"], *best["offset"],
                     channels, n)  # fmt: skip
+
+
+def statistics_sums(
+    actual: torch.Tensor, golden: TensorStatistics
+) -> dict[str, torch.Tensor] | None:
+    """The lean's sums of ``actual`` against a tensor kept as ``golden`` statistics, over all
+    its elements (one channel); None where the shapes differ or the set kept no sum of fourth
+    powers (numalign 0.24.0's sets).
+
+    The reference's sums are exact (|e|^2 the norm squared, the sum, sum e^4); the error's
+    square |d|^2 is the sketches' estimate (``core.statistics.distance``), and the error's
+    projection on the reference follows from the exact norms: d.e = (|a|^2 - |e|^2 - |d|^2)
+    / 2. The estimate's noise (relative standard deviation at most sqrt(2 / width) in |d|^2)
+    moves d.e by at most |d|^2 / sqrt(2 * width) (one standard deviation), a lean of a tiny
+    fraction of rel_l2^2, and is added to the slope's variance. The element-wise sums the
+    slope's robust standard error needs (sum e^2 d^2, sum e^3 d) are those of errors relative
+    to the reference, d_i = (beta + eps_i) e_i with eps of variance v = RSS / |e|^2: rounding
+    errors are relative, and for errors of any other spread across elements this variance
+    is the larger one (n sum e^4 >= (sum e^2)^2). Both variances read |d|^2 one standard
+    deviation above its estimate: in an honest output the residual is most of |d|^2 and its
+    estimate is as good as the sketch's; where a lean is most of it, what is left is a
+    small difference of large sums and may read low, but the lean is then many standard
+    errors beyond any honest one anyway (``LEAN_Z`` of them are needed)."""
+    import torch
+
+    if golden.fourth is None or tuple(actual.shape) != golden.shape or not golden.numel:
+        return None
+    flat = actual.detach().reshape(-1).to("cpu", torch.float64)
+    finite = flat.isfinite()
+    values = torch.where(finite, flat, torch.zeros((), dtype=torch.float64))
+    ee = golden.norm * golden.norm
+    dd = distance(actual, golden) ** 2
+    de = (float(values.square().sum()) - ee - dd) / 2.0
+    beta = de / ee if ee > 0 else 0.0
+    most = dd * (1.0 + math.sqrt(2.0 / golden.width))  # one standard deviation above
+    v = max(most - beta * de, 0.0) / ee if ee > 0 else 0.0
+    eeee = golden.fourth
+    sums = {
+        "n": float(golden.numel - max(int((~finite).sum()), golden.nonfinite)),
+        "ee": ee, "de": de, "d": float(values.sum()) - golden.total,
+        "dd": most,
+        "eedd": (beta * beta + v) * eeee + dd * dd / (2.0 * golden.width),
+        "eeed": beta * eeee, "eeee": eeee,
+    }  # fmt: skip
+    return {k: torch.tensor([value], dtype=torch.float64) for k, value in sums.items()}
 
 
 def lean(actual: torch.Tensor, expected: torch.Tensor) -> Lean | None:

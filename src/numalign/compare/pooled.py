@@ -10,6 +10,13 @@ they are the point's as the model runs, and the honest range is widened by the e
 relative L2 error of the point in that mode (``compare.lean``: the lean honest upstream error
 can bring), the global leans judged, not the per-channel ones.
 
+At an output a set keeps as statistics only the leans are the global ones, measured through
+the statistics (``compare.lean.statistics_sums``); where its module alone had no calibration
+(its inputs are statistics too) the honest range is the whole model's: the calibration pools
+the members' accumulated leans at such outputs, and the range is widened by the upstream
+error all the same (an implementation that rounds elsewhere upstream leans the point
+differently than the members, who share their code, by at most that error).
+
 One result per point output, request ``POOLED``; none where the calibration holds no leans
 (sets captured before this numalign, a float32 borrowing its budgets), no error of the point
 in the mode, or the point has too few elements to resolve one.
@@ -27,8 +34,10 @@ from numalign.compare.lean import Lean, LeanSums, judge_lean, lean_uses
 from numalign.compare.metrics import signed_percent
 from numalign.compare.model_verdict import PointResult
 from numalign.compare.power import lean_detectable
+from numalign.compare.statistics import STATISTICS_ONLY
 from numalign.compare.tolerances import Thresholds
 from numalign.core.observation import label
+from numalign.core.statistics import Expected, TensorStatistics
 
 if TYPE_CHECKING:
     import torch
@@ -53,35 +62,54 @@ class PointLeans:
     sums: dict[tuple[str, str], LeanSums] = field(default_factory=dict)
     #: when each output was first handed on (the order of the first divergence)
     first: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    #: the outputs pooled through statistics (a set's statistics-only points)
+    through_statistics: set[tuple[str, str]] = field(default_factory=set)
 
-    def add(self, point: str, path: str, actual: torch.Tensor, expected: torch.Tensor,
+    def add(self, point: str, path: str, actual: torch.Tensor, expected: Expected,
             order: int, finished: int) -> None:  # fmt: skip
-        if not actual.is_floating_point() or not expected.is_floating_point():
+        floating = isinstance(expected, TensorStatistics) or expected.is_floating_point()
+        if not actual.is_floating_point() or not floating:
             return
         self.sums.setdefault((point, path), LeanSums()).add(actual, expected)
         self.first.setdefault((point, path), (order, finished))
+        if isinstance(expected, TensorStatistics):
+            self.through_statistics.add((point, path))
 
     def results(self) -> list[PointResult]:
         """One judged result per pooled output whose calibration holds leans (and, inside
         the model, the point's error in the mode)."""
         out = []
         for (point, path), sums in self.sums.items():
-            calibration = self.golden.calibrated(self.dtype, point, path, "isolated")
             measured = sums.finish()
-            if calibration is None or measured is None or calibration.scale_low is None:
-                continue
+            alone = self.golden.calibrated(self.dtype, point, path, "isolated")
+            within = None  # the point's honest error in the model, if any
             upstream = None  # alone: no widening
-            if self.mode != "isolated":  # the point's honest error in the model, if any
+            if self.mode != "isolated":
                 within = self.golden.calibrated(self.dtype, point, path, self.mode)
                 if within is None or within.rel_l2 is None or not math.isfinite(within.rel_l2):
                     continue
                 upstream = float(within.rel_l2)
+            # the leans of the module alone; where none were measured (a point kept as
+            # statistics only, fed statistics), those of the whole model's (module doc)
+            calibration = alone if _has_leans(alone) else within
+            if measured is None or calibration is None or not _has_leans(calibration):
+                continue
             order, finished = self.first[(point, path)]
             result = lean_result(label(point, path), self.dtype, measured, calibration,
                                  self.reduction, self.thresholds, upstream)  # fmt: skip
+            if (point, path) in self.through_statistics:
+                result = replace(
+                    result,
+                    reason=f"{result.reason} ({STATISTICS_ONLY}: the "
+                    "global leans, through the sketch and the exact sums)",
+                )
             out.append(PointResult(point, order, POOLED, path, result, self.mode,
                                    finished=finished))  # fmt: skip
         return out
+
+
+def _has_leans(calibration: ControlStats | None) -> bool:
+    return calibration is not None and calibration.scale_low is not None
 
 
 def lean_result(

@@ -19,9 +19,10 @@ The rules are the calibrated ones, measured through the statistics, in the usual
 
 The calibration measured its members the same way at these points (``replay.calibrate``), so
 a budget and the error it bounds are alike. What is not judged: the max-abs budget, exact
-zeros, the pooled leans and the cause of a failure, all of which need elements; the power
-(``Detectable``) is read from the relative L2 and norm limits. Every result
-says "judged on statistics only" in its reason.
+zeros and the cause of a failure, all of which need elements; the power (``Detectable``) is
+read from the relative L2 and norm limits. The pooled leans are judged through the
+statistics (``compare.lean.statistics_sums``, ``compare.pooled``), global ones only. Every
+result says "judged on statistics only" in its reason.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ nothing of numalign.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
     import torch
@@ -44,21 +44,38 @@ _CHUNK = 1 << 22
 DEFAULT_WIDTH = 1024
 
 
-@dataclass(frozen=True)
-class TensorStatistics:
-    """What a set keeps of a tensor it does not keep whole (the module doc): the tensor's
-    ``shape`` and ``dtype`` (at the kept positions), exact ``norm`` (L2, of its finite
-    values), ``total`` (their sum), ``absmax``, counts of NaN and infinities, and its
-    ``sketch`` (float64, ``width`` buckets)."""
+@dataclass(frozen=True, kw_only=True)
+class ExactStatistics:
+    """A tensor's exact statistics over its finite values: ``norm`` (L2), ``total`` (sum),
+    ``absmax``, counts of NaN and infinities, and ``fourth``, the sum of the fourth powers
+    (the pooled lean's standard error from statistics, ``compare.lean``; None in sets
+    captured by numalign 0.24.0, which kept no such sum)."""
 
-    shape: tuple[int, ...]
-    dtype: str
     norm: float
     total: float
     absmax: float
     nan: int
     posinf: int
     neginf: int
+    fourth: float | None = None
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan + self.posinf + self.neginf
+
+    def scalars(self) -> dict[str, Any]:
+        """The exact statistics by name, as the manifest stores them."""
+        return {f.name: getattr(self, f.name) for f in fields(ExactStatistics)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorStatistics(ExactStatistics):
+    """What a set keeps of a tensor it does not keep whole (the module doc): the tensor's
+    ``shape`` and ``dtype`` (at the kept positions), its exact statistics and its ``sketch``
+    (float64, ``width`` buckets)."""
+
+    shape: tuple[int, ...]
+    dtype: str
     sketch: torch.Tensor
 
     @property
@@ -68,15 +85,6 @@ class TensorStatistics:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-    @property
-    def nonfinite(self) -> int:
-        return self.nan + self.posinf + self.neginf
-
-    def scalars(self) -> dict[str, float | int]:
-        """The exact statistics as the manifest stores them (the sketch is a tensor)."""
-        return {"norm": self.norm, "total": self.total, "absmax": self.absmax,
-                "nan": self.nan, "posinf": self.posinf, "neginf": self.neginf}  # fmt: skip
 
 
 def statistics_of(tensor: torch.Tensor, width: int = DEFAULT_WIDTH) -> TensorStatistics:
@@ -91,6 +99,7 @@ def statistics_of(tensor: torch.Tensor, width: int = DEFAULT_WIDTH) -> TensorSta
         shape=tuple(tensor.shape),
         dtype=str(tensor.dtype).removeprefix("torch."),
         norm=float(values.norm()),
+        fourth=_finite_or_none(float(values.square().square().sum())),
         total=float(values.sum()),
         absmax=float(values.abs().max()) if values.numel() else 0.0,
         nan=int(flat.isnan().sum()),
@@ -98,6 +107,11 @@ def statistics_of(tensor: torch.Tensor, width: int = DEFAULT_WIDTH) -> TensorSta
         neginf=int((flat == -math.inf).sum()),
         sketch=sketch(values, width),
     )
+
+
+def _finite_or_none(value: float) -> float | None:
+    """``value``, or None where it overflowed float64 (a fourth power past 1e77)."""
+    return value if math.isfinite(value) else None
 
 
 def sketch(tensor: torch.Tensor, width: int = DEFAULT_WIDTH) -> torch.Tensor:

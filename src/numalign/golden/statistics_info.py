@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from numalign.core.errors import Unsupported
-from numalign.core.statistics import DEFAULT_WIDTH, TensorStatistics
+from numalign.core.statistics import DEFAULT_WIDTH, ExactStatistics, TensorStatistics
 
 if TYPE_CHECKING:
     import torch
@@ -67,31 +67,25 @@ class StatisticsOnly(Unsupported, LookupError):
         self.key = key
 
 
-@dataclass(frozen=True)
-class StatisticsInfo:
+@dataclass(frozen=True, kw_only=True)
+class StatisticsInfo(ExactStatistics):
     """A tensor kept as statistics only: its shape and dtype at the positions a request's
-    mask keeps, its exact statistics (``TensorStatistics``'s), and the key of its sketch
-    among the set's tensors (verified by the shards' sha256 like any tensor)."""
+    mask keeps, its exact statistics, and the key of its sketch among the set's tensors
+    (verified by the shards' sha256 like any tensor)."""
 
     shape: list[int]
     dtype: str
-    norm: float
-    total: float
-    absmax: float
-    nan: int
-    posinf: int
-    neginf: int
     sketch: str
 
     @classmethod
     def of(cls, stats: TensorStatistics, sketch_key: str) -> StatisticsInfo:
-        return cls(list(stats.shape), stats.dtype, sketch=sketch_key, **stats.scalars())  # type: ignore[arg-type]
+        return cls(shape=list(stats.shape), dtype=stats.dtype, sketch=sketch_key,
+                   **stats.scalars())  # fmt: skip
 
     def statistics(self, sketch: torch.Tensor) -> TensorStatistics:
         """The statistics the judge reads, with the sketch loaded from the set."""
-        return TensorStatistics(tuple(self.shape), self.dtype, self.norm, self.total,
-                                self.absmax, self.nan, self.posinf, self.neginf,
-                                sketch)  # fmt: skip
+        return TensorStatistics(shape=tuple(self.shape), dtype=self.dtype, sketch=sketch,
+                                **self.scalars())  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         return dict(vars(self))

@@ -14,8 +14,9 @@ Per point, output and mode the worst over requests and calls is kept: the errors
 relative L2, ...), the cosine (lowest), the norm ratio (farthest from 1) and the fraction of
 exact zeros (highest), which the distribution rule judges a candidate against; and the range
 of the isolated errors' leans (``compare.lean``: scale and offset, per channel the most
-significant), pooled over every request and call, which the lean rule of layer replay judges
-a candidate's against (``compare.pooled``).
+significant), pooled over every request and call, which the lean rule judges a candidate's
+against (``compare.pooled``); at outputs kept as statistics only, the accumulated errors'
+global leans too, the range where no test alone measured one.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def calibrate(
     masks = {r.name: request_mask(golden, r.name) for r in golden.requests}
     leans: _Leans = {}
     try:
-        accumulated = _accumulated(golden, model, masks, device, torch_dtype)
+        accumulated = _accumulated(golden, model, masks, device, torch_dtype, leans)
         isolated = _isolated(golden, model, masks, device, torch_dtype, leans)
         decoded = _decoded(golden, model, device, torch_dtype)
     except Exception as exc:
@@ -184,10 +185,18 @@ def calibrate(
 
 
 def _accumulated(
-    golden: GoldenSet, model: Any, masks: dict[str, Any], device: str, torch_dtype: torch.dtype
+    golden: GoldenSet,
+    model: Any,
+    masks: dict[str, Any],
+    device: str,
+    torch_dtype: torch.dtype,
+    leans: _Leans,
 ) -> _Worst:
     """The whole model in the dtype: each point's outputs against the golden ones, and the
-    model's own outputs (logits with the control's agreement) under ``OUTPUT_POINT``."""
+    model's own outputs (logits with the control's agreement) under ``OUTPUT_POINT``. At the
+    outputs kept as statistics only, their leans pooled into ``leans`` (mode
+    ``accumulated``): the honest range their pooled lean is judged against in the whole
+    model, where most have no test alone (``compare.pooled``)."""
     import torch
 
     accumulated: _Worst = {}
@@ -204,6 +213,8 @@ def _accumulated(
             # every call of a point shares its calibration (the worst of them)
             stats = _stats(actual, expected, kind)
             accumulated[(point, path)] = _worst(accumulated.get((point, path)), stats)
+            if isinstance(expected, TensorStatistics) and kind == TENSOR:
+                leans.setdefault((point, path, "accumulated"), LeanSums()).add(actual, expected)
 
         with torch.no_grad(), golden_outputs(model, golden, name, on_output):
             finals = model_outputs(model(**inputs, **forward_kwargs(model)))
@@ -253,8 +264,7 @@ def _isolated(
                         isolated[(point.name, path)] = _worst(
                             isolated.get((point.name, path)), stats
                         )
-                        if (kind == TENSOR and not isinstance(expected, TensorStatistics)
-                                and actual.is_floating_point()):  # fmt: skip
+                        if kind == TENSOR and actual.is_floating_point():
                             slot = (point.name, path, "isolated")
                             leans.setdefault(slot, LeanSums()).add(actual, expected)
     return isolated
