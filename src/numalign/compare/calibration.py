@@ -217,6 +217,10 @@ class Control:
     propagated: bool = False
     #: a routing's control: the fraction of tokens the honest ensemble routes apart
     flips: float | None = None
+    #: measured on whole tensors; False where the calibration measured the point on the
+    #: statistics a set keeps of it (no max abs error): a tensor judged against it is
+    #: judged as the statistics are (``compare.model_verdict.compare_point``)
+    whole: bool = True
 
 
 def control_for(
@@ -284,6 +288,7 @@ def control_for(
         kl_max=worst["kl_max"],
         propagated=propagated,
         flips=worst["flips"],
+        whole=all(c.whole for c in candidates),
     )
 
 
@@ -331,6 +336,7 @@ class _Scaled:
     errors: ControlErrors
     kl: float | None
     flips: float | None
+    whole: bool
 
 
 def _scaled(stats: ControlStats, scale: float) -> _Scaled:
@@ -347,7 +353,9 @@ def _scaled(stats: ControlStats, scale: float) -> _Scaled:
         zero_fraction=stats.zero_fraction,
     )
     flips = None if stats.flips is None else min(1.0, float(stats.flips) * scale)
-    return _Scaled(errors, None if kl is None else float(kl) * scale**2, flips)
+    # measured on statistics only: a relative L2 error without a max abs one
+    whole = stats.max_abs is not None or stats.rel_l2 is None
+    return _Scaled(errors, None if kl is None else float(kl) * scale**2, flips, whole)
 
 
 def _calibration(

@@ -28,7 +28,7 @@ from numalign.compare.tolerances import FLOAT_FORMATS, Thresholds
 from numalign.core import dtypes
 from numalign.core.errors import UNCALIBRATED, Unsupported
 from numalign.core.observation import label
-from numalign.core.statistics import TensorStatistics
+from numalign.core.statistics import DEFAULT_WIDTH, TensorStatistics, statistics_of
 
 if TYPE_CHECKING:
     import torch
@@ -65,12 +65,19 @@ def compare_point(
     (``compare.routing``) on the tokens whose chosen experts agree and the others by their
     count; a tensor within its control's budget. A kind judged within a control is
     Uncalibrated where the control is not calibrated. A tensor the set keeps as statistics
-    only (``expected`` a ``TensorStatistics``) is judged by them (``compare.statistics``)."""
+    only (``expected`` a ``TensorStatistics``) is judged by them (``compare.statistics``), and so
+    is a tensor whose control was measured on statistics (``Control.whole`` false), its
+    statistics taken here with a sketch four times its size (an estimate within
+    3 / sqrt(8 n) of its error's norm)."""
     judge = _JUDGES.get(kind)
     if judge is None:
         raise ValueError(f"{name}: no rule for output kind {kind!r}; one of {', '.join(_JUDGES)}")
     if kind in CALIBRATED_KINDS and not control.calibrated:
         raise _uncalibrated(name, dtypes.dtype_name(actual.dtype))
+    if not isinstance(expected, TensorStatistics) and kind == TENSOR and not control.whole:
+        # a tensor whose control the calibration measured on statistics only (the residual
+        # stream a fused norm returns, judged by its block's control): judged the same way
+        expected = statistics_of(expected, max(DEFAULT_WIDTH, 4 * expected.numel()))
     if isinstance(expected, TensorStatistics):  # kept as statistics only: judged by them
         return judge_statistics(actual, expected, name, control, policy)
     return judge(actual, expected, name, control, policy)
