@@ -39,11 +39,12 @@ class Judged(Generic[V]):
 
 def judged_layer(
     golden: CalibratedSet, dtype: str, hidden_depth: tuple[int, int], policy: Any,
-    observe: Observe, *, known: KnownScale | None = None,
+    observe: Observe, *, known: KnownScale | None = None, leans: bool = True,
 ) -> Judged[list[PointResult]]:  # fmt: skip
-    """A point replayed alone: its results in mode ``isolated`` and its pooled leans
-    (``known``: a candidate kernel's measured scale, ``compare.known_scale``)."""
-    judge = ModelJudge(golden, dtype, "isolated", hidden_depth, policy, known=known)
+    """A point replayed alone: its results in mode ``isolated`` and (``leans``) its pooled
+    leans (``known``: a candidate kernel's measured scale, ``compare.known_scale``)."""
+    judge = ModelJudge(golden, dtype, "isolated", hidden_depth, policy, known=known,
+                       leans=leans)  # fmt: skip
     observe(judge.see)
     results = judge.layer_results()
     return Judged(results, judge.known_failure())

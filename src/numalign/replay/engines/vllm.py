@@ -42,6 +42,7 @@ from numalign.replay.engines.vllm_alone import (
     observe_isolated,
     observe_residuals,
 )
+from numalign.replay.engines.vllm_in_context import runs_attention
 from numalign.replay.engines.vllm_kernels import moe_scale
 from numalign.replay.engines.vllm_options import (
     ENGINE_ENV,
@@ -125,7 +126,7 @@ class VllmEngine:
         judged = judged_model(
             golden, dtype, hidden_and_depth_of(running), policy,
             partial(_observe_prompts, golden, running, served, dtype),
-            AloneOnVllm(running, golden, dtype), leans=False,
+            AloneOnVllm(running, golden, dtype, arrangement), leans=False,
             config=getattr(running.model, "config", None), known=_known(running, dtype),
         )  # fmt: skip
         context = self._context(golden, running, arrangement)
@@ -163,9 +164,13 @@ class VllmEngine:
         if pm.module is None:
             raise NotJudged(f"unmapped: {pm.reason}", context)
         observe = partial(observe_isolated, running, golden, golden.point(point), pm.module, dtype)
+        # a module that runs attention is replayed inside the served model, which pools no
+        # leans, as the model replay pools none: vLLM's CPU attention kernel leans in bfloat16
+        # where the CPU lacks AMX (measured, docs/vllm.md), a lean no known scale explains yet
+        in_context = runs_attention(running.model.get_submodule(pm.module))
         try:
             judged = judged_layer(golden, dtype, hidden_and_depth_of(running), policy, observe,
-                                  known=_known(running, dtype))  # fmt: skip
+                                  known=_known(running, dtype), leans=not in_context)  # fmt: skip
         except AloneUnsupported as exc:
             raise NotJudged(str(exc), context) from exc
         return Replayed(golden, judged.verdict, context, known=judged.known)

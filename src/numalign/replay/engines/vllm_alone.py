@@ -1,5 +1,6 @@
 """vLLM's modules run alone on the golden inputs: a point's calls through vLLM alone
-(``observe_isolated``), the residual stream of vLLM's fused add + norm beside the reference's
+(``observe_isolated``; attention and decoder layers inside the served model,
+``vllm_in_context``), the residual stream of vLLM's fused add + norm beside the reference's
 (``observe_residuals``), and the points run alone for the judge to locate a divergence
 (``AloneOnVllm``). Each hands the judge observations; none judges."""
 
@@ -13,6 +14,7 @@ from numalign.core import dtypes
 from numalign.core.observation import Observation
 from numalign.core.statistics import TensorStatistics
 from numalign.golden.positions import kept_positions
+from numalign.replay.engines.vllm_in_context import observe_in_context, runs_attention
 from numalign.replay.engines.vllm_points import (
     LM_HEAD,
     RESIDUAL,
@@ -27,6 +29,7 @@ from numalign.replay.engines.vllm_serving import (
     quiet,
 )
 from numalign.replay.layer import AloneUnsupported, request_mask
+from numalign.runtime.serving import ARRANGEMENTS, DEFAULT_SERVING, Arrangement
 
 if TYPE_CHECKING:
     from numalign.golden.store import GoldenSet, Point
@@ -43,24 +46,35 @@ class AloneOnVllm:
     running: Running
     golden: GoldenSet
     dtype: str
+    #: how the replay that found the divergence served the rows: attention replays alone
+    #: served so (``vllm_in_context``)
+    arrangement: Arrangement
 
     def observe_alone(self, point: str, see: See) -> None:
         module = next((m.module for m in self.running.mapping if m.point == point), None)
         if point not in {p.name for p in self.golden.points}:
             raise AloneUnsupported(f"the set has no point {point}")
         observe_isolated(self.running, self.golden, self.golden.point(point), module or "",
-                         self.dtype, see)  # fmt: skip
+                         self.dtype, see, self.arrangement)  # fmt: skip
 
     def inputs_at_fault(self, failing: Any, compare: Any) -> None:
         return None
 
 
 def observe_isolated(
-    running: Running, golden: GoldenSet, point: Point, module_name: str, dtype: str, see: See
+    running: Running,
+    golden: GoldenSet,
+    point: Point,
+    module_name: str,
+    dtype: str,
+    see: See,
+    arrangement: Arrangement | None = None,
 ) -> None:
     """Every recorded call of ``point`` run alone through vLLM's ``module_name`` on the golden
     inputs (their kept positions, flattened as vLLM's tokens), each output handed to ``see``;
-    AloneUnsupported saying why where the module cannot run alone."""
+    a module that runs attention fed them inside the served model, served in
+    ``arrangement`` (the default one where None: ``vllm_in_context``); AloneUnsupported
+    saying why where the module cannot run alone."""
     import torch
     from vllm.forward_context import set_forward_context
 
@@ -69,12 +83,10 @@ def observe_isolated(
     model = running.model
     # the head alone is the engine's logits computation on the head's input
     module = _LogitsOf(model) if module_name == LM_HEAD else model.get_submodule(module_name)
-    attention = [n for n, m in module.named_modules() if type(m).__name__ == "Attention"]
-    if attention:
-        raise AloneUnsupported(
-            f"vLLM's {module_name} runs attention, which needs the engine's forward context "
-            "(attention metadata and KV cache): replayed in the full model only"
-        )
+    if runs_attention(module):  # it needs the engine's forward context: fed inside the model
+        served_so = arrangement or ARRANGEMENTS[DEFAULT_SERVING]
+        observe_in_context(running, golden, point, module_name, dtype, served_so, see)
+        return
     torch_dtype = dtypes.torch_dtype(dtype)
     for request, calls in point.calls.items():
         if "pixel_values" in golden.request(request).inputs:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -213,11 +213,17 @@ def step_rows(served: Served, rows: list[tuple[str, int]], point: str, step: int
 
 
 def serve_rows(
-    running: Running, golden: GoldenSet, arrangement: Arrangement, decode: bool = True
+    running: Running,
+    golden: GoldenSet,
+    arrangement: Arrangement,
+    decode: bool = True,
+    also: Callable[[Served], AbstractContextManager[Any]] | None = None,
 ) -> Served:
     """Serves every row of every golden request in ``arrangement`` (decode requests' rows
     teacher-forced with their golden tokens; with ``decode`` False, the prompts alone) and
-    collects each mapped point's output and the logits per row and position."""
+    collects each mapped point's output and the logits per row and position; ``also``: a
+    context entered while serving, given what is being served (a module's input replaced:
+    ``vllm_in_context``)."""
     import torch
 
     prompts, params = row_requests(golden, decode, prefill_scored=arrangement.prefill_scored)
@@ -230,7 +236,8 @@ def serve_rows(
         rounds = [cold, requests]
     served = Served(keep_first=arrangement.speculative)
     drafting = _golden_drafts(running) if arrangement.speculative else contextlib.nullcontext()
-    with quiet(), _hooked(running, served), drafting, torch.no_grad():
+    extra = also(served) if also is not None else contextlib.nullcontext()
+    with quiet(), _hooked(running, served), drafting, extra, torch.no_grad():
         for number, served_round in enumerate(rounds):
             chosen = [p for p, _ in served_round], [q for _, q in served_round]
             tokens = _run(running.llm.llm_engine, *chosen, golden.name, f"r{number}-")

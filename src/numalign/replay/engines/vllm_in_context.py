@@ -1,0 +1,142 @@
+"""vLLM's attention and decoder layers replayed alone, inside the served model: the module
+that runs attention cannot run by itself (it needs the engine's forward context: attention
+metadata, the KV cache and its block tables), so the golden rows are served again, prompts
+only, in the arrangement that found the divergence, and the module's input is replaced at
+every scheduled token by the golden input at that row and position. Its KV cache is then
+written from the golden inputs and its attention reads them, with vLLM's own metadata,
+blocks, chunking and kernels: the module alone on the golden inputs, as
+``replay.engines.vllm_alone`` runs the modules that need no context. The modules before it
+run on the engine's own values and are not judged here; the modules after it see what it
+made of the golden inputs and are not judged either.
+
+vLLM's decoder layers carry the residual stream as two tensors (``hidden``, ``residual``)
+whose sum is the reference's layer input: the golden input goes in ``hidden`` and zeros in
+``residual``, so the fused add gives the golden stream. An attention module is handed the
+golden input of the reference's attention (the normed hidden states).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from numalign.core import dtypes
+from numalign.core.observation import Observation
+from numalign.replay.engines.vllm_serving import (
+    Running,
+    Served,
+    engine_rows,
+    prompt_rows,
+    serve_rows,
+)
+from numalign.replay.layer import AloneUnsupported, request_mask
+from numalign.runtime.serving import Arrangement
+
+if TYPE_CHECKING:
+    import torch
+
+    from numalign.golden.store import GoldenSet, Point
+
+See = Callable[[Observation], None]
+
+
+def runs_attention(module: Any) -> bool:
+    """Whether vLLM's ``module`` runs attention (holds an ``Attention`` layer), which needs
+    the engine's forward context: replayed alone inside the served model."""
+    return any(type(m).__name__ == "Attention" for _, m in module.named_modules())
+
+
+def observe_in_context(
+    running: Running,
+    golden: GoldenSet,
+    point: Point,
+    module_name: str,
+    dtype: str,
+    arrangement: Arrangement,
+    see: See,
+) -> None:
+    """``point``'s vLLM module ``module_name`` fed the golden inputs inside the served model
+    (module doc), every served request's output handed to ``see`` beside the golden one;
+    AloneUnsupported saying why where the set holds no input to feed it."""
+    rows = _golden_rows(golden, point, dtypes.torch_dtype(dtype))
+    module = running.model.get_submodule(module_name)
+
+    def substituted(served: Served) -> Any:
+        return _substituted(module, rows, served)
+
+    served = serve_rows(running, golden, arrangement, decode=False, also=substituted)
+    torch_dtype = dtypes.torch_dtype(dtype)
+    for request, calls in point.calls.items():
+        engine = engine_rows(golden, request)
+        if engine is None or not calls or any(row not in rows for row, _ in engine):
+            continue
+        actual = prompt_rows(served, engine, module_name).to(torch_dtype)
+        expected = golden.expected_at(calls[0].outputs["0"], request_mask(golden, request))
+        see(Observation(point.name, "0", request, actual, expected, finished=0))
+
+
+def _golden_rows(golden: GoldenSet, point: Point, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The golden input of ``point`` per engine row: [prompt length, hidden] at the row's
+    kept positions (the positions vLLM numbers 0, 1, ...)."""
+    rows: dict[str, torch.Tensor] = {}
+    for request, calls in point.calls.items():
+        engine = engine_rows(golden, request)
+        if engine is None or not calls:
+            continue
+        call = calls[0]
+        args = call.args
+        key = args[0] if args and args[0] is not None else call.kwargs.get("hidden_states")
+        if not isinstance(key, str):
+            raise AloneUnsupported(
+                f"the golden call of {point.name} has no hidden-states input to feed vLLM's "
+                "module with"
+            )
+        tensor = golden.tensor(key)  # StatisticsOnly where the set keeps no such tensor
+        mask = request_mask(golden, request)
+        for b, (row, length) in enumerate(engine):
+            kept = tensor[b] if mask is None else tensor[b][mask[b].bool()]
+            if kept.shape[0] != length:
+                raise AloneUnsupported(
+                    f"{point.name}'s golden input for {row} has {kept.shape[0]} positions, the "
+                    f"served row {length}"
+                )
+            rows[row] = kept.to(dtype)
+    if not rows:
+        raise AloneUnsupported(f"the set holds no servable request of {point.name}")
+    return rows
+
+
+@contextmanager
+def _substituted(
+    module: torch.nn.Module, rows: dict[str, torch.Tensor], served: Served
+) -> Iterator[None]:
+    """While served, ``module``'s hidden-states input replaced at every scheduled token of a
+    row in ``rows`` by that row's golden input at the token's position (``served.layout``,
+    filled by the model's own pre-hook before any layer runs); a decoder layer's residual by
+    zeros."""
+
+    def substitute(mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        import torch
+
+        named = "hidden_states" in kwargs
+        hidden = kwargs["hidden_states"] if named else args[1]
+        golden = hidden.clone()
+        for row, start, count, first in served.layout:
+            if count and row in rows:
+                golden[start : start + count] = rows[row][first : first + count].to(golden)
+        if named:
+            kwargs = {**kwargs, "hidden_states": golden}
+        else:
+            args = (args[0], golden, *args[2:])
+        if len(args) > 2 and isinstance(args[2], torch.Tensor):  # a decoder layer's residual
+            args = (*args[:2], torch.zeros_like(args[2]), *args[3:])
+        if isinstance(kwargs.get("residual"), torch.Tensor):
+            kwargs = {**kwargs, "residual": torch.zeros_like(kwargs["residual"])}
+        return args, kwargs
+
+    handle = module.register_forward_pre_hook(substitute, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
