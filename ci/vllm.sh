@@ -52,6 +52,6 @@ rm -rf "$reports"
     tests/golden tests/test_inventory.py tests/replay/test_vllm_engine.py \
     tests/replay/test_vllm_serving.py \
     tests/replay/test_vllm_points.py tests/replay/test_vllm_kernels.py \
-    tests/replay/test_vllm_statistics.py \
+    tests/replay/test_vllm_statistics.py tests/replay/test_vllm_in_context.py \
     tests/replay/test_paths_a_model_cannot_take.py \
     tests/replay/test_swaps_fit_any_model.py

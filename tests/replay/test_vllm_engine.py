@@ -145,10 +145,12 @@ def test_rotary_at_the_wrong_position_for_decode_tokens(engine: VllmEngine) -> N
 
 
 def test_kv_cache_write_one_slot_late(engine: VllmEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    dtype = "float32"
+    # the engine first: its start imports vLLM's attention backends (a first import of them
+    # here, in a worker that has started no engine yet, meets torch's deprecation warnings)
+    _running_model(engine, dtype)
     from vllm.v1.attention.backends import cpu_attn
 
-    dtype = "float32"
-    _running_model(engine, dtype)
     write = cpu_attn.CPUAttentionBackendImpl.do_kv_cache_update
 
     def late(self: Any, layer: Any, key: Any, value: Any, cache: Any, slots: Any) -> None:
