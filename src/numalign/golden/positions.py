@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from numalign.core.statistics import Expected
+    from numalign.golden.store import GoldenSet
+
 
 def kept_positions(tensor: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """The positions a request's attention mask keeps: what a model computes at padding is
@@ -39,3 +42,12 @@ def by_position(
     if not seq_dims:
         return None
     return tensor.movedim(seq_dims[0], 1), keep
+
+
+def expected_at(golden: GoldenSet, key: str, mask: torch.Tensor | None) -> Expected:
+    """What ``golden`` keeps of the tensor ``key`` at the positions a request's ``mask``
+    keeps: the tensor's kept positions, or its statistics (taken there at capture)."""
+    from numalign.core.statistics import TensorStatistics
+
+    found = golden.expected(key)
+    return found if isinstance(found, TensorStatistics) else kept_positions(found, mask)

@@ -421,15 +421,6 @@ class GoldenSet:
             return self.tensor(key)
         return info.statistics(self.tensor(info.sketch))
 
-    def expected_at(self, key: str, mask: torch.Tensor | None) -> torch.Tensor | TensorStatistics:
-        """``expected`` at the positions a request's ``mask`` keeps (``golden.positions``):
-        the tensor's kept positions, or its statistics, taken there at capture."""
-        from numalign.core.statistics import TensorStatistics
-        from numalign.golden.positions import kept_positions
-
-        found = self.expected(key)
-        return found if isinstance(found, TensorStatistics) else kept_positions(found, mask)
-
     def kept_whole(self, key: str) -> bool:
         """Whether the set keeps the tensor ``key`` whole (not as statistics only)."""
         return key not in self.manifest.statistics

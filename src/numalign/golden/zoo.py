@@ -135,6 +135,13 @@ ZOO: tuple[ZooModel, ...] = (
         "num_hidden_layers": 2, "head_dim": 32, "num_local_experts": 4,
         "num_experts_per_tok": 2,
     }, "mixture of experts at head dim 32 (Mixtral)", long=SERVED_LONG),
+    ZooModel("tiny-qwen2-moe", "Qwen2MoeConfig", _TEXT | {
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "norm_topk_prob": False,
+    }, "mixture of experts with a gated shared expert at head dim 32 (Qwen2-MoE)",
+        long=SERVED_LONG),
     ZooModel("tiny-bert", "BertConfig", {
         "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "max_position_embeddings": 128, "hidden_act": "gelu",

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from numalign.core import dtypes
 from numalign.core.observation import Event, FinalOutput, Observation, label
 from numalign.golden.manifest import OUTPUT_POINT
-from numalign.golden.positions import kept_positions
+from numalign.golden.positions import expected_at, kept_positions
 from numalign.golden.requests import unservable
 from numalign.golden.routing import ROUTING
 from numalign.replay.decode import require_decode_replayable
@@ -355,7 +355,7 @@ def _observe_prompts(
                 continue
             for path, key in calls[0].outputs.items():
                 # the tensor at its kept positions, or the statistics a set keeps of it
-                expected = golden.expected_at(key, mask)
+                expected = expected_at(golden, key, mask)
                 if path != "0":
                     if len(expected.shape) < 4:  # attention weights: eager's only
                         unmapped.setdefault(label(pm.point, path),

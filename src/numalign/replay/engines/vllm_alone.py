@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from numalign.core import dtypes
 from numalign.core.observation import Observation
 from numalign.core.statistics import TensorStatistics
-from numalign.golden.positions import kept_positions
+from numalign.golden.positions import expected_at, kept_positions
 from numalign.replay.engines.vllm_in_context import observe_in_context, runs_attention
 from numalign.replay.engines.vllm_points import (
     LM_HEAD,
@@ -176,7 +176,7 @@ def observe_residuals(
         key = calls[0].args[0] if calls[0].args and calls[0].args[0] is not None else None
         if not isinstance(key, str):
             continue
-        expected = golden.expected_at(key, request_mask(golden, request))
+        expected = expected_at(golden, key, request_mask(golden, request))
         actual = prompt_rows(served, rows, name).to(torch_dtype)
         see(Observation(pm.point, RESIDUAL, request, actual, expected,
                         finished=served.order.get(name, 0), control_of=(parent, "0")))  # fmt: skip

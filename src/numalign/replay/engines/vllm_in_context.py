@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from numalign.core import dtypes
 from numalign.core.observation import Observation
+from numalign.golden.positions import expected_at
 from numalign.replay.engines.vllm_serving import (
     Running,
     Served,
@@ -72,7 +73,7 @@ def observe_in_context(
         if engine is None or not calls or any(row not in rows for row, _ in engine):
             continue
         actual = prompt_rows(served, engine, module_name).to(torch_dtype)
-        expected = golden.expected_at(calls[0].outputs["0"], request_mask(golden, request))
+        expected = expected_at(golden, calls[0].outputs["0"], request_mask(golden, request))
         see(Observation(point.name, "0", request, actual, expected, finished=0))
 
 
