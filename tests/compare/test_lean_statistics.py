@@ -1,8 +1,8 @@
 """The pooled leans of an output a set keeps as statistics only (``compare.lean``:
 ``statistics_sums``): measured through the sketch and the exact sums, they equal the leans of
 the tensor itself to far below one rounding, an honest rounding's standard errors are never
-smaller than the tensor's robust ones (the rule stays as cautious where it sees fewer sums), and a set
-captured without the sum of fourth powers (numalign 0.24.0) pools no lean."""
+smaller than the tensor's robust ones (the rule stays as cautious where it sees fewer sums),
+and a set captured without the sum of fourth powers (numalign 0.24.0) pools no lean."""
 
 from __future__ import annotations
 

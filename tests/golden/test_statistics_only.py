@@ -152,16 +152,22 @@ def test_the_whole_model_judges_statistics_points_by_their_statistics(
     assert judged and all("judged on statistics only" in r.result.reason for r in judged)
 
 
+def _scaled_replay(golden: GoldenSet, reference: Any, factor: float) -> Any:
+    """The whole model's verdict in bfloat16 with ``STATS_POINT``'s output scaled."""
+    handle = reference.get_submodule(STATS_POINT).register_forward_hook(
+        lambda m, a, out: out * factor
+    )
+    try:
+        return replay_model(golden, reference, "bfloat16", CPU)
+    finally:
+        handle.remove()
+
+
 def test_an_error_at_a_statistics_point_fails_there_saying_so(
     golden: GoldenSet, reference: Any
 ) -> None:
-    module = reference.get_submodule(STATS_POINT)
     # 5% larger: beyond any bfloat16 budget, and beyond the 26.5% margin of the estimate
-    handle = module.register_forward_hook(lambda m, a, out: out * 1.05)
-    try:
-        verdict = replay_model(golden, reference, "bfloat16", CPU)
-    finally:
-        handle.remove()
+    verdict = _scaled_replay(golden, reference, 1.05)
     assert not verdict.passed
     divergence = verdict.divergence
     assert divergence is not None and divergence.point == STATS_POINT
@@ -173,16 +179,11 @@ def test_an_error_at_a_statistics_point_fails_there_saying_so(
 def test_a_scale_each_comparison_lets_through_fails_the_lean_pooled_through_statistics(
     golden: GoldenSet, reference: Any
 ) -> None:
-    module = reference.get_submodule(STATS_POINT)
     # 3% larger: each request's comparison passes it (0.9 of its budget, measured: the
     # statistics' rules read the norm within the calibrated budget and the sketch's margin),
     # the pooled scale lean, measured through the statistics, fails it (2.3 times its limit;
     # its power here is 1.8%, docs/golden-sets.md)
-    handle = module.register_forward_hook(lambda m, a, out: out * 1.03)
-    try:
-        verdict = replay_model(golden, reference, "bfloat16", CPU)
-    finally:
-        handle.remove()
+    verdict = _scaled_replay(golden, reference, 1.03)
     at_point = [r for r in verdict.points if r.point == STATS_POINT]
     assert [r.request for r in at_point if not r.result.passed] == [POOLED]
     divergence = verdict.divergence
