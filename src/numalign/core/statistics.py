@@ -99,12 +99,12 @@ def statistics_of(tensor: torch.Tensor, width: int = DEFAULT_WIDTH) -> TensorSta
         shape=tuple(tensor.shape),
         dtype=str(tensor.dtype).removeprefix("torch."),
         norm=float(values.norm()),
-        fourth=_finite_or_none(float(values.square().square().sum())),
         total=float(values.sum()),
         absmax=float(values.abs().max()) if values.numel() else 0.0,
         nan=int(flat.isnan().sum()),
         posinf=int((flat == math.inf).sum()),
         neginf=int((flat == -math.inf).sum()),
+        fourth=_finite_or_none(float(values.square().square().sum())),
         sketch=sketch(values, width),
     )
 

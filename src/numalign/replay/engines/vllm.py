@@ -167,7 +167,7 @@ class VllmEngine:
         # a module that runs attention is replayed inside the served model, which pools no
         # leans, as the model replay pools none: vLLM's CPU attention kernel leans in bfloat16
         # where the CPU lacks AMX (measured, docs/vllm.md), a lean no known scale explains yet
-        in_context = runs_attention(running.model.get_submodule(pm.module))
+        in_context = pm.module != LM_HEAD and runs_attention(running.model.get_submodule(pm.module))
         try:
             judged = judged_layer(golden, dtype, hidden_and_depth_of(running), policy, observe,
                                   known=_known(running, dtype), leans=not in_context)  # fmt: skip

@@ -14,7 +14,11 @@ from numalign.core import dtypes
 from numalign.core.observation import Observation
 from numalign.core.statistics import TensorStatistics
 from numalign.golden.positions import expected_at, kept_positions
-from numalign.replay.engines.vllm_in_context import observe_in_context, runs_attention
+from numalign.replay.engines.vllm_in_context import (
+    hidden_states_key,
+    observe_in_context,
+    runs_attention,
+)
 from numalign.replay.engines.vllm_points import (
     LM_HEAD,
     RESIDUAL,
@@ -93,17 +97,7 @@ def observe_isolated(
             continue
         mask = request_mask(golden, request)
         for call in calls:
-            key = (
-                call.args[0]
-                if call.args and call.args[0] is not None
-                else call.kwargs.get("hidden_states")
-            )
-            if not isinstance(key, str):
-                raise AloneUnsupported(
-                    f"the golden call of {point.name} has no hidden-states input to feed "
-                    f"vLLM's {module_name}"
-                )
-            x = _tokens(golden.tensor(key), mask)
+            x = _tokens(golden.tensor(hidden_states_key(point, call, module_name)), mask)
             x = x.to(torch_dtype) if x.is_floating_point() else x
             try:  # an empty forward context: MoE layers read theirs (no attention runs)
                 with (

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from numalign.core import dtypes
@@ -60,14 +61,11 @@ def observe_in_context(
     """``point``'s vLLM module ``module_name`` fed the golden inputs inside the served model
     (module doc), every served request's output handed to ``see`` beside the golden one;
     AloneUnsupported saying why where the set holds no input to feed it."""
-    rows = _golden_rows(golden, point, dtypes.torch_dtype(dtype))
-    module = running.model.get_submodule(module_name)
-
-    def substituted(served: Served) -> Any:
-        return _substituted(module, rows, served)
-
-    served = serve_rows(running, golden, arrangement, decode=False, also=substituted)
     torch_dtype = dtypes.torch_dtype(dtype)
+    rows = _golden_rows(golden, point, module_name, torch_dtype)
+    module = running.model.get_submodule(module_name)
+    also = partial(_substituted, module, rows)
+    served = serve_rows(running, golden, arrangement, decode=False, also=also)
     for request, calls in point.calls.items():
         engine = engine_rows(golden, request)
         if engine is None or not calls or any(row not in rows for row, _ in engine):
@@ -77,7 +75,22 @@ def observe_in_context(
         see(Observation(point.name, "0", request, actual, expected, finished=0))
 
 
-def _golden_rows(golden: GoldenSet, point: Point, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def hidden_states_key(point: Point, call: Any, module_name: str) -> str:
+    """The key of a golden call's hidden-states input (its first argument, or the keyword),
+    which feeds vLLM's ``module_name`` alone; AloneUnsupported where it has none."""
+    args = call.args
+    key = args[0] if args and args[0] is not None else call.kwargs.get("hidden_states")
+    if not isinstance(key, str):
+        raise AloneUnsupported(
+            f"the golden call of {point.name} has no hidden-states input to feed vLLM's "
+            f"{module_name}"
+        )
+    return key
+
+
+def _golden_rows(
+    golden: GoldenSet, point: Point, module_name: str, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """The golden input of ``point`` per engine row: [prompt length, hidden] at the row's
     kept positions (the positions vLLM numbers 0, 1, ...)."""
     rows: dict[str, torch.Tensor] = {}
@@ -85,14 +98,7 @@ def _golden_rows(golden: GoldenSet, point: Point, dtype: torch.dtype) -> dict[st
         engine = engine_rows(golden, request)
         if engine is None or not calls:
             continue
-        call = calls[0]
-        args = call.args
-        key = args[0] if args and args[0] is not None else call.kwargs.get("hidden_states")
-        if not isinstance(key, str):
-            raise AloneUnsupported(
-                f"the golden call of {point.name} has no hidden-states input to feed vLLM's "
-                "module with"
-            )
+        key = hidden_states_key(point, calls[0], module_name)
         tensor = golden.tensor(key)  # StatisticsOnly where the set keeps no such tensor
         mask = request_mask(golden, request)
         for b, (row, length) in enumerate(engine):
