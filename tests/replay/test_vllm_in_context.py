@@ -163,3 +163,27 @@ def test_vllms_attention_kernel_rounds_bfloat16_to_nearest_or_toward_zero(
     f32_scale, _ = _attention_against_truth(engine, "float32")
     # float32's error is some 1e-7: its scale is 1 to far below a bfloat16 rounding
     assert abs(f32_scale - 1) < 1e-5
+
+
+def test_a_serving_stopped_by_an_error_leaves_no_request_behind(engine: VllmEngine) -> None:
+    """A module that raises inside the served model stops that serving with its error; the
+    requests it left in the engine are aborted, so that the next serving of the same engine
+    finishes (it used to wait for them until the serving timeout, 300 s)."""
+    from numalign.replay.engines.vllm_serving import serve_rows
+    from numalign.runtime.serving import ARRANGEMENTS, DEFAULT_SERVING
+
+    running = _running(engine)
+    layer = running.model.get_submodule("model.layers.0")
+
+    def broken(module: Any, args: Any) -> None:
+        raise RuntimeError("planted failure inside the served model")
+
+    handle = layer.register_forward_pre_hook(broken)
+    try:
+        with pytest.raises(RuntimeError, match="planted failure"):
+            serve_rows(running, open_fresh(MISTRAL), ARRANGEMENTS[DEFAULT_SERVING], decode=False)
+    finally:
+        handle.remove()
+    assert not running.llm.llm_engine.has_unfinished_requests()
+    replayed = engine.layer(MISTRAL, "model.layers.1", DTYPE, CPU, None)
+    assert all(r.result.passed for r in replayed.verdict if r.request != "all requests")

@@ -40,6 +40,7 @@ from numalign.golden.requests import (
     long_length,
     long_requests,
     text_requests,
+    with_serving_positions,
 )
 from numalign.golden.shards import ShardWriter
 from numalign.golden.statistics_info import KeptWhole
@@ -147,8 +148,9 @@ def _requests(
 ) -> list[CaptureRequest]:
     """Every request of a capture, in order: the prompts, the long requests (``spec.long``
     None: past every length boundary of a decoder), the far-position request and the image
-    request, each where the model and the options have one; ValueError naming the option on
-    bad sizes."""
+    request, each where the model and the options have one, a decoder's left-padded ones at
+    the positions generation gives them (``with_serving_positions``); ValueError naming the
+    option on bad sizes."""
     config, trust = model.config, spec.trust_remote_code
     requests = text_requests(model_dir, config, spec.prompts or DEFAULT_PROMPTS, trust)
     long = spec.long
@@ -168,7 +170,7 @@ def _requests(
     requests += [far_positions] if far_positions is not None else []
     extra = image_request(model_dir, config, spec.image)
     requests += [extra] if extra is not None else []
-    return requests
+    return [with_serving_positions(model, r) for r in requests] if decoder else requests
 
 
 def _place(tmp: Path, out: Path, model_dir: Path, *, force: bool) -> None:

@@ -5,7 +5,7 @@ and for image-text models an image request through the PIL image processor."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,10 @@ FAR_LENGTH = 8
 #: Where the far-position request's rows start, as fractions of the model's position range
 #: (the last one is moved back to end ``POSITION_HEADROOM`` before the range's end).
 FAR_FRACTIONS = (0.25, 0.5, 1.0)
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 @dataclass
@@ -196,17 +200,56 @@ def long_requests(
     ]
 
 
-def unservable(inputs: dict[str, Any]) -> str | None:
+def with_serving_positions(model: Any, request: CaptureRequest) -> CaptureRequest:
+    """``request`` with explicit position ids where it has left-padded rows: each real
+    token's index among its row's real tokens (``reference.generation_positions``), the
+    positions generation and every serving engine (which never pads) give it. Without them
+    the forward numbers a left-padded row's tokens from the padding, which a model with
+    learned absolute positions (GPT-2) computes differently from any engine. Unchanged: a
+    request with positions already (far positions), an image request (multimodal rotary
+    positions come from the image grid), a request without left padding, and a model whose
+    forward takes no position ids (ALiBi models)."""
+    import inspect
+
+    from numalign.golden.reference import generation_positions
+
+    inputs = request.inputs
+    mask = inputs.get("attention_mask")
+    if (
+        mask is None
+        or not bool(((mask[:, 0] == 0) & (mask.sum(-1) > 0)).any())  # no row padded left
+        or "position_ids" in inputs
+        or "pixel_values" in inputs
+        or getattr(model.config, "vision_config", None) is not None
+        or "position_ids" not in inspect.signature(model.forward).parameters
+    ):
+        return request
+    positioned = {**inputs, "position_ids": generation_positions(mask)}
+    return CaptureRequest(request.name, positioned, generate=request.generate)
+
+
+def unservable(inputs: Mapping[str, Any], tensor: Callable[[Any], Any] = _same) -> str | None:
     """Why a serving engine (transformers' paged engine, vLLM) cannot be served a golden
     request as it was captured (None when it can): engines take token ids and derive each
-    token's position from the request itself."""
+    token's position from the request itself, so a request at explicit positions is served
+    only where they are those (``with_serving_positions``'s). ``tensor`` reads an input's
+    value (a golden set's request names tensor keys: ``GoldenSet.tensor``)."""
+    from numalign.golden.reference import generation_positions
+
     if "pixel_values" in inputs:
         return "an image request: the engine is served token ids only"
     if "position_ids" in inputs:
-        return (
-            "a request at explicit positions: a serving engine derives positions from the "
-            "request's own tokens (the far positions are judged by the KV-cache decode)"
-        )
+        positions = tensor(inputs["position_ids"])
+        mask = tensor(inputs["attention_mask"]) if "attention_mask" in inputs else None
+        if (
+            mask is None
+            or positions.shape != mask.shape
+            or not bool((positions == generation_positions(mask))[mask.bool()].all())
+        ):
+            return (
+                "a request at explicit positions: a serving engine derives positions from the "
+                "request's own tokens (the far positions are judged by the KV-cache decode)"
+            )
     return None
 
 

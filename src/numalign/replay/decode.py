@@ -219,7 +219,7 @@ def replay_decode(
         if implementation == "paged":
             served = replay_paged_requests(golden, model, device, on_pair)
             for request in golden.decode_requests:
-                reason = unservable(golden.request(request).inputs)
+                reason = unservable(golden.request(request).inputs, golden.tensor)
                 if request not in served and reason is not None:
                     unmapped[f"request {request}"] = reason
         else:

@@ -191,7 +191,7 @@ def replay_paged_requests(
     served_requests = []
     for request in golden.decode_requests:
         inputs = golden.request(request).inputs
-        if unservable(inputs):
+        if unservable(inputs, golden.tensor):
             continue
         decode = golden.decode(request)
         assert decode is not None

@@ -344,7 +344,7 @@ def _observe_prompts(
     for request in golden.requests:
         rows = engine_rows(golden, request.name)
         if rows is None:
-            unmapped[f"request {request.name}"] = str(unservable(request.inputs))
+            unmapped[f"request {request.name}"] = str(unservable(request.inputs, golden.tensor))
             continue
         mask = request_mask(golden, request.name)
         for pm in running.mapping:
@@ -394,7 +394,8 @@ def _observe_steps(
         rows = engine_rows(golden, request)
         decode = golden.decode(request)
         if rows is None:
-            unmapped[f"request {request}"] = str(unservable(golden.request(request).inputs))
+            inputs = golden.request(request).inputs
+            unmapped[f"request {request}"] = str(unservable(inputs, golden.tensor))
         if rows is None or decode is None:
             continue
         for number, step in enumerate(decode.steps, start=1):

@@ -11,8 +11,9 @@ made of the golden inputs and are not judged either.
 
 vLLM's decoder layers carry the residual stream as two tensors (``hidden``, ``residual``)
 whose sum is the reference's layer input: the golden input goes in ``hidden`` and zeros in
-``residual``, so the fused add gives the golden stream. An attention module is handed the
-golden input of the reference's attention (the normed hidden states).
+``residual``, so the fused add gives the golden stream (a GPT-2 block, which carries the
+stream in one tensor, just the golden input). An attention module is handed the golden input
+of the reference's attention (the normed hidden states).
 """
 
 from __future__ import annotations
@@ -114,32 +115,53 @@ def _golden_rows(
     return rows
 
 
+def _argument(module: Any, name: str) -> int | None:
+    """Where ``module``'s forward takes ``name`` positionally (after ``self``), None where it
+    has no such parameter: vLLM's Llama-like layers take ``(positions, hidden_states,
+    residual)``, its GPT-2 blocks and attention ``(hidden_states)`` alone."""
+    import inspect
+
+    params = list(inspect.signature(module.forward).parameters)
+    return params.index(name) if name in params else None
+
+
 @contextmanager
 def _substituted(
     module: torch.nn.Module, rows: dict[str, torch.Tensor], served: Served
 ) -> Iterator[None]:
     """While served, ``module``'s hidden-states input replaced at every scheduled token of a
     row in ``rows`` by that row's golden input at the token's position (``served.layout``,
-    filled by the model's own pre-hook before any layer runs); a decoder layer's residual by
-    zeros."""
+    filled by the model's own pre-hook before any layer runs); a decoder layer's residual,
+    where it takes one, by zeros. Arguments are found by their names in the forward's
+    signature."""
+    hidden_at, residual_at = _argument(module, "hidden_states"), _argument(module, "residual")
+    if hidden_at is None:
+        raise AloneUnsupported(f"vLLM's {type(module).__name__} takes no hidden_states")
 
-    def substitute(mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        import torch
+    def replaced(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, at: int,
+                 new: Callable[[Any], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:  # fmt: skip
+        if name in kwargs:
+            return args, {**kwargs, name: new(kwargs[name])}
+        if at < len(args):
+            return (*args[:at], new(args[at]), *args[at + 1 :]), kwargs
+        return args, kwargs
 
-        named = "hidden_states" in kwargs
-        hidden = kwargs["hidden_states"] if named else args[1]
+    def golden_at_rows(hidden: torch.Tensor) -> torch.Tensor:
         golden = hidden.clone()
         for row, start, count, first in served.layout:
             if count and row in rows:
                 golden[start : start + count] = rows[row][first : first + count].to(golden)
-        if named:
-            kwargs = {**kwargs, "hidden_states": golden}
-        else:
-            args = (args[0], golden, *args[2:])
-        if len(args) > 2 and isinstance(args[2], torch.Tensor):  # a decoder layer's residual
-            args = (*args[:2], torch.zeros_like(args[2]), *args[3:])
-        if isinstance(kwargs.get("residual"), torch.Tensor):
-            kwargs = {**kwargs, "residual": torch.zeros_like(kwargs["residual"])}
+        return golden
+
+    def zeros(residual: Any) -> Any:
+        import torch
+
+        return torch.zeros_like(residual) if isinstance(residual, torch.Tensor) else residual
+
+    def substitute(mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        args, kwargs = replaced(args, kwargs, "hidden_states", hidden_at, golden_at_rows)
+        if residual_at is not None:
+            args, kwargs = replaced(args, kwargs, "residual", residual_at, zeros)
         return args, kwargs
 
     handle = module.register_forward_pre_hook(substitute, with_kwargs=True)

@@ -179,7 +179,7 @@ def engine_rows(golden: GoldenSet, request: str) -> list[tuple[str, int]] | None
     """The engine rows of a golden request: (row id, prompt length) per batch row; None for
     an image request (vLLM is served token ids only here)."""
     inputs = golden.request(request).inputs
-    if unservable(inputs):
+    if unservable(inputs, golden.tensor):
         return None
     mask = request_mask(golden, request)
     ids = golden.tensor(inputs["input_ids"])
@@ -348,23 +348,30 @@ def _run(
 ) -> dict[int, list[int]]:
     """Serves the requests step by step, giving up (the engine hung or is far too slow)
     after SERVE_TIMEOUT_S; the tokens each finished request generated, by its index.
-    ``round_`` keeps request ids of one serving's rounds apart."""
+    ``round_`` keeps request ids of one serving's rounds apart. Where serving stops on an
+    error, the requests still in the engine are aborted, so that the engine, which the
+    process keeps for the next test, is not left serving them forever."""
     prefix = f"numalign-{round_}"
-    for i, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"{prefix}{i}", prompt, param)
+    ids = [f"{prefix}{i}" for i in range(len(prompts))]
+    for rid, prompt, param in zip(ids, prompts, params, strict=True):
+        engine.add_request(rid, prompt, param)
     deadline = time.monotonic() + SERVE_TIMEOUT_S
     finished: dict[int, list[int]] = {}
-    while engine.has_unfinished_requests():
-        if time.monotonic() > deadline:
-            raise EngineError(
-                f"vLLM served {len(finished)} of {len(prompts)} requests of {name} in "
-                f"{SERVE_TIMEOUT_S:.0f} s; it hung or is far too slow",
-                crashed=True,
-            )
-        for out in engine.step():
-            if out.finished:
-                index = int(str(out.request_id).removeprefix(prefix).split("-")[0])
-                finished[index] = list(out.outputs[0].token_ids)
+    try:
+        while engine.has_unfinished_requests():
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"vLLM served {len(finished)} of {len(prompts)} requests of {name} in "
+                    f"{SERVE_TIMEOUT_S:.0f} s; it hung or is far too slow",
+                    crashed=True,
+                )
+            for out in engine.step():
+                if out.finished:
+                    index = int(str(out.request_id).removeprefix(prefix).split("-")[0])
+                    finished[index] = list(out.outputs[0].token_ids)
+    except BaseException:
+        engine.abort_request([rid for i, rid in enumerate(ids) if i not in finished])
+        raise
     return finished
 
 
