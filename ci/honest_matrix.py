@@ -23,8 +23,8 @@ suites run for every variant, on the zoo and on a sample of the day-0 sweep's ty
 (``SWEEP_SAMPLE``, ``--sweep-sample``: built and captured first, as ``numalign zoo sweep``
 builds them); the operator suite (``--operators``, tier pr) for the two instruction-set
 variants. The matrix prints a table (variant, suite, exit code, the worst use
-of budget among passed records, pytest's closing line) and exits 1 on any failure, error or
-crash (an expected failure, the paged engine's soft-capping gap where its signature matches,
+of budget among passed records, its wall time, pytest's closing line) and exits 1 on any
+failure, error or crash (an expected failure, the paged engine's soft-capping gap where its signature matches,
 is pytest's xfail and not a failure). ``--only NAME`` runs some variants;
 ``--report-dir`` keeps each variant's run under ``<dir>/<variant>/``.
 
@@ -39,6 +39,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,9 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     flags = cpu_flags()
     sample = [t for t in args.sweep_sample.split(",") if t]
+    started = time.monotonic()
     sample_args = (
         ["--golden", str(sweep_sample(sample, args.report_dir / "sweep-sample"))] if sample else []
     )
+    if sample:
+        print(f"== sweep sample built and captured in {time.monotonic() - started:.0f} s")
     failed, rows = False, []
     for variant in VARIANTS:
         if args.only and variant.name not in args.only:
@@ -191,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
                                       else [])  # fmt: skip
         for suite in suites:
             extra = [*args.extra, *(sample_args if suite == "suites/models" else [])]
+            started = time.monotonic()
             code, closing = run_variant(variant, suite, args.report_dir, extra)
+            took = time.monotonic() - started
             run = args.report_dir / variant.name / suite.replace("/", "-") / "latest"
             worst = worst_passed(run) if (run / "records.jsonl").is_file() else float("nan")
-            rows.append((variant.name, suite, f"exit {code}; worst {worst:.3g}; {closing}"))
+            rows.append((variant.name, suite,
+                         f"exit {code}; worst {worst:.3g}; {took:.0f} s; {closing}"))  # fmt: skip
             failed |= code != 0
     print("\nhonest-variation matrix:")
     for name, suite, text in rows:
