@@ -83,7 +83,9 @@ def _offset(module: Any, eps: float) -> float:
         probe = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0))
         probe = probe.to(weight.device, weight.dtype)
         with torch.no_grad():
-            theirs = up(module(probe))
+            # the class's own forward: the probe is no call of the model (no hooks fire),
+            # and a swapped module's forward is the candidate (``replay.swap.Swapped``)
+            theirs = up(type(module).forward(module, probe))
             errors = {
                 offset: float(
                     (up(rms_norm_reference(probe, weight, eps, offset)) - theirs).abs().max()
@@ -201,7 +203,7 @@ def _is_layer_norm(module: Any) -> bool:
     probe = probe.to(weight.device, weight.dtype)
     try:
         with torch.no_grad():
-            theirs = up(module(probe))
+            theirs = up(type(module).forward(module, probe))  # as in ``_offset``
             mine = up(layer_norm_reference(probe, weight, getattr(module, "bias", None),
                                            _layer_norm_eps(module)))  # fmt: skip
     except Exception:  # a module of another signature is no LayerNorm form

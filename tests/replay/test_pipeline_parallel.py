@@ -148,6 +148,43 @@ def test_a_lossy_boundary_is_caught_past_it_while_the_layers_pass(
     run_suite(pytester, *plant, *TINY_LLAMA).assert_outcomes(passed=18)
 
 
+#: A planted RMSNorm kernel (an epsilon of 1e-2 where tiny-llama's is 1e-6), loaded with
+#: --candidates on every rank.
+WRONG_NORM = """
+import numalign
+from operators.norms import rms_norm_reference
+
+
+@numalign.candidate("rms_norm", name="wrong_eps")
+def wrong_eps(x, weight, eps, offset=0.0):
+    return rms_norm_reference(x, weight, 1e-2, offset)
+"""
+
+
+@pytest.mark.usefixtures("on_path")
+def test_a_kernel_swapped_into_the_ranks_layers_is_caught_on_each_rank(
+    pytester: pytest.Pytester,
+) -> None:
+    """--pp with --swap: each rank's norms are swapped in place (their weights load as the
+    stage's do; replay.swap.Swapped), so the wrong kernel fails every norm replayed alone, on
+    rank 0's layer and on rank 1's, and the whole model at rank 0's first norm."""
+    pytester.makepyfile(wrong_norm=WRONG_NORM)
+    result = run_suite(
+        pytester, "--pp", "2", "--candidates", "wrong_norm", "--swap", "rms_norm=wrong_eps",
+        "--dtype", "float32", "-k", "tiny-llama and not deep and (test_model or input_layernorm)",
+    )  # fmt: skip
+    out = result.stdout.str()
+    assert failed_tests(result) == {
+        "test_model[tiny-llama-float32]",
+        "test_layer[tiny-llama/model.layers.0.input_layernorm-float32]",
+        "test_layer[tiny-llama/model.layers.1.input_layernorm-float32]",
+    }, out[-3000:]
+    piped = records(pytester)
+    assert {r.swap for r in piped} == {"rms_norm=wrong_eps,pp=0|1"}, out[-2000:]
+    divergence = next(r.first_divergence for r in piped if r.first_divergence)
+    assert (divergence["point"], divergence["kind"]) == ("model.layers.0.input_layernorm", "local")
+
+
 @pytest.mark.usefixtures("on_path")
 def test_more_ranks_than_layers_fail_with_the_numbers(pytester: pytest.Pytester) -> None:
     result = run_suite(
@@ -228,7 +265,8 @@ def test_what_cannot_be_split_is_refused_from_the_config() -> None:
 def test_options_pipeline_ranks_do_not_combine_with_are_named() -> None:
     assert pipeline_conflicts(Settings(pp=2)) is None
     assert pipeline_conflicts(Settings(tp=2)) is None  # --pp off
-    conflict = pipeline_conflicts(Settings(pp=2, tp=2, swaps=("rms_norm=mine",)))
+    assert pipeline_conflicts(Settings(pp=2, swaps=("rms_norm=fused",))) is None  # in place
+    conflict = pipeline_conflicts(Settings(pp=2, tp=2, compile_backend="inductor"))
     assert conflict is not None
-    assert re.search(r"--pp is not supported together with --tp, --swap", conflict)
-    assert "drop --pp, or drop --tp, --swap" in conflict
+    assert re.search(r"--pp is not supported together with --tp, --compile", conflict)
+    assert "drop --pp, or drop --tp, --compile" in conflict

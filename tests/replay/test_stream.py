@@ -220,7 +220,6 @@ def test_a_checkpoint_without_safetensors_cannot_stream(tmp_path: Path) -> None:
     [
         ({"tp": "2"}, "--tp"),
         ({"compile": "inductor"}, "--compile"),
-        ({"swap": ["rms_norm=fused"]}, "--swap"),
     ],
 )
 def test_stream_with_an_option_it_cannot_serve_is_a_usage_error(

@@ -107,43 +107,46 @@ class ModelCache:
         from numalign.replay.swap import SwapUnmatched, apply_swaps, parse_swaps
 
         assert variant.dtype is not None, "a model loads in a dtype"
-        if variant.pp > 1:  # this rank's stage of the layers (replay.pipeline)
+        try:
+            model = self._weights(golden, variant)
+            # swapped in place: a streamed or pipeline stage's modules keep their parameters'
+            # names, which their loads read by (replay.swap.Swapped)
+            apply_swaps(model, parse_swaps(variant.swaps))
+            if variant.compile is not None:  # after the swaps: the compiler sees the kernels
+                model = compile_model(model, variant.compile, [p.name for p in golden.points])
+        except SwapUnmatched as exc:  # another model of the session has the module
+            raise ReplayUnsupported(str(exc)) from None
+        except ValueError as exc:  # an implementation the model lacks
+            if "implementation" not in str(exc):
+                raise
+            raise ReplayUnsupported(str(exc).split(". ")[0]) from None
+        return model
+
+    def _weights(self, golden: GoldenSet, variant: Variant) -> Any:
+        """The set's model loaded as ``variant`` asks: this rank's stage of the layers
+        (``--pp``, replay.pipeline), streamed one unit of weights at a time (``--stream``,
+        golden.stream), this rank's shard (``--tp``), or whole on the device."""
+        assert variant.dtype is not None
+        if variant.pp > 1:
             from numalign.replay.pipeline import load_stage
 
             return load_stage(
                 golden.model_dir, variant.dtype, variant.device, stream=variant.stream,
                 attn_implementation=variant.attention, experts_implementation=variant.experts,
             )  # fmt: skip
-        if variant.stream:  # weights on the device one unit at a time (golden.stream)
+        if variant.stream:
             from numalign.golden.stream import load_streamed
 
-            try:
-                return load_streamed(
-                    golden.model_dir, variant.dtype, variant.device,
-                    attn_implementation=variant.attention, experts_implementation=variant.experts,
-                )  # fmt: skip
-            except ValueError as exc:  # as below: an implementation the model lacks
-                if "implementation" not in str(exc):
-                    raise
-                raise ReplayUnsupported(str(exc).split(". ")[0]) from None
-        try:
-            model = load_model(
-                golden.model_dir, variant.dtype, attn_implementation=variant.attention,
-                trust_remote_code=False, experts_implementation=variant.experts,
-                tp_plan="auto" if self.sharded else None,
+            return load_streamed(
+                golden.model_dir, variant.dtype, variant.device,
+                attn_implementation=variant.attention, experts_implementation=variant.experts,
             )  # fmt: skip
-            if not self.sharded:  # transformers places a rank's shard itself
-                model = model.to(variant.device)
-            apply_swaps(model, parse_swaps(variant.swaps))
-            if variant.compile is not None:  # after the swaps: the compiler sees the kernels
-                model = compile_model(model, variant.compile, [p.name for p in golden.points])
-        except SwapUnmatched as exc:  # another model of the session has the module
-            raise ReplayUnsupported(str(exc)) from None
-        except ValueError as exc:
-            if "implementation" not in str(exc):
-                raise
-            raise ReplayUnsupported(str(exc).split(". ")[0]) from None
-        return model
+        model = load_model(
+            golden.model_dir, variant.dtype, attn_implementation=variant.attention,
+            trust_remote_code=False, experts_implementation=variant.experts,
+            tp_plan="auto" if self.sharded else None,
+        )  # fmt: skip
+        return model if self.sharded else model.to(variant.device)  # a shard is placed
 
     @staticmethod
     def record_context(

@@ -1,11 +1,11 @@
-"""Kernel swap: every module an operator stands for, replaced in a loaded model by a module
-that calls a candidate through the operator's adapter (``--swap rms_norm=fused``)."""
+"""Kernel swap: every module an operator stands for, its forward replaced in a loaded model by
+a candidate called through the operator's adapter (``--swap rms_norm=fused``)."""
 
 from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,32 +20,77 @@ class SwapError(UsageError, ValueError):
     """A swap that cannot be applied; the message says why and what to do."""
 
 
-class SwappedModule(torch.nn.Module):
-    """Calls ``candidate`` on the module's first input, with the arguments the operator's
-    adapter reads from the original module (weights, epsilon, ...)."""
+#: The attribute a swapped module carries: its ``Swapped``.
+SWAPPED = "_numalign_swapped"
 
-    def __init__(self, original: torch.nn.Module, operator: Operator, candidate: Candidate) -> None:
-        super().__init__()
-        self.original = original
-        self.operator = operator
-        self.candidate = candidate
+
+class Swapped:
+    """A module's forward replaced in place by a candidate called through the operator's
+    adapter, which reads the module's own arguments (weights, epsilon, ...) at every call.
+    The module, its type, its parameters and their names stay as they were, so a streamed
+    or pipeline-parallel model, which loads each module's parameters by name when it runs,
+    loads a swapped module's as any other's. Whether the adapter reads the module and
+    reproduces its own forward on a probe input (``settle``) is decided on its weights: as
+    it is swapped where they are there, else at its first call (a streamed model's weights
+    are on the meta device until then)."""
+
+    def __init__(self, module: torch.nn.Module, name: str, operator: Operator,
+                 candidate: Candidate) -> None:  # fmt: skip
+        self.module, self.name = module, name
+        self.operator, self.candidate = operator, candidate
+        self.original = module.forward  # the bound class forward, or an earlier override
         self.input_name = next(iter(inspect.signature(operator.reference).parameters))
+        #: whether the candidate stands for the module (None: not settled yet)
+        self.usable: bool | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        """The original's parameters and attributes stay visible (models read
-        ``self.norm.weight.dtype`` of a swapped norm)."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("original"), name)
+    def __repr__(self) -> str:
+        return f"{self.operator.name}={self.candidate.name}"
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def settle(self) -> bool:
+        """Whether the candidate stands for the module, decided once on its weights: a
+        module the adapter cannot read (a norm without a scale) keeps its own forward, as
+        ``apply_swaps`` leaves one whose weights it could look at; an adapter that does not
+        reproduce the module is a SwapError (again at every call until it does)."""
+        if self.usable is None:
+            self.module.forward = self.original  # the adapter's probes run the module's own
+            try:
+                usable = adapts(self.operator, self.module)
+                if usable:
+                    _check_adapter(self.name, self.module, self.operator, self.original)
+            except BaseException:
+                self.module.forward = self
+                raise
+            self.usable = usable
+            self.module.forward = self if usable else self.original
+        return self.usable
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # a pipeline stage runs another rank's modules on the meta device, for shapes only:
+        # their own forward, never settled on weights that are not there
+        if _on_meta(self.module) or not self.settle():
+            return self.original(*args, **kwargs)
         x = args[0] if args else next(iter(kwargs.values()))
         assert self.operator.adapter is not None
-        return self.candidate.fn(**{self.input_name: x}, **self.operator.adapter(self.original))
+        return self.candidate.fn(**{self.input_name: x}, **self.operator.adapter(self.module))
 
-    def extra_repr(self) -> str:
-        return f"{self.operator.name}={self.candidate.name}"
+
+def swapped_as(module: torch.nn.Module) -> Swapped | None:
+    """The swap ``apply_swaps`` made of ``module`` (None where it keeps its own forward)."""
+    found = module.__dict__.get(SWAPPED)
+    return found if isinstance(found, Swapped) else None
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s weights are not loaded yet (a streamed or pipeline stage's)."""
+    return any(p.device.type == "meta" for p in module.parameters())
+
+
+def _swap(module: torch.nn.Module, name: str, operator: Operator, candidate: Candidate) -> None:
+    swapped = Swapped(module, name, operator, candidate)
+    module.__dict__[SWAPPED] = swapped
+    module.forward = swapped
+    if not _on_meta(module):  # decided at once, as the model loads
+        swapped.settle()
 
 
 class SwapUnmatched(SwapError):
@@ -188,7 +233,11 @@ def apply_swaps(model: torch.nn.Module, swaps: Sequence[tuple[str, str]]) -> lis
                 types = {type(m).__name__ for m in model.modules()}
                 raise SwapUnmatched(unmatched_message(op, cand_name, types))
             cand = candidates(op.name)[cand_name]
-            readable = [n for n in names if adapts(op, model.get_submodule(n))]
+            # a module whose weights are not loaded yet is settled at its first call
+            readable = [
+                n for n in names
+                if _on_meta(model.get_submodule(n)) or adapts(op, model.get_submodule(n))
+            ]  # fmt: skip
             if not readable and op_name != "all":
                 raise SwapUnmatched(
                     f"--swap {op.name}={cand_name}: the adapter of {op.name} reads none of the "
@@ -196,11 +245,7 @@ def apply_swaps(model: torch.nn.Module, swaps: Sequence[tuple[str, str]]) -> lis
                     "parameters it takes, such as a norm without a scale)"
                 )
             for name in readable:
-                original = model.get_submodule(name)
-                _check_adapter(name, original, op)
-                parent, _, leaf = name.rpartition(".")
-                holder = model.get_submodule(parent) if parent else model
-                setattr(holder, leaf, SwappedModule(original, op, cand))
+                _swap(model.get_submodule(name), name, op, cand)
                 swapped.append(name)
     return swapped
 
@@ -250,9 +295,11 @@ def _swap_function(model: torch.nn.Module, op: Operator, cand: Candidate) -> lis
     return patched
 
 
-def _check_adapter(name: str, module: torch.nn.Module, op: Operator) -> None:
-    """The operator's reference, through the adapter, must reproduce the module on a probe
-    input: otherwise the swap would test the wrong thing."""
+def _check_adapter(
+    name: str, module: torch.nn.Module, op: Operator, forward: Callable[..., Any]
+) -> None:
+    """The operator's reference, through the adapter, must reproduce the module's own
+    ``forward`` on a probe input: otherwise the swap would test the wrong thing."""
     weight = next((p for p in module.parameters()), None)
     if weight is None or not op.probe_swap:
         return
@@ -261,7 +308,7 @@ def _check_adapter(name: str, module: torch.nn.Module, op: Operator) -> None:
     assert op.adapter is not None
     with torch.no_grad():
         mine = op.reference(probe.float(), **op.adapter(module)).float()
-        theirs = module(probe).float()
+        theirs = forward(probe).float()
     # the module rounds to its dtype a few times more than the float32 reference
     tol = SWAP_PROBE_EPS * torch.finfo(weight.dtype).eps
     if not torch.allclose(mine, theirs, rtol=tol, atol=tol):

@@ -4,8 +4,9 @@ by torchrun: ``python -m torch.distributed.run --nproc-per-node N -m numalign.re
 
 It joins the process group (gloo on CPU, the device's backend elsewhere), connects back to
 the controller with the key in ``$NUMALIGN_TP_AUTHKEY``, receives the session's settings
-(and imports its ``--device-plugin`` modules), then runs every call the controller sends
-until it sends None: each call's result (rank 0's) or the error with its traceback goes back.
+(and imports its ``--device-plugin`` and ``--candidates`` modules), then runs every call the
+controller sends until it sends None: each call's result (rank 0's) or the error with its
+traceback goes back.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from numalign.ops.registry import load_candidate_modules
     from numalign.replay.model import ModelCache
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -97,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     settings: Settings = receive(connection)
     for name in settings.device_plugins:
         importlib.import_module(name)
+    # the candidates a --swap names register where the swap runs: on every rank
+    load_candidate_modules(settings.candidate_modules)
     RANK.settings, RANK.cache = settings, ModelCache(sharded=True)
     device = rank_device()
     if device.type != "cpu":

@@ -193,15 +193,13 @@ def engine_conflicts(settings: Settings) -> str | None:
 def stream_conflicts(settings: Settings) -> str | None:
     """Why ``--stream`` does not fit the session's other options (None when it does or is
     off): tensor parallel loads each rank's shard through transformers' ``tp_plan``, a
-    compiled model traces weights that streaming swaps in and out around every module, vLLM
-    loads its own weights, and a kernel swap checks its adapter on the module's weights when
-    the model loads, before any is on the device."""
+    compiled model traces weights that streaming swaps in and out around every module, and
+    vLLM loads its own weights. A kernel swap streams (``replay.swap.Swapped``)."""
     if not settings.stream:
         return None
     given = _given([
         ("--tp", settings.tp > 1), ("--compile", settings.compile_backend),
         (f"--engine {settings.engine}", settings.engine != "transformers"),
-        ("--swap", settings.swaps),
     ])  # fmt: skip
     if not given:
         return None
@@ -215,15 +213,11 @@ def stream_conflicts(settings: Settings) -> str | None:
 def pipeline_conflicts(settings: Settings) -> str | None:
     """Why ``--pp`` does not fit the session's other options (None when it does or is off):
     a pipeline rank holds whole layers of transformers' eager model, loaded as a streamed one
-    (``replay.pipeline``); sharding those layers too (``--tp``), compiling them, or swapping
-    a kernel (checked on the module's weights as the model loads, before any is there) is not
-    built."""
+    (``replay.pipeline``); sharding those layers too (``--tp``) or compiling them is not
+    built. A kernel swap runs on each rank's layers (``replay.swap.Swapped``)."""
     if settings.pp <= 1:
         return None
-    given = _given([
-        ("--tp", settings.tp > 1), ("--compile", settings.compile_backend),
-        ("--swap", settings.swaps),
-    ])  # fmt: skip
+    given = _given([("--tp", settings.tp > 1), ("--compile", settings.compile_backend)])
     if not given:
         return None
     return (
