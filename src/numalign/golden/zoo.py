@@ -112,12 +112,13 @@ ZOO: tuple[ZooModel, ...] = (
         "vision_end_token_id": 503, "bos_token_id": 1, "eos_token_id": 2,
     }, "image-text (Qwen2-VL)", model_class="Qwen2VLForConditionalGeneration"),
     # head dim 32, which vLLM's CPU attention serves: learned absolute positions, LayerNorm,
-    # GELU and biases through the engine (its left-padded rows at the positions generation
-    # gives them, ``requests.with_serving_positions``)
+    # GELU, biases and an LM head tied to the embedding (GPT-2's own) through the engine (its
+    # left-padded rows at the positions generation gives them,
+    # ``requests.with_serving_positions``)
     ZooModel("tiny-gpt2", "GPT2Config", {
         "vocab_size": 512, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 256,
-        "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": False,
-    }, "LayerNorm and GELU (GPT-2) at head dim 32", long=SERVED_LONG),
+        "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": True,
+    }, "LayerNorm and GELU (GPT-2) at head dim 32, tied head", long=SERVED_LONG),
     # 24 layers of hidden 32: residual activations grow past 1e3 in the late layers (growth
     # 1.4 per layer) and two channels carry massive activations from layer 1 on, the regime
     # of 30-layer pretrained checkpoints, where a fixed distribution threshold false-alarms
