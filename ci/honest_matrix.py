@@ -22,10 +22,10 @@ Variants whose instruction set this CPU lacks are skipped (said in the table). T
 suites run for every variant, on the zoo and on a sample of the day-0 sweep's types
 (``SWEEP_SAMPLE``, ``--sweep-sample``: built and captured first, as ``numalign zoo sweep``
 builds them); the operator suite (``--operators``, tier pr) for the two instruction-set
-variants. The matrix prints a table (variant, suite, exit code, the worst use
-of budget among passed records, its wall time, pytest's closing line) and exits 1 on any
-failure, error or crash (an expected failure, the paged engine's soft-capping gap where its signature matches,
-is pytest's xfail and not a failure). ``--only NAME`` runs some variants;
+variants. The matrix prints a table (variant, suite, exit code, the worst use of budget
+among passed records, its wall time, pytest's closing line) and exits 1 on any failure,
+error or crash (an expected failure, the paged engine's soft-capping gap where its signature
+matches, is pytest's xfail and not a failure). ``--only NAME`` runs some variants;
 ``--report-dir`` keeps each variant's run under ``<dir>/<variant>/``.
 
     python ci/honest_matrix.py [--operators] [--only isa-avx2 ...] [--sweep-sample a,b]
