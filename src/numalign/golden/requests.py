@@ -206,7 +206,7 @@ def with_serving_positions(model: Any, request: CaptureRequest) -> CaptureReques
     positions generation and every serving engine (which never pads) give it. Without them
     the forward numbers a left-padded row's tokens from the padding, which a model with
     learned absolute positions (GPT-2) computes differently from any engine. Unchanged: a
-    request with positions already (far positions), an image request (multimodal rotary
+    request with positions already (far positions), an image-text model's (multimodal rotary
     positions come from the image grid), a request without left padding, and a model whose
     forward takes no position ids (ALiBi models)."""
     import inspect
@@ -219,7 +219,6 @@ def with_serving_positions(model: Any, request: CaptureRequest) -> CaptureReques
         mask is None
         or not bool(((mask[:, 0] == 0) & (mask.sum(-1) > 0)).any())  # no row padded left
         or "position_ids" in inputs
-        or "pixel_values" in inputs
         or getattr(model.config, "vision_config", None) is not None
         or "position_ids" not in inspect.signature(model.forward).parameters
     ):

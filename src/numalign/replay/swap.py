@@ -50,18 +50,15 @@ class Swapped:
         """Whether the candidate stands for the module, decided once on its weights: a
         module the adapter cannot read (a norm without a scale) keeps its own forward, as
         ``apply_swaps`` leaves one whose weights it could look at; an adapter that does not
-        reproduce the module is a SwapError (again at every call until it does)."""
+        reproduce the module is a SwapError (again at every call until it does). The
+        adapters' probes run the module's class forward, never this one."""
         if self.usable is None:
-            self.module.forward = self.original  # the adapter's probes run the module's own
-            try:
-                usable = adapts(self.operator, self.module)
-                if usable:
-                    _check_adapter(self.name, self.module, self.operator, self.original)
-            except BaseException:
-                self.module.forward = self
-                raise
+            usable = adapts(self.operator, self.module)
+            if usable:
+                _check_adapter(self.name, self.module, self.operator, self.original)
+            else:
+                self.module.forward = self.original
             self.usable = usable
-            self.module.forward = self if usable else self.original
         return self.usable
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
