@@ -35,7 +35,8 @@ def bench_model(name: str, dtype: str, backend: str, repeat: int) -> dict[str, f
 
     from numalign.replay.model import ModelCache, replay_model
     from numalign.replay.sets import open_fresh
-    from numalign.runtime.compiled import CompileSpec, take_stats
+    from numalign.runtime.compiled import CompileSpec
+    from numalign.runtime.compiled_model import take_stats
     from numalign.runtime.variant import Variant
 
     device = torch.device("cpu")

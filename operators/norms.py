@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import weakref
 from typing import Any
 
 import torch
@@ -69,8 +68,11 @@ def rms_norm_reference(
     return (normed * (offset + up(weight))).to(x.dtype)
 
 
-#: The weight offset each swapped RMSNorm module was found to use (``_offset``), by module.
-_OFFSETS: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+#: The attribute a swapped RMSNorm module keeps the weight offset it was found to use in
+#: (``_offset``): on the module itself, a constant Dynamo guards by value, where a weak
+#: dictionary keyed by modules is guarded through their parameters, which a streamed model
+#: frees after every call (a recompilation at each).
+OFFSET_ATTRIBUTE = "_numalign_rms_norm_offset"
 
 
 def _offset(module: Any, eps: float) -> float:
@@ -78,7 +80,8 @@ def _offset(module: Any, eps: float) -> float:
     a probe input, not by its family's name (Qwen3.5's RMSNorm is zero-centered and named
     like the Gemma and Qwen3-Next families that are; Gemma 4's, named Gemma, is not). Found
     once per module."""
-    if module not in _OFFSETS:
+    found = module.__dict__.get(OFFSET_ATTRIBUTE)
+    if found is None:
         weight = module.weight
         probe = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0))
         probe = probe.to(weight.device, weight.dtype)
@@ -92,8 +95,8 @@ def _offset(module: Any, eps: float) -> float:
                 )
                 for offset in (0.0, 1.0)
             }
-        _OFFSETS[module] = min(errors, key=errors.__getitem__)
-    return _OFFSETS[module]
+        found = module.__dict__[OFFSET_ATTRIBUTE] = min(errors, key=errors.__getitem__)
+    return float(found)
 
 
 def _scale(module: Any) -> torch.nn.Parameter:

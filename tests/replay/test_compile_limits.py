@@ -19,9 +19,9 @@ from numalign.runtime.compiled import (
     RECOMPILE_LIMIT,
     CompileError,
     CompileSpec,
-    compile_model,
     compiled_function,
 )
+from numalign.runtime.compiled_model import compile_model
 
 SPEC = CompileSpec("eager")
 

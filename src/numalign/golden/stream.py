@@ -440,16 +440,22 @@ def _report_device(model: Any, device: torch.device) -> None:
 
 
 def _hook(streamer: Streamer) -> None:
-    """A pre-hook and an always-called forward hook on each unit and every module in it."""
+    """A pre-hook and an always-called forward hook on each unit and every module in it;
+    they do nothing while Dynamo traces a compiled unit (``runtime.compiled_model``: its own
+    hooks, eager around the compiled forward, hold its weights)."""
+    from torch.compiler import is_compiling
+
     for unit in streamer.units:
         root = streamer.model.get_submodule(unit)
         for module in root.modules():
 
             def enter(*_: Any, unit: str = unit) -> None:
-                streamer.enter(unit)
+                if not is_compiling():
+                    streamer.enter(unit)
 
             def leave(*_: Any, unit: str = unit) -> None:
-                streamer.exit(unit)
+                if not is_compiling():
+                    streamer.exit(unit)
 
             module.register_forward_pre_hook(enter)
             module.register_forward_hook(leave, always_call=True)

@@ -107,7 +107,11 @@ def stream_by_expert(streamer: Streamer, experts: RoutedExperts) -> None:
         finally:
             _unload(streamer, experts, module)
 
-    module.forward = routed
+    # what it reads depends on the router's choice: a compiled layer runs it eager (a graph
+    # break), the weights read outside any graph
+    module.forward = torch.compiler.disable(  # type: ignore[no-untyped-call]
+        routed, reason="an MoE layer's experts streamed by expert read the experts routed to"
+    )
 
 
 def _load(streamer: Streamer, experts: RoutedExperts, module: Any, hit: list[int]) -> None:

@@ -40,14 +40,15 @@ from numalign.replay.pipeline import StageRanks, stage_of
 from numalign.replay.pipeline_split import depth_of
 from numalign.replay.sets import open_fresh
 from numalign.replay.shards import whole
-from numalign.runtime.compiled import compile_model, take_stats
+from numalign.runtime.compiled import CompileStats
+from numalign.runtime.compiled_model import compile_model, of_ranks, take_stats
 from numalign.runtime.variant import Variant
 
 if TYPE_CHECKING:
     import torch
 
     from numalign.golden.store import GoldenSet, Point
-    from numalign.replay.tensor_parallel import RankGroup, ShardedModel
+    from numalign.replay.tensor_parallel import RankAnswer, RankGroup, ShardedModel
     from numalign.session.settings import Settings
 
 T = TypeVar("T")
@@ -81,7 +82,7 @@ class ModelCache:
     """Models loaded once per worker per set and :class:`~numalign.runtime.variant.Variant`
     (device, dtype, attention and experts implementations, swaps, compile variant, tensor
     parallel; the decode's cache is not part of it: one model serves every cache); a compiled
-    model is a ``CompiledModel`` (``numalign.runtime.compiled``). Under ``--tp N`` a model
+    model is a ``CompiledModel`` (``numalign.runtime.compiled_model``). Under ``--tp N`` a model
     is a ``ShardedModel``, held by this worker's tensor-parallel ranks, each of which keeps
     its own cache with ``sharded`` set (it loads its shard with transformers' ``tp_plan``);
     replays reach either kind through ``run``."""
@@ -104,7 +105,7 @@ class ModelCache:
         return self.models[key]
 
     def _load(self, golden: GoldenSet, variant: Variant) -> Any:
-        from numalign.replay.swap import SwapUnmatched, apply_swaps, parse_swaps
+        from numalign.replay.swap import SwapUnmatched, apply_swaps, parse_swaps, settle_within
 
         assert variant.dtype is not None, "a model loads in a dtype"
         try:
@@ -113,7 +114,9 @@ class ModelCache:
             # names, which their loads read by (replay.swap.Swapped)
             apply_swaps(model, parse_swaps(variant.swaps))
             if variant.compile is not None:  # after the swaps: the compiler sees the kernels
-                model = compile_model(model, variant.compile, [p.name for p in golden.points])
+                points = [p.name for p in golden.points]
+                settle = settle_within if variant.swaps else None
+                model = compile_model(model, variant.compile, points, settle)
         except SwapUnmatched as exc:  # another model of the session has the module
             raise ReplayUnsupported(str(exc)) from None
         except ValueError as exc:  # an implementation the model lacks
@@ -221,7 +224,12 @@ class ModelCache:
         from numalign.replay.tensor_parallel import ShardedModel
 
         if isinstance(model, ShardedModel):
-            result: T = model.group.call(replay_on_rank, fn, model.path, model.dtype, args)
+            answers = model.group.call_all(replay_on_rank, fn, model.path, model.dtype, args)
+            spent = of_ranks([a.compile_stats for a in answers if a is not None])
+            if spent is not None:
+                model.compile_stats = model.compile_stats or CompileStats()
+                model.compile_stats.add(spent)
+            result: T = answers[0].result
             return result
         return fn(golden, model, *args)
 
@@ -232,17 +240,20 @@ class ModelCache:
         self.groups.clear()
 
 
-def replay_on_rank(fn: Callable[..., T], path: str, dtype: str, args: tuple[Any, ...]) -> T:
-    """``fn(golden, model, *args)`` on a tensor-parallel rank (``ModelCache.run`` sends it):
-    the set at ``path`` (opened once per rank while its manifest stays the same) and its
-    model loaded sharded (once per rank, by the rank's cache; under ``--pp``, the rank's
-    stage); a ``torch.device`` among ``args`` is replaced by the rank's device. On a pipeline
-    rank, a replay of one point (a ``Point`` among ``args``) runs on the rank holding it
-    and its result reaches every rank."""
+def replay_on_rank(
+    fn: Callable[..., T], path: str, dtype: str, args: tuple[Any, ...]
+) -> RankAnswer:
+    """``fn(golden, model, *args)`` on a tensor-parallel rank (``ModelCache.run`` sends it),
+    and what compiling cost this rank in it (None: not compiled): the set at ``path``
+    (opened once per rank while its manifest stays the same) and its model loaded sharded
+    (once per rank, by the rank's cache; under ``--pp``, the rank's stage); a
+    ``torch.device`` among ``args`` is replaced by the rank's device. On a pipeline rank, a
+    replay of one point (a ``Point`` among ``args``) runs on the rank holding it and its
+    result reaches every rank."""
     import torch
 
     from numalign.golden.store import Point
-    from numalign.replay.tensor_parallel import RANK, rank_device
+    from numalign.replay.tensor_parallel import RANK, RankAnswer, rank_device
 
     device = rank_device()
     golden = RANK.golden(path)  # the controller checked it fresh for this call
@@ -251,8 +262,10 @@ def replay_on_rank(fn: Callable[..., T], path: str, dtype: str, args: tuple[Any,
     stage = stage_of(model)
     point = next((a for a in args if isinstance(a, Point)), None)
     if stage is not None and point is not None:  # a replay of one point: on its rank
-        return stage.from_owner(point.name, lambda: fn(golden, model, *args))
-    return fn(golden, model, *args)
+        result = stage.from_owner(point.name, lambda: fn(golden, model, *args))
+    else:
+        result = fn(golden, model, *args)
+    return RankAnswer(result, take_stats(model))
 
 
 def observe_layer(

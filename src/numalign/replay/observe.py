@@ -1,5 +1,5 @@
 """What a replay observes of a model as it runs, eager or compiled: for an eager model the
-hooks of ``replay.layer`` and ``golden.reference``; for a ``runtime.compiled.CompiledModel``
+hooks of ``replay.layer`` and ``golden.reference``; for a ``runtime.compiled_model.CompiledModel``
 the outputs its tap hooks collected from inside the compiled graph, compared after the
 forward in the order the calls completed (the decision is ``runtime.compiled``'s: taps, not
 hooks that break the graph)."""
@@ -14,7 +14,7 @@ from numalign.compare.exact import LeftOut
 from numalign.golden.reference import hooks
 from numalign.replay.layer import CallMatcher, golden_outputs
 from numalign.replay.pipeline import Stage, stage_of
-from numalign.runtime.compiled import CompiledModel
+from numalign.runtime.compiled_model import CompiledModel
 
 if TYPE_CHECKING:
     import torch

@@ -30,7 +30,7 @@ from numalign.golden.reference import hooks, own_cache
 from numalign.golden.requests import REPLAY_PAGE_SIZE, unservable
 from numalign.golden.routing import point_tensors
 from numalign.replay.layer import CallOrder
-from numalign.runtime.compiled import CompiledModel
+from numalign.runtime.compiled_model import CompiledModel
 
 if TYPE_CHECKING:
     import torch

@@ -77,6 +77,16 @@ def swapped_as(module: torch.nn.Module) -> Swapped | None:
     return found if isinstance(found, Swapped) else None
 
 
+def settle_within(root: torch.nn.Module) -> None:
+    """Settles every swap in ``root`` whose weights are there: what a compiled unit of a
+    streamed model runs eager before its graph (``runtime.compiled_model``), so that no probe runs
+    while Dynamo traces."""
+    for module in root.modules():
+        swapped = swapped_as(module)
+        if swapped is not None and swapped.usable is None and not _on_meta(module):
+            swapped.settle()
+
+
 def _on_meta(module: torch.nn.Module) -> bool:
     """Whether ``module``'s weights are not loaded yet (a streamed or pipeline stage's)."""
     return any(p.device.type == "meta" for p in module.parameters())

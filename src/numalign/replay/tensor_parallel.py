@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     import torch
 
     from numalign.golden.store import GoldenSet
+    from numalign.runtime.compiled import CompileStats
     from numalign.session.settings import Settings
 
 #: Seconds the ranks may take to start (import torch and transformers, rendezvous) and
@@ -189,6 +190,11 @@ class RankGroup:
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on every rank (``fn`` importable by name, arguments picklable);
         rank 0's result. A failure stops the group; the next call starts a fresh one."""
+        return self.call_all(fn, *args)[0]
+
+    def call_all(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(*args)`` on every rank, as :meth:`call`; every rank's result, in rank
+        order."""
         if self.process is None or self.process.poll() is not None:
             self.start()
         try:
@@ -289,11 +295,11 @@ class RankGroup:
             raise RankCrashed(message)
         return [accepted[r] for r in range(self.size)]
 
-    def _answers(self, deadline: float) -> Any:
-        """Every rank's answer; rank 0's value. A rank's error is raised as soon as it
+    def _answers(self, deadline: float) -> list[Any]:
+        """Every rank's answer, in rank order. A rank's error is raised as soon as it
         arrives (the others may be waiting for it in a collective)."""
         pending = {connection: rank for rank, connection in enumerate(self.ranks)}
-        result = None
+        results: list[Any] = [None] * len(self.ranks)
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -323,15 +329,14 @@ class RankGroup:
                             f"{self._status()}); rank {rank} then raised: {value}{self._log()}"
                         )
                     raise RankFailed(f"rank {rank} of {self.size} raised: {value}")
-                if rank == 0:
-                    result = value
+                results[rank] = value
             if self.process is not None and self.process.poll() is not None and pending:
                 raise RankCrashed(
                     f"the tensor-parallel launcher exited (status {self.process.returncode}) "
                     f"before rank {', '.join(map(str, sorted(pending.values())))} answered"
                     f"{self._log()}"
                 )
-        return result
+        return results
 
     def _drained(self, pending: dict[Connection, int]) -> bool:
         """Whether every ``pending`` rank answers within the grace of :data:`DEATH_GRACE_S`
@@ -429,10 +434,29 @@ def _close_all() -> None:
 
 
 @dataclass(frozen=True)
+class RankAnswer:
+    """What a rank returns from a replay: its result, which only rank 0 sends back (the
+    others' is rank 0's: the ranks merge their judgements), and what compiling cost this
+    rank in it (``--compile``; None: nothing compiled), which every rank sends."""
+
+    result: Any
+    compile_stats: CompileStats | None = None
+
+
+def from_other_rank(value: Any) -> Any:
+    """What a rank other than 0 sends back of a call's value: a replay's compile cost
+    alone, nothing of anything else."""
+    return RankAnswer(None, value.compile_stats) if isinstance(value, RankAnswer) else None
+
+
+@dataclass
 class ShardedModel:
     """The controller's handle on a model the ranks of ``group`` hold, sharded: what
-    ``ModelCache.load`` returns under ``--tp N``; ``ModelCache.run`` sends replays to it."""
+    ``ModelCache.load`` returns under ``--tp N``; ``ModelCache.run`` sends replays to it.
+    ``compile_stats``: what compiling cost on the ranks (``--compile``), until a test takes
+    it (``runtime.compiled_model.take_stats``)."""
 
     group: RankGroup
     path: str
     dtype: str
+    compile_stats: CompileStats | None = None

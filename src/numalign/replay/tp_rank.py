@@ -20,7 +20,15 @@ import traceback
 from multiprocessing.connection import Client
 from typing import TYPE_CHECKING, Any
 
-from numalign.replay.tensor_parallel import AUTHKEY_ENV, BACKENDS, RANK, rank_device, receive, send
+from numalign.replay.tensor_parallel import (
+    AUTHKEY_ENV,
+    BACKENDS,
+    RANK,
+    from_other_rank,
+    rank_device,
+    receive,
+    send,
+)
 
 if TYPE_CHECKING:
     from numalign.session.settings import Settings
@@ -37,7 +45,7 @@ def _serve(connection: Any, rank: int) -> None:
         fn, args = message
         try:
             value = fn(*args)
-            send(connection, ("ok", value if rank == 0 else None))
+            send(connection, ("ok", value if rank == 0 else from_other_rank(value)))
         except BaseException as exc:  # every failure goes back to the controller
             if _rebuilds(exc):  # numalign's own: the test's outcome follows its kind
                 try:

@@ -7,9 +7,9 @@ same budgets as eager:
 
 - the operator suite compiles each candidate (:func:`compiled_function`);
 - layer replay runs each capture point's module compiled on its own
-  (:meth:`CompiledModel.get_submodule`);
-- full-model replay runs the whole model compiled (:class:`CompiledModel`), with every capture
-  point observed from inside the compiled graph.
+  (``CompiledModel.get_submodule``);
+- full-model replay runs the whole model compiled (``runtime.compiled_model``), with every
+  capture point observed from inside the compiled graph.
 
 Decisions:
 
@@ -51,15 +51,13 @@ from __future__ import annotations
 import re
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from numalign.core.errors import Crashed, KnownDivergence
 
 if TYPE_CHECKING:
-    import torch
-
     from numalign.session.settings import Settings
 
 #: Backend used by ``--compile`` without a value.
@@ -221,7 +219,7 @@ def compile_spec(settings: Settings) -> CompileSpec | None:
     return CompileSpec(settings.compile_backend, settings.compile_mode)
 
 
-def _configure_dynamo() -> None:
+def configure_dynamo() -> None:
     """Raises the recompile limit and makes reaching it an error (never a silent eager
     fallback), and starts the compile clock; idempotent."""
     import torch._dynamo
@@ -382,7 +380,7 @@ def compiled_function(fn: Callable[..., Any], spec: CompileSpec, name: str) -> C
     if key not in _functions:
         import torch
 
-        _configure_dynamo()
+        configure_dynamo()
         # torch 2.13 takes recompile_limit and isolate_recompiles; its typed overloads of
         # torch.compile do not list them yet (here and below)
         compiled = torch.compile(  # type: ignore[call-overload]
@@ -391,102 +389,3 @@ def compiled_function(fn: Callable[..., Any], spec: CompileSpec, name: str) -> C
         )  # fmt: skip
         _functions[key] = CompiledFunction(fn, spec, compiled, name)
     return _functions[key]
-
-
-# -- models: compiled whole model, compiled points --------------------------------------------
-
-
-class CompiledModel:
-    """A model and its compiled forms: the whole model compiled (calling this object), and
-    each capture point's module compiled alone (:meth:`get_submodule`).
-
-    Everything else (``config``, ``forward``'s signature, ``named_modules``) is the eager
-    model's. Tap hooks on the capture points, installed before anything is compiled, append
-    ``(point, output)`` to ``taps``; ``numalign.replay.observe`` turns them into the
-    comparisons eager replay makes with its hooks."""
-
-    def __init__(self, model: torch.nn.Module, spec: CompileSpec, points: Sequence[str]) -> None:
-        import torch
-
-        _configure_dynamo()
-        self.model = model
-        self.spec = spec
-        self.stats = CompileStats()
-        self.taps: list[tuple[str, Any]] = []
-        for name in points:
-            model.get_submodule(name).register_forward_hook(self._tap(name))
-        self._compiled = torch.compile(  # type: ignore[call-overload]
-            model, backend=spec.backend, mode=spec.mode, dynamic=None,
-            recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True,
-        )  # fmt: skip
-        self._modules: dict[str, _CompiledPoint] = {}
-
-    def _tap(self, point: str) -> Callable[..., None]:
-        taps = self.taps
-
-        def tap(module: Any, args: Any, output: Any) -> None:
-            taps.append((point, output))
-
-        return tap
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["model"], name)
-
-    def __call__(self, **inputs: Any) -> Any:
-        """The compiled model on ``inputs``; tensors' batch and sequence dimensions are
-        marked dynamic first (where the model specialises them anyway, Dynamo keeps them
-        static: ``maybe_mark_dynamic`` never raises)."""
-        __tracebackhide__ = True
-        import torch
-
-        for value in inputs.values():
-            if isinstance(value, torch.Tensor):
-                for dim in range(min(2, value.dim())):
-                    torch._dynamo.maybe_mark_dynamic(value, dim)
-        self.taps.clear()
-        what = f"{type(self.model).__name__} (whole model)"
-        return run_compiled(self._compiled, self.spec, what, self.stats, **inputs)
-
-    def get_submodule(self, target: str) -> Callable[..., Any]:
-        """The module at ``target`` compiled alone (once per model), for layer replay."""
-        if target not in self._modules:
-            import torch
-
-            module = self.model.get_submodule(target)
-            compiled = torch.compile(  # type: ignore[call-overload]
-                module, backend=self.spec.backend, mode=self.spec.mode, dynamic=None,
-                recompile_limit=SHARED_RECOMPILE_LIMIT,
-            )  # fmt: skip
-            self._modules[target] = _CompiledPoint(self, compiled, target)
-        return self._modules[target]
-
-
-@dataclass
-class _CompiledPoint:
-    """One capture point's module compiled alone; calls add to the model's stats."""
-
-    owner: CompiledModel
-    compiled: Callable[..., Any]
-    name: str
-
-    def parameters(self) -> Iterator[torch.nn.Parameter]:
-        """The point's module's parameters (what ``replay.layer.input_dtype`` reads)."""
-        return self.owner.model.get_submodule(self.name).parameters()
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True
-        owner = self.owner
-        try:
-            return run_compiled(self.compiled, owner.spec, self.name, owner.stats, *args, **kwargs)
-        finally:
-            owner.taps.clear()  # the point's own taps (and its children's) are not compared
-
-
-def compile_model(model: Any, spec: CompileSpec, points: Sequence[str]) -> CompiledModel:
-    """``model`` with its compiled forms (nothing compiles until the first call)."""
-    return CompiledModel(model, spec, points)
-
-
-def take_stats(model: Any) -> CompileStats | None:
-    """What compiling ``model`` cost since the last take (None: not compiled)."""
-    return model.stats.take() if isinstance(model, CompiledModel) else None

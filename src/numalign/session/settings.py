@@ -192,13 +192,13 @@ def engine_conflicts(settings: Settings) -> str | None:
 
 def stream_conflicts(settings: Settings) -> str | None:
     """Why ``--stream`` does not fit the session's other options (None when it does or is
-    off): tensor parallel loads each rank's shard through transformers' ``tp_plan``, a
-    compiled model traces weights that streaming swaps in and out around every module, and
-    vLLM loads its own weights. A kernel swap streams (``replay.swap.Swapped``)."""
+    off): tensor parallel loads each rank's shard through transformers' ``tp_plan``, and
+    vLLM loads its own weights. A kernel swap streams (``replay.swap.Swapped``); a compiled
+    streamed model compiles each unit alone (``runtime.compiled_model``)."""
     if not settings.stream:
         return None
     given = _given([
-        ("--tp", settings.tp > 1), ("--compile", settings.compile_backend),
+        ("--tp", settings.tp > 1),
         (f"--engine {settings.engine}", settings.engine != "transformers"),
     ])  # fmt: skip
     if not given:
@@ -213,11 +213,12 @@ def stream_conflicts(settings: Settings) -> str | None:
 def pipeline_conflicts(settings: Settings) -> str | None:
     """Why ``--pp`` does not fit the session's other options (None when it does or is off):
     a pipeline rank holds whole layers of transformers' eager model, loaded as a streamed one
-    (``replay.pipeline``); sharding those layers too (``--tp``) or compiling them is not
-    built. A kernel swap runs on each rank's layers (``replay.swap.Swapped``)."""
+    (``replay.pipeline``); sharding those layers too (``--tp``) is not built. A kernel swap
+    runs on each rank's layers (``replay.swap.Swapped``); compiled, each rank compiles its own
+    units alone (``runtime.compiled_model``)."""
     if settings.pp <= 1:
         return None
-    given = _given([("--tp", settings.tp > 1), ("--compile", settings.compile_backend)])
+    given = _given([("--tp", settings.tp > 1)])
     if not given:
         return None
     return (
