@@ -1,5 +1,5 @@
 """Fixtures of the replay tests: one vLLM engine per test module (the vLLM tests import
-vLLM first and skip where it is not installed)."""
+vLLM first and skip where it is not installed), and a wrong RMSNorm kernel to swap in."""
 
 from __future__ import annotations
 
@@ -19,3 +19,24 @@ def engine() -> Iterator[Any]:
     served = VllmEngine(Settings(engine="vllm"))
     yield served
     served.close()
+
+
+@pytest.fixture(scope="module")
+def wrong_kernel(request: pytest.FixtureRequest) -> Iterator[str]:
+    """``--swap``'s text for an RMSNorm candidate with an epsilon of 1e-2 whatever the
+    model's (1e-6), registered under a name of the requesting module's own while its tests
+    run (in process: no other module's registry sees it)."""
+    import numalign
+    from numalign.ops.registry import _CANDIDATES, load_catalogue
+
+    load_catalogue()
+    from operators.norms import rms_norm_reference
+
+    name = f"{request.module.__name__.rpartition('.')[2]}_wrong_eps"
+
+    @numalign.candidate("rms_norm", name=name)
+    def wrong_eps(x: Any, weight: Any, eps: float, offset: float = 0.0) -> Any:
+        return rms_norm_reference(x, weight, 1e-2, offset)
+
+    yield f"rms_norm={name}"
+    del _CANDIDATES["rms_norm"]._entries[name]

@@ -18,8 +18,6 @@ import pytest
 import torch
 from test_tensor_parallel_suite import failed_tests, on_path, records, run_suite  # noqa: F401
 
-import numalign
-from numalign.ops.registry import _CANDIDATES, load_catalogue
 from numalign.replay.engines.transformers import TransformersEngine
 from numalign.replay.sets import open_fresh
 from numalign.replay.verdict import point_record
@@ -168,24 +166,6 @@ def test_a_wrong_backend_is_caught_on_both_pipeline_ranks(pytester: pytest.Pytes
     assert {r.swap for r in piped} == {"compile=scaled_outputs,pp=0|1"}, out[-2000:]
     compiled = {r.test_id.split("::")[-1] for r in piped if (r.compile_s or 0) > 0}
     assert "test_layer[tiny-llama/model.layers.1.mlp-float32]" in compiled, compiled
-
-
-#: a planted kernel of this test's own (registered for this module's tests only)
-WRONG = "test_stream_compiled_wrong_eps"
-
-
-@pytest.fixture(scope="module")
-def wrong_kernel() -> Iterator[str]:
-    """An RMSNorm candidate with an epsilon of 1e-2 whatever the model's (1e-6)."""
-    load_catalogue()
-    from operators.norms import rms_norm_reference
-
-    @numalign.candidate("rms_norm", name=WRONG)
-    def wrong_eps(x: Any, weight: Any, eps: float, offset: float = 0.0) -> Any:
-        return rms_norm_reference(x, weight, 1e-2, offset)
-
-    yield f"rms_norm={WRONG}"
-    del _CANDIDATES["rms_norm"]._entries[WRONG]
 
 
 def test_a_swapped_wrong_kernel_is_caught_in_a_streamed_model_compiled_by_unit(

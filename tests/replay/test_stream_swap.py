@@ -7,16 +7,12 @@ the device between calls."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
-import numalign
 from numalign.golden.stream import load_streamed
-from numalign.ops.registry import _CANDIDATES, load_catalogue
 from numalign.replay.engines.transformers import TransformersEngine
 from numalign.replay.swap import apply_swaps, swapped_as
 from numalign.replay.verdict import records
@@ -26,22 +22,6 @@ ROOT = Path(__file__).resolve().parents[2]
 LLAMA_SET = ROOT / "golden" / "sets" / "tiny-llama"
 LLAMA = ROOT / "golden" / "models" / "tiny-llama"
 CPU = torch.device("cpu")
-#: a planted kernel of this test's own (registered for this module's tests only)
-WRONG = "test_stream_swap_wrong_eps"
-
-
-@pytest.fixture(scope="module")
-def wrong_kernel() -> Iterator[str]:
-    """An RMSNorm candidate with an epsilon of 1e-2 whatever the model's (1e-6)."""
-    load_catalogue()
-    from operators.norms import rms_norm_reference
-
-    @numalign.candidate("rms_norm", name=WRONG)
-    def wrong_eps(x: Any, weight: Any, eps: float, offset: float = 0.0) -> Any:
-        return rms_norm_reference(x, weight, 1e-2, offset)
-
-    yield f"rms_norm={WRONG}"
-    del _CANDIDATES["rms_norm"]._entries[WRONG]
 
 
 def _fields(rs: list[Any]) -> list[tuple[Any, ...]]:
