@@ -216,11 +216,11 @@ def test_a_checkpoint_without_safetensors_cannot_stream(tmp_path: Path) -> None:
 
 
 def test_stream_with_an_option_it_cannot_serve_is_a_usage_error() -> None:
-    with pytest.raises(ValueError, match="--stream is not supported together with --tp"):
-        Settings.from_options({"stream": True, "tp": "2"})
     # vLLM loads its own weights (checked on the settings: vLLM need not be installed)
     conflict = stream_conflicts(Settings(stream=True, engine="vllm"))
     assert conflict is not None and "together with --engine vllm" in conflict
+    # tensor parallel streams each rank's shard (test_tensor_parallel_suite.py)
+    assert stream_conflicts(Settings(stream=True, tp=2)) is None
 
 
 def test_the_variant_names_streaming_only_when_set() -> None:

@@ -38,6 +38,21 @@ def group() -> RankGroup:
     group.close()
 
 
+def test_a_streamed_rank_holds_its_shard_of_each_unit_alone(group: RankGroup) -> None:
+    from numalign.golden.stream import load_streamed
+
+    peak, rows, resident = group.call(tp_calls.streamed_shard_bytes, str(ZOO / "tiny-llama"))
+    whole_model = load_streamed(ZOO / "tiny-llama", "float32", "cpu")
+    with torch.no_grad():
+        whole_model(input_ids=torch.tensor([[5, 17, 42, 9, 3, 77, 8, 2]]))
+    unsharded = whole_model.numalign_streamer.peak_bytes
+    # the projections are split in two, the norms (a few hundred bytes) replicated: a rank's
+    # largest unit is a little over half the unsharded one's, never more than 0.6 of it
+    assert unsharded / 2 <= peak <= 0.6 * unsharded, (peak, unsharded)
+    assert rows == whole_model.config.hidden_size // 2  # q_proj's rows, split by column
+    assert resident == []
+
+
 def test_calls_run_on_every_rank_and_rank_0_answers(group: RankGroup) -> None:
     # ranks 0 and 1 contribute 1 + 2 = 3 to the all-reduce
     assert group.call(tp_calls.rank_and_sum) == (0, 2, 3.0)

@@ -135,6 +135,30 @@ def test_an_all_reduce_done_twice_is_caught_at_its_module(
     single.assert_outcomes(passed=18)
 
 
+def test_a_streamed_tensor_parallel_replay_shards_each_unit_and_catches_the_same_bug(
+    pytester: pytest.Pytester, on_path: None
+) -> None:
+    """--tp 2 --stream: each rank reads only its shard of each unit as the unit runs
+    (``golden.stream``, transformers' plan applied to the skeleton); the honest replay
+    passes, and the all-reduce done twice, which only a sharded model's hooks run, fails
+    the same tests as unstreamed."""
+    result = run_suite(pytester, "--tp", "2", "--stream", *TINY_LLAMA)
+    out = result.stdout.str()
+    result.assert_outcomes(passed=18)
+    assert {r.swap for r in records(pytester)} == {"tp=2,stream", "tp=2,stream,cache=dynamic"}, out[
+        -2000:
+    ]
+    pytester.makepyfile(double_all_reduce=DOUBLE_ALL_REDUCE)
+    result = run_suite(pytester, "--tp", "2", "--stream", "--device-plugin",
+                       "double_all_reduce", *TINY_LLAMA)  # fmt: skip
+    assert failed_tests(result) == {
+        "test_layer[tiny-llama/model.layers.1.self_attn-float32]",
+        "test_layer[tiny-llama/model.layers.1-float32]",
+        "test_model[tiny-llama-float32]",
+        "test_decode[tiny-llama-float32-dynamic]",
+    }, result.stdout.str()[-3000:]
+
+
 def test_a_rank_that_dies_is_a_crashed_record_and_the_session_goes_on(
     pytester: pytest.Pytester, on_path: None
 ) -> None:

@@ -77,3 +77,19 @@ def linger_on_rank_1() -> None:
     if dist.get_rank() == 1:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()
+
+
+def streamed_shard_bytes(model_dir: str) -> tuple[int, int, list[str]]:
+    """tiny-llama streamed on this rank with transformers' tensor-parallel plan: the most
+    parameter bytes it held at once over one forward, the local rows of a column-parallel
+    projection, and what stays resident after the forward."""
+    from numalign.golden.stream import load_streamed
+
+    model = load_streamed(model_dir, "float32", "cpu", tensor_parallel=True)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 17, 42, 9, 3, 77, 8, 2]]))
+    streamer = model.numalign_streamer
+    streamer.enter("model.layers.0")
+    rows = streamer.model.get_parameter("model.layers.0.self_attn.q_proj.weight").to_local()
+    streamer.exit("model.layers.0")
+    return streamer.peak_bytes, rows.shape[0], streamer.resident()

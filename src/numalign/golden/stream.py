@@ -176,7 +176,7 @@ class Streamer:
         self.convert(self.read(keys))
         self._retie(names)
         params = dict(self.model.named_parameters())
-        self.hold(sum(params[n].numel() * params[n].element_size() for n in names))
+        self.hold(sum(_nbytes(params[n]) for n in names))
 
     def read(self, keys: list[str]) -> dict[str, Any]:
         """The checkpoint tensors ``keys``, each file opened once; StreamError naming a
@@ -246,7 +246,7 @@ class Streamer:
             module_name, _, attr = name.rpartition(".")
             module = self.model.get_submodule(module_name)
             param = module._parameters[attr]
-            self.hold(-param.numel() * param.element_size())
+            self.hold(-_nbytes(param))
             module._parameters[attr] = torch.nn.Parameter(
                 torch.empty_like(param, device="meta"), requires_grad=False
             )
@@ -272,10 +272,14 @@ def load_streamed(
     attn_implementation: str | None = None,
     experts_implementation: str | None = None,
     trust_remote_code: bool = False,
+    tensor_parallel: bool = False,
 ) -> Any:
     """The model of ``model_dir`` in ``dtype`` for inference on ``device``, streamed: every
     parameter on meta but while a module of its unit runs (module doc); its buffers on the
-    device. ``model.numalign_streamer`` is its :class:`Streamer`. StreamUnsupported (a
+    device. ``tensor_parallel``: on a rank of a tensor-parallel group (``--tp``), the
+    skeleton takes transformers' tensor-parallel plan first (:func:`_distribute`), so each
+    unit reads and holds this rank's shard. ``model.numalign_streamer`` is its
+    :class:`Streamer`. StreamUnsupported (a
     ReplayUnsupported) for a checkpoint that cannot be streamed, StreamError naming what the
     checkpoint lacks; ValueError from transformers for an implementation the model lacks,
     as ``load_model`` raises it."""
@@ -301,6 +305,7 @@ def load_streamed(
             model = cls.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
     model.config.name_or_path = str(folder)
     model.eval()
+    model, mesh = _distribute(model) if tensor_parallel else (model, None)
     for module in model.modules():
         for name, buffer in list(module._buffers.items()):
             if buffer is not None:
@@ -311,10 +316,12 @@ def load_streamed(
         dtype=dt,
         dtype_plan=model._get_dtype_plan(dt),
         weight_mapping=get_model_conversion_mapping(model),  # type: ignore[arg-type]
+        device_mesh=mesh,
     )
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     sources = _sources(model, files, load_config, tied)
-    routed = find_routed(model, sources)
+    # sharded experts load with their layer (the plan decides which rank holds which)
+    routed = {} if tensor_parallel else find_routed(model, sources)
     by_expert = {p for experts in routed.values() for p in experts.params}
     units = {
         unit: tuple(p for p in params if p not in by_expert)
@@ -329,6 +336,25 @@ def load_streamed(
     _report_device(model, target)
     attach_points(model)
     return model
+
+
+def _distribute(model: Any) -> tuple[Any, Any]:
+    """The skeleton with transformers' tensor-parallel plan applied over every rank of
+    this process's group (``WORLD_SIZE``), as ``from_pretrained(tp_plan="auto")`` applies it
+    before it loads; and the device mesh each unit's load then shards over (transformers'
+    loader keeps this rank's shard of each tensor, a DTensor)."""
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    cls = type(model)
+    config, _, mesh = cls.prepare_distribute_model(DistributedConfig(tp_plan="auto"))
+    model = cls.maybe_distribute_model(model, config, mesh)
+    return model, model._device_mesh
+
+
+def _nbytes(param: Any) -> int:
+    """The bytes ``param`` holds on this device: a DTensor's local shard."""
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return int(local.numel() * local.element_size())
 
 
 def _sources(

@@ -128,7 +128,8 @@ class ModelCache:
     def _weights(self, golden: GoldenSet, variant: Variant) -> Any:
         """The set's model loaded as ``variant`` asks: this rank's stage of the layers
         (``--pp``, replay.pipeline), streamed one unit of weights at a time (``--stream``,
-        golden.stream), this rank's shard (``--tp``), or whole on the device."""
+        golden.stream; under ``--tp`` each unit's shard), this rank's shard (``--tp``), or
+        whole on the device."""
         assert variant.dtype is not None
         if variant.pp > 1:
             from numalign.replay.pipeline import load_stage
@@ -143,6 +144,7 @@ class ModelCache:
             return load_streamed(
                 golden.model_dir, variant.dtype, variant.device,
                 attn_implementation=variant.attention, experts_implementation=variant.experts,
+                tensor_parallel=self.sharded,  # each unit this rank's shard (--tp)
             )  # fmt: skip
         model = load_model(
             golden.model_dir, variant.dtype, attn_implementation=variant.attention,

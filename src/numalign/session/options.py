@@ -396,8 +396,8 @@ OPTIONS: tuple[Option, ...] = (
         "model suites stream each model's weights from its safetensors checkpoint: only the "
         "unit running (a decoder layer, the embedding, the head) is on the device, for models "
         "whose weights do not fit on it; the same verdicts, each forward reads the weights "
-        "once; compiled (--compile), each unit compiled alone (not with --tp or --engine vllm; see "
-        "docs/models.md)",
+        "once; compiled (--compile), each unit compiled alone; under --tp, each rank's shard "
+        "(not with --engine vllm; see docs/models.md)",
         ini_type="bool",
         default=False,
         action="store_true",

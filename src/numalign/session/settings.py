@@ -192,15 +192,12 @@ def engine_conflicts(settings: Settings) -> str | None:
 
 def stream_conflicts(settings: Settings) -> str | None:
     """Why ``--stream`` does not fit the session's other options (None when it does or is
-    off): tensor parallel loads each rank's shard through transformers' ``tp_plan``, and
-    vLLM loads its own weights. A kernel swap streams (``replay.swap.Swapped``); a compiled
-    streamed model compiles each unit alone (``runtime.compiled_model``)."""
+    off): vLLM loads its own weights. A kernel swap streams (``replay.swap.Swapped``); a
+    compiled streamed model compiles each unit alone (``runtime.compiled_model``); under
+    ``--tp`` each unit loads the rank's shard (``golden.stream``)."""
     if not settings.stream:
         return None
-    given = _given([
-        ("--tp", settings.tp > 1),
-        (f"--engine {settings.engine}", settings.engine != "transformers"),
-    ])  # fmt: skip
+    given = _given([(f"--engine {settings.engine}", settings.engine != "transformers")])
     if not given:
         return None
     return (
