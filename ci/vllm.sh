@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The vLLM stage of CI: vLLM's CPU build in an environment of its own (it pins torch 2.13.0+cpu
 # and transformers <5.20), numalign installed into it, then
-#   1. the model suites through vLLM (--engine vllm) on the zoo: in float32 in every serving
-#      arrangement (--serving all), in bfloat16 in the arrangements whose kernels change with
-#      the dtype (below): the zoo's members vLLM's CPU attention serves pass, the others skip
-#      with vLLM's reason;
+#   1. the model suites through vLLM (--engine vllm) on the zoo, float32 and bfloat16, in every
+#      serving arrangement (--serving all): the zoo's members vLLM's CPU attention serves pass,
+#      the others skip with vLLM's reason;
 #   2. the model suites through transformers on the transformers vLLM pins (numalign supports
 #      5.16 to 5.24, the newest constraints.txt pins): the zoo's sets, captured on 5.24, replayed
 #      on the older, in float32 and bfloat16;
@@ -46,14 +45,7 @@ fi
 
 rm -rf "$reports"
 "$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider suites/models --engine vllm \
-    --dtype float32 --serving all --report-dir "$reports/suites"
-# bfloat16: the default arrangement, the largest batch (the kernels vLLM picks by batch size)
-# and each decode step scored as a prefill position (prefill against decode kernels). The
-# others change what is scheduled (chunks, cached blocks, preemption, drafts), not the
-# kernels' dtype, and float32 judges them tightest; serving them in bfloat16 too cost CI
-# about two minutes.
-"$venv/bin/python" -m pytest -n auto -q -p no:cacheprovider suites/models --engine vllm \
-    --dtype bfloat16 --serving batched,crowded,prefill-scored --report-dir "$reports/suites-bfloat16"
+    --dtype float32,bfloat16 --serving all --report-dir "$reports/suites"
 # float32 and bfloat16: what differs between transformers versions is the model code (masks,
 # rotary, caches), which float32 judges tightest and bfloat16 through the low-precision paths
 # float16 shares with it (float16 runs on the newest transformers in the other stages)
