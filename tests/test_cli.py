@@ -268,8 +268,8 @@ def test_run_and_nightly_take_the_suites_options_from_the_one_table() -> None:
 
 def test_run_checks_what_it_hands_on_before_any_work(tmp_path: Path) -> None:
     sets = tmp_path / "sets"
-    with pytest.raises(SystemExit, match="numalign run: --stream is not supported together with"):
-        main(["run", str(LLAMA), "--stream", "--tp", "2", "--sets", str(sets)])
+    with pytest.raises(SystemExit, match="numalign run: --pp is not supported together with --tp"):
+        main(["run", str(LLAMA), "--pp", "2", "--tp", "2", "--sets", str(sets)])
     with pytest.raises(SystemExit, match="numalign run: --serving: unknown arrangement bogus"):
         main(["run", str(LLAMA), "--serving", "bogus", "--sets", str(sets)])
     assert not sets.exists()  # nothing captured
