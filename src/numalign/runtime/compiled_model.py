@@ -63,8 +63,8 @@ class CompiledModel:
             model.get_submodule(name).register_forward_hook(self._tap(name))
         #: a streamed model's units, each compiled alone (module doc), its streamer, and
         #: what runs eager on a unit's weights before a graph of it runs
-        self.regions = streamed_units(model)
         self.streamer = getattr(model, "numalign_streamer", None)
+        self.regions = streamed_units(self.streamer)
         self.prepare = prepare
         self._compiled: Callable[..., Any] = model
         if self.regions:
@@ -126,11 +126,10 @@ class CompiledModel:
         return self._modules[target]
 
 
-def streamed_units(model: Any) -> tuple[str, ...]:
-    """The units of a streamed ``model`` (``golden.stream``) whose weights this process
-    holds or reads (a pipeline rank's own: the others' run stand-ins); none for a model that
-    does not stream."""
-    streamer = getattr(model, "numalign_streamer", None)
+def streamed_units(streamer: Any) -> tuple[str, ...]:
+    """The units of a streamed model (its ``golden.stream.Streamer``) whose weights this
+    process holds or reads (a pipeline rank's own: the others' run stand-ins); none for a
+    model that does not stream (None)."""
     if streamer is None:
         return ()
     return tuple(unit for unit, params in streamer.units.items() if params)
